@@ -1,0 +1,1 @@
+"""pdserve data plane: the engine, workers, KV transfer and the load generator."""

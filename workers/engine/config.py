@@ -1,0 +1,168 @@
+"""Engine configuration: the model's architecture (read from config.json) and the
+engine's own settings, as frozen dataclasses."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = frozenset(
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+)
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+class ConfigError(ValueError):
+    """A configuration the engine cannot run (bad model directory, settings that conflict)."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling of a checkpoint (`rope_scaling` in config.json)."""
+
+    kind: str  # "linear" or "llama3"
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a Llama-family decoder, as Hugging Face's config.json says."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    tie_word_embeddings: bool
+    attention_bias: bool
+    torch_dtype: str
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token occupies across all layers, in the model's dtype."""
+        itemsize = torch.empty((), dtype=DTYPES.get(self.torch_dtype, torch.float32)).itemsize
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> ModelConfig:
+        """Read config.json of a Hugging Face checkpoint directory."""
+        path = model_dir / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{model_dir} is not a model directory: no config.json")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Build from the parsed config.json."""
+        architecture = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported architecture {architecture!r}; "
+                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        num_heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=architecture,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rope_scaling=_rope_scaling(raw.get("rope_scaling")),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            # Qwen2 has biases on q/k/v and says so only through its architecture.
+            attention_bias=bool(raw.get("attention_bias", architecture == "Qwen2ForCausalLM")),
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
+    if not raw:
+        return None
+    kind = str(raw.get("rope_type") or raw.get("type") or "default")
+    if kind == "default":
+        return None
+    if kind not in {"linear", "llama3"}:
+        raise ConfigError(f"unsupported rope_scaling type {kind!r}; supported: linear, llama3")
+    return RopeScaling(
+        kind=kind,
+        factor=float(raw.get("factor", 1.0)),
+        low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
+    )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size, and its size as a block count or a byte budget."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+
+    def resolve_num_blocks(self, model: ModelConfig, kv_itemsize: int) -> int:
+        """The number of blocks to allocate (default: enough for 8 full contexts)."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        block_bytes = (
+            2 * model.num_layers * self.block_size * model.num_kv_heads * model.head_dim
+        ) * kv_itemsize
+        if self.memory_bytes is not None:
+            return self.memory_bytes // block_bytes
+        return 8 * -(-model.max_position_embeddings // self.block_size)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Token budget and batch limits of one engine step."""
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs to start."""
+
+    model_dir: Path
+    device: str = "cpu"
+    dtype: str | None = None  # None: the checkpoint's dtype (float32 on CPU for halves)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    served_model_name: str | None = None

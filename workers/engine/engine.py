@@ -1,0 +1,215 @@
+"""The engine core: requests in, one step at a time, tokens out. Synchronous and
+single-threaded; `async_engine` runs it in a thread behind an asyncio front."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from pdserve.workers.engine.config import EngineConfig, ModelConfig
+from pdserve.workers.engine.kv_cache import BlockPool, KVCacheManager
+from pdserve.workers.engine.request import FinishReason, Request
+from pdserve.workers.engine.runner import ModelRunner, resolve_dtype
+from pdserve.workers.engine.sampling import InvalidRequestError, SamplingParams
+from pdserve.workers.engine.scheduler import ScheduledChunk, Scheduler
+from pdserve.workers.engine.stats import FinishedRequest, RequestOutput, StepStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Everything one step produced."""
+
+    outputs: list[RequestOutput]
+    stats: StepStats
+    finished: list[FinishedRequest] = field(default_factory=list)
+
+
+class LLMEngine:
+    """A model, its KV cache and its scheduler."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model_dir)
+        limit = self.model_config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        cache = config.cache
+        self.block_size = cache.block_size
+        itemsize = resolve_dtype(config, self.model_config).itemsize
+        self.num_blocks = cache.resolve_num_blocks(self.model_config, itemsize)
+        self.runner = ModelRunner(config, self.model_config, self.num_blocks, self.block_size)
+        self.kv_cache = KVCacheManager(
+            BlockPool(self.num_blocks, cache.enable_prefix_caching), self.block_size
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self._requests: dict[str, Request] = {}
+
+    # -- requests --------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError if the request can never be served. Pure: safe to
+        call from any thread."""
+        params.validate()
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= token < vocab for token in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        max_tokens = params.max_tokens if params.max_tokens is not None else 1
+        total = num_prompt + max_tokens
+        if num_prompt >= self.max_model_len or total > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; "
+                f"the request has {num_prompt} prompt tokens and asks for {max_tokens} "
+                f"more (max_tokens), {total} in all"
+            )
+        capacity = self.num_blocks * self.block_size
+        if total > capacity:
+            raise InvalidRequestError(
+                f"the request needs KV cache for {total} tokens "
+                f"({num_prompt} prompt + {max_tokens} max_tokens), more than the "
+                f"{capacity} tokens this worker's KV cache holds"
+            )
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> Request:
+        """Validate and queue a request."""
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        if params.max_tokens is None:
+            params = replace(params, max_tokens=self.max_model_len - len(prompt_token_ids))
+        request = Request(request_id, list(prompt_token_ids), params)
+        self._requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """End a request at once and free its blocks; None if it is not known."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        self.scheduler.finish(request, FinishReason.ABORT)
+        self._forget(request)
+        return self._output(request, (), time.monotonic())
+
+    def has_unfinished(self) -> bool:
+        """Whether any request waits or runs."""
+        return self.scheduler.has_work()
+
+    # -- the step --------------------------------------------------------------
+
+    def step(self) -> StepResult:
+        """Schedule, run the model, sample, and account for one step."""
+        started = time.monotonic()
+        newly_scheduled = list(self.scheduler.waiting)
+        output = self.scheduler.schedule()
+        queries, hits = _prefix_lookups(newly_scheduled, output.chunks)
+        sampled = self.runner.execute(output, self.kv_cache.block_table) if output.chunks else []
+        self.scheduler.update(output)
+        now = time.monotonic()
+        outputs, finished = [], []
+        for request, token in sampled:
+            request.output_token_ids.append(token)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self.scheduler.finish(request, reason)
+                finished.append(self._finished(request, now))
+                self._forget(request)
+            outputs.append(self._output(request, (token,), now))
+        stats = self._stats(
+            now,
+            duration_s=now - started,
+            num_tokens=output.num_tokens,
+            num_decode_tokens=sum(1 for c in output.chunks if not c.request.is_prefilling),
+            num_prefill_chunks=output.num_prefill_chunks,
+            num_preemptions=len(output.preempted),
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+        )
+        return StepResult(outputs, stats, finished)
+
+    def snapshot(self) -> StepResult:
+        """The engine's state without running a step (after aborts, while idle)."""
+        return StepResult([], self._stats(time.monotonic()))
+
+    def _stats(self, now: float, **step: int | float) -> StepStats:
+        counters: dict[str, int | float] = {
+            "duration_s": 0.0,
+            "num_tokens": 0,
+            "num_decode_tokens": 0,
+            "num_prefill_chunks": 0,
+            "num_preemptions": 0,
+            "prefix_cache_queries": 0,
+            "prefix_cache_hits": 0,
+        }
+        counters.update(step)
+        return StepStats(
+            time=now,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv_cache.pool.usage,
+            **counters,  # type: ignore[arg-type]
+        )
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.params
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return FinishReason.STOP
+            if token in params.stop_token_ids:
+                return FinishReason.STOP
+        if params.max_tokens is not None and num_output >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _forget(self, request: Request) -> None:
+        self._requests.pop(request.request_id, None)
+        self.runner.sampler.forget(request.request_id)
+
+    @staticmethod
+    def _output(request: Request, tokens: tuple[int, ...], now: float) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=tokens,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=len(request.output_token_ids),
+            num_cached_tokens=request.num_cached_tokens,
+            time=now,
+        )
+
+    @staticmethod
+    def _finished(request: Request, now: float) -> FinishedRequest:
+        assert request.finish_reason is not None
+        return FinishedRequest(
+            request_id=request.request_id,
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            finish_time=now,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=len(request.output_token_ids),
+            num_cached_tokens=request.num_cached_tokens,
+            num_preemptions=request.num_preemptions,
+            finish_reason=request.finish_reason,
+        )
+
+
+def _prefix_lookups(
+    candidates: list[Request], chunks: Sequence[ScheduledChunk]
+) -> tuple[int, int]:
+    """Prompt tokens looked up in the prefix cache by requests admitted this step,
+    and how many of them were found."""
+    admitted = {chunk.request for chunk in chunks}
+    fresh = [r for r in candidates if r in admitted and r.num_preemptions == 0]
+    return sum(r.num_prompt_tokens for r in fresh), sum(r.num_cached_tokens for r in fresh)

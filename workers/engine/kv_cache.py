@@ -1,0 +1,167 @@
+"""The paged KV cache's bookkeeping: a pool of fixed-size blocks with reference counts
+and prefix hashes, and a block table per request.
+
+The tensors themselves live in the runner; this module only decides which block
+holds which tokens. A full block is identified by a hash chained to its parent's
+hash, so two requests with the same prefix share the blocks of that prefix. A block
+whose last user finished stays cached (and counts as free) until it is reused for
+something else, least recently freed first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+
+BlockHash = bytes
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """The hash of a full block: its tokens, chained to the hash of the block before."""
+    digest = hashlib.blake2b(parent or b"", digest_size=16)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+class BlockPool:
+    """Fixed-size blocks with reference counts, a free list in LRU order, and the
+    hash -> block map of prefix caching."""
+
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        self._hashes: list[BlockHash | None] = [None] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[BlockHash, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now (cached but unused blocks included)."""
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use by requests."""
+        return 1.0 - self.num_free / self.num_blocks
+
+    def allocate(self, count: int) -> list[int] | None:
+        """Take `count` free blocks, evicting cached ones oldest first; None if too few."""
+        if count > len(self._free):
+            return None
+        blocks = []
+        for _ in range(count):
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
+            self._ref_counts[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def lookup(self, block_hash: BlockHash) -> int | None:
+        """The cached block holding the tokens of `block_hash`, if any."""
+        return self._cached.get(block_hash) if self.enable_prefix_caching else None
+
+    def acquire(self, block: int) -> None:
+        """Add a user to a block (a prefix-cache hit)."""
+        if self._ref_counts[block] == 0:
+            del self._free[block]
+        self._ref_counts[block] += 1
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Drop one user of each block. Pass a request's blocks last first, so that the
+        tail of a sequence is evicted before its (more shareable) head."""
+        for block in blocks:
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] < 0:
+                raise AssertionError(f"block {block} released more often than acquired")
+            if self._ref_counts[block] == 0:
+                self._free[block] = None
+
+    def register(self, block: int, block_hash: BlockHash) -> None:
+        """Record that `block` now holds the full block `block_hash`."""
+        if not self.enable_prefix_caching or self._hashes[block] is not None:
+            return
+        if block_hash not in self._cached:  # the first copy wins; duplicates stay private
+            self._cached[block_hash] = block
+            self._hashes[block] = block_hash
+
+    def _evict(self, block: int) -> None:
+        block_hash = self._hashes[block]
+        if block_hash is not None:
+            del self._cached[block_hash]
+            self._hashes[block] = None
+
+
+class KVCacheManager:
+    """Block tables of requests on top of a BlockPool."""
+
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self._tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def block_table(self, request_id: str) -> list[int]:
+        """The blocks of a request, in token order."""
+        return self._tables.get(request_id, [])
+
+    def find_cached_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """Attach the longest cached prefix of `token_ids` to a request that holds no
+        blocks yet; return the number of tokens it covers. At least one token is always
+        left to compute, since the step that computes it also samples the next one."""
+        assert request_id not in self._tables, "prefix lookup on a request with blocks"
+        table: list[int] = []
+        hashes: list[BlockHash] = []
+        parent: BlockHash | None = None
+        for index in range((len(token_ids) - 1) // self.block_size):
+            start = index * self.block_size
+            block_hash = hash_block(parent, token_ids[start : start + self.block_size])
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            self.pool.acquire(block)
+            table.append(block)
+            hashes.append(block_hash)
+            parent = block_hash
+        self._tables[request_id] = table
+        self._hashes[request_id] = hashes
+        return len(table) * self.block_size
+
+    def allocate(self, request_id: str, num_tokens: int) -> bool:
+        """Grow a request's table to hold `num_tokens` tokens; False if blocks ran out
+        (the table is then unchanged)."""
+        table = self._tables.setdefault(request_id, [])
+        self._hashes.setdefault(request_id, [])
+        missing = self.blocks_for(num_tokens) - len(table)
+        if missing <= 0:
+            return True
+        blocks = self.pool.allocate(missing)
+        if blocks is None:
+            return False
+        table.extend(blocks)
+        return True
+
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+        """Register the hashes of blocks that became full once `num_computed` tokens of
+        `token_ids` are in the cache."""
+        table, hashes = self._tables[request_id], self._hashes[request_id]
+        for index in range(len(hashes), num_computed // self.block_size):
+            start = index * self.block_size
+            parent = hashes[-1] if hashes else None
+            block_hash = hash_block(parent, token_ids[start : start + self.block_size])
+            hashes.append(block_hash)
+            self.pool.register(table[index], block_hash)
+
+    def free(self, request_id: str) -> None:
+        """Release every block of a request (finished, aborted or preempted)."""
+        table = self._tables.pop(request_id, [])
+        self._hashes.pop(request_id, None)
+        self.pool.release(table[::-1])

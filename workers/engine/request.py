@@ -1,0 +1,69 @@
+"""A request inside the engine: its tokens, its progress and its timing."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pdserve.workers.engine.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    """Why a request ended (the OpenAI `finish_reason`, plus `abort`)."""
+
+    STOP = "stop"  # an end-of-sequence token or a stop string/token
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"  # the client went away or the request was cancelled
+
+
+@dataclass(eq=False)
+class Request:
+    """A request's state. `num_computed_tokens` counts tokens whose K/V are in the
+    cache; each step computes some of the rest (a prefill chunk, or the one token
+    sampled last, for a decode)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then generated tokens."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt and generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Tokens of the prompt."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while tokens other than the last sampled one are still to be computed."""
+        return self.num_tokens - self.num_computed_tokens > 1 or not self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the request has ended for any reason."""
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,53 @@
+"""What the engine reports about itself: plain objects, turned into metrics elsewhere."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.workers.engine.request import FinishReason
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    time: float  # time.monotonic() when the step ended
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One engine step."""
+
+    time: float  # time.monotonic() when the step ended
+    duration_s: float
+    num_tokens: int  # tokens computed in the step
+    num_decode_tokens: int
+    num_prefill_chunks: int
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of blocks in use
+    num_preemptions: int  # preemptions in this step
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache this step
+    prefix_cache_hits: int  # of which found
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """Timing and sizes of a request that ended."""
+
+    request_id: str
+    arrival_time: float
+    first_scheduled_time: float | None
+    finish_time: float
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+    finish_reason: FinishReason

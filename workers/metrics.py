@@ -1,0 +1,171 @@
+"""Prometheus metrics of a worker, fed from the engine's stats objects and from the
+server's view of each request. Names follow one scheme across the project: prefix
+`pdserve_`, base units, counters ending in `_total`, labels `pool` and `role`
+(plus `bucket` on per-request latencies; no request ids)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pdserve.workers.engine.engine import StepResult
+
+# Latency buckets in seconds: fine below 100 ms where ITL lives, coarse up to minutes.
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
+    0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# Input-length buckets (prompt tokens) for per-bucket latencies.
+INPUT_LENGTH_BUCKETS = (256, 1024, 4096)
+
+
+def input_bucket(num_prompt_tokens: int, edges: Sequence[int] = INPUT_LENGTH_BUCKETS) -> str:
+    """The label of the input-length bucket a prompt falls in, e.g. `le1024` or `gt4096`."""
+    for edge in edges:
+        if num_prompt_tokens <= edge:
+            return f"le{edge}"
+    return f"gt{edges[-1]}"
+
+
+class WorkerMetrics:
+    """All metrics of one worker, in a registry of their own."""
+
+    def __init__(self, pool: str, role: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self._labels = {"pool": pool, "role": role}
+        names, labeled = ("pool", "role"), ("pool", "role", "bucket")
+        reg = self.registry
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds",
+            "Request arrival to its first token.",
+            labeled, buckets=LATENCY_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "pdserve_inter_token_latency_seconds",
+            "Every gap between consecutive tokens of a request.",
+            labeled, buckets=LATENCY_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.tpot = Histogram(
+            "pdserve_time_per_output_token_seconds",
+            "Per request: (end-to-end - TTFT) / (output tokens - 1).",
+            labeled, buckets=LATENCY_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "pdserve_e2e_request_latency_seconds",
+            "Request arrival to its last token.",
+            labeled, buckets=LATENCY_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.queue_time = Histogram(
+            "pdserve_request_queue_time_seconds",
+            "Request arrival to its first scheduled step.",
+            names, buckets=LATENCY_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.requests = Counter(
+            "pdserve_requests_total", "Requests that ended, by finish reason.",
+            (*names, "finish_reason"), registry=reg,
+        )  # fmt: skip
+        self.rejected = Counter(
+            "pdserve_requests_rejected_total", "Requests refused with a 4xx.",
+            names, registry=reg,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "pdserve_prompt_tokens_total", "Prompt tokens of ended requests.", names, registry=reg
+        )
+        self.generation_tokens = Counter(
+            "pdserve_generation_tokens_total", "Generated tokens.", names, registry=reg
+        )
+        self.running = Gauge(
+            "pdserve_requests_running", "Requests in the running batch.", names, registry=reg
+        )
+        self.waiting = Gauge(
+            "pdserve_requests_waiting", "Requests queued for admission.", names, registry=reg
+        )
+        self.kv_usage = Gauge(
+            "pdserve_kv_cache_usage_ratio", "Fraction of KV cache blocks in use.",
+            names, registry=reg,
+        )  # fmt: skip
+        self.preemptions = Counter(
+            "pdserve_preemptions_total", "Requests preempted (KV cache full), to be recomputed.",
+            names, registry=reg,
+        )  # fmt: skip
+        self.step_tokens = Histogram(
+            "pdserve_engine_step_tokens", "Tokens computed per engine step.",
+            names, buckets=TOKEN_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.step_duration = Histogram(
+            "pdserve_engine_step_duration_seconds", "Duration of engine steps.",
+            names, buckets=LATENCY_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.prefill_chunks = Counter(
+            "pdserve_prefill_chunks_total", "Prefill chunks computed.", names, registry=reg
+        )
+        self.prefix_queries = Counter(
+            "pdserve_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+            names, registry=reg,
+        )  # fmt: skip
+        self.prefix_hits = Counter(
+            "pdserve_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
+            names, registry=reg,
+        )  # fmt: skip
+        self.prefix_hit_rate = Gauge(
+            "pdserve_prefix_cache_hit_ratio",
+            "Prompt tokens found in the prefix cache / looked up, since start.",
+            names, registry=reg,
+        )  # fmt: skip
+        self._queries_seen = 0
+        self._hits_seen = 0
+
+    # -- engine side (called on the engine thread) -----------------------------
+
+    def on_step(self, result: StepResult) -> None:
+        """Record one engine step."""
+        stats, labels = result.stats, self._labels
+        self.running.labels(**labels).set(stats.num_running)
+        self.waiting.labels(**labels).set(stats.num_waiting)
+        self.kv_usage.labels(**labels).set(stats.kv_cache_usage)
+        if stats.num_tokens:
+            self.step_tokens.labels(**labels).observe(stats.num_tokens)
+            self.step_duration.labels(**labels).observe(stats.duration_s)
+        self.preemptions.labels(**labels).inc(stats.num_preemptions)
+        self.prefill_chunks.labels(**labels).inc(stats.num_prefill_chunks)
+        self.generation_tokens.labels(**labels).inc(len(result.outputs))
+        self._record_prefix(stats.prefix_cache_queries, stats.prefix_cache_hits)
+        for done in result.finished:
+            self.prompt_tokens.labels(**labels).inc(done.num_prompt_tokens)
+            if done.first_scheduled_time is not None:
+                self.queue_time.labels(**labels).observe(
+                    done.first_scheduled_time - done.arrival_time
+                )
+
+    def _record_prefix(self, queries: int, hits: int) -> None:
+        if not queries:
+            return
+        self.prefix_queries.labels(**self._labels).inc(queries)
+        self.prefix_hits.labels(**self._labels).inc(hits)
+        self._queries_seen += queries
+        self._hits_seen += hits
+        self.prefix_hit_rate.labels(**self._labels).set(self._hits_seen / self._queries_seen)
+
+    # -- server side (per request, token times as the server saw them) ---------
+
+    def observe_request(
+        self, num_prompt_tokens: int, token_times: Sequence[float], arrival: float, reason: str
+    ) -> None:
+        """Record the latencies of a request that ended."""
+        labels = {**self._labels, "bucket": input_bucket(num_prompt_tokens)}
+        self.requests.labels(**self._labels, finish_reason=reason).inc()
+        if not token_times:
+            return
+        first, last = token_times[0], token_times[-1]
+        self.ttft.labels(**labels).observe(first - arrival)
+        self.e2e.labels(**labels).observe(last - arrival)
+        for earlier, later in zip(token_times, token_times[1:], strict=False):
+            self.itl.labels(**labels).observe(later - earlier)
+        if len(token_times) > 1:
+            self.tpot.labels(**labels).observe((last - first) / (len(token_times) - 1))
+
+    def observe_rejected(self) -> None:
+        """Count a request refused with a 4xx."""
+        self.rejected.labels(**self._labels).inc()

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible front door that routes requests to workers."""

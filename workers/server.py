@@ -1,0 +1,347 @@
+"""A worker's HTTP API: OpenAI-compatible completions and chat completions (with SSE
+streaming), `/v1/models`, `/health`, `/ready` and `/metrics`.
+
+Every request either streams to its end or gets a 4xx/5xx with a reason; a client
+that goes away aborts its request (aiohttp cancels the handler), which frees its KV
+blocks at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+
+from pdserve.workers.engine.async_engine import AsyncEngine, EngineDeadError
+from pdserve.workers.engine.sampling import InvalidRequestError, SamplingParams
+from pdserve.workers.engine.stats import RequestOutput
+from pdserve.workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.workers.metrics import WorkerMetrics
+from pdserve.workers.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    validation_message,
+)
+from pdserve.workers.text_stream import TextStream
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+ParsedBody = TypeVar("ParsedBody", CompletionRequest, ChatCompletionRequest)
+
+
+class HTTPError(Exception):
+    """An error answered with `status` and an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+
+
+def error_response(status: int, message: str, kind: str) -> web.Response:
+    """The OpenAI error body."""
+    body = {"error": {"message": message, "type": kind, "code": status}}
+    return web.json_response(body, status=status)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What the server says about itself."""
+
+    model_name: str
+    role: str
+    max_model_len: int
+
+
+@dataclass
+class _Prepared:
+    """A validated request, ready for the engine."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    chat: bool
+
+
+class WorkerServer:
+    """The HTTP front of one engine."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        tokenizer: Tokenizer,
+        metrics: WorkerMetrics,
+        info: WorkerInfo,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.info = info
+        self.ready = False
+
+    def app(self) -> web.Application:
+        """The aiohttp application."""
+        app = web.Application(middlewares=[self._errors], client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.readiness)
+        app.router.add_get("/metrics", self.prometheus)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except HTTPError as error:
+            if 400 <= error.status < 500:
+                self.metrics.observe_rejected()
+            return error_response(error.status, str(error), error.kind)
+
+    # -- OpenAI API ------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/completions."""
+        body = await _json_body(request)
+        parsed = _parse(CompletionRequest, body)
+        self._check_model(parsed.model)
+        prompt = parsed.prompt
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            token_ids = [int(token) for token in prompt]  # type: ignore[arg-type]
+        prepared = self._prepare(request, parsed, token_ids, chat=False)
+        return await self._serve(request, prepared)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/chat/completions."""
+        body = await _json_body(request)
+        parsed = _parse(ChatCompletionRequest, body)
+        self._check_model(parsed.model)
+        messages = [{"role": m.role, "content": m.text()} for m in parsed.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception as error:  # a template may raise on unusual conversations
+            raise HTTPError(400, f"messages do not fit the chat template: {error}") from error
+        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        prepared = self._prepare(request, parsed, token_ids, chat=True)
+        return await self._serve(request, prepared)
+
+    async def models(self, _: web.Request) -> web.Response:
+        """GET /v1/models."""
+        model = {
+            "id": self.info.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pdserve",
+            "max_model_len": self.info.max_model_len,
+        }
+        return web.json_response({"object": "list", "data": [model]})
+
+    # -- probes and metrics ----------------------------------------------------
+
+    async def health(self, _: web.Request) -> web.Response:
+        """GET /health: 200 while the engine loop lives."""
+        if not self.engine.healthy:
+            return web.json_response({"status": "engine stopped"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def readiness(self, _: web.Request) -> web.Response:
+        """GET /ready: 200 once the model is loaded and warmed up."""
+        if not (self.ready and self.engine.healthy):
+            return web.json_response({"status": "not ready"}, status=503)
+        return web.json_response({"status": "ready", "role": self.info.role})
+
+    async def prometheus(self, _: web.Request) -> web.Response:
+        """GET /metrics."""
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # -- serving ---------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.info.model_name:
+            raise HTTPError(
+                404, f"model {model!r} is not served here; this worker serves "
+                f"{self.info.model_name!r}", "model_not_found",
+            )  # fmt: skip
+
+    def _prepare(
+        self,
+        request: web.Request,
+        parsed: CompletionRequest | ChatCompletionRequest,
+        token_ids: list[int],
+        chat: bool,
+    ) -> _Prepared:
+        try:
+            params = parsed.sampling_params(default_max_tokens=None)
+            self.engine.engine.validate(token_ids, params)
+        except InvalidRequestError as error:
+            raise HTTPError(400, str(error)) from error
+        prefix = "chatcmpl" if chat else "cmpl"
+        request_id = request.headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex}"
+        options = parsed.stream_options
+        return _Prepared(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            params=params,
+            stream=parsed.stream,
+            include_usage=bool(options and options.include_usage),
+            chat=chat,
+        )
+
+    async def _serve(self, request: web.Request, prepared: _Prepared) -> web.StreamResponse:
+        arrival = time.monotonic()
+        outputs = self.engine.generate(
+            prepared.prompt_token_ids, prepared.params, prepared.request_id
+        )
+        text = TextStream(
+            IncrementalDetokenizer(self.tokenizer),
+            prepared.params.stop,
+            prepared.params.include_stop_str_in_output,
+        )
+        tracker = _Tracker(prepared, arrival)
+        try:
+            if prepared.stream:
+                return await self._stream(request, prepared, outputs, text, tracker)
+            return await self._complete(prepared, outputs, text, tracker)
+        finally:
+            await outputs.aclose()  # aborts the request if it had not finished
+            self.metrics.observe_request(
+                len(prepared.prompt_token_ids), tracker.token_times, arrival, tracker.reason
+            )
+
+    async def _complete(
+        self,
+        prepared: _Prepared,
+        outputs: AsyncIterator[RequestOutput],
+        text: TextStream,
+        tracker: _Tracker,
+    ) -> web.Response:
+        pieces = []
+        try:
+            async for output in outputs:
+                pieces.append(text.add(output.new_token_ids).text)
+                tracker.record(output)
+                if text.stopped:
+                    tracker.reason = "stop"
+                    break
+        except EngineDeadError as error:
+            raise HTTPError(503, str(error), "server_error") from error
+        pieces.append(text.flush())
+        body = _body(prepared, "".join(pieces), tracker.reason, final=True)
+        body["usage"] = tracker.usage()
+        return web.json_response(body)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        prepared: _Prepared,
+        outputs: AsyncIterator[RequestOutput],
+        text: TextStream,
+        tracker: _Tracker,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        try:
+            async for output in outputs:
+                delta = text.add(output.new_token_ids)
+                tracker.record(output)
+                if text.stopped:
+                    tracker.reason = "stop"
+                done = output.finished or text.stopped
+                piece = delta.text + (text.flush() if done else "")
+                reason = tracker.reason if done else None
+                await _send(response, _body(prepared, piece, reason, final=False))
+                if done:
+                    break
+        except EngineDeadError as error:
+            await _send(response, {"error": {"message": str(error), "type": "server_error"}})
+        if prepared.include_usage:
+            usage_chunk = _body(prepared, "", None, final=False)
+            usage_chunk["choices"] = []
+            usage_chunk["usage"] = tracker.usage()
+            await _send(response, usage_chunk)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+class _Tracker:
+    """Token times and counts of one request as the server saw them."""
+
+    def __init__(self, prepared: _Prepared, arrival: float) -> None:
+        self.prepared = prepared
+        self.arrival = arrival
+        self.token_times: list[float] = []
+        self.num_output_tokens = 0
+        self.num_cached_tokens = 0
+        self.reason = "abort"
+
+    def record(self, output: RequestOutput) -> None:
+        self.token_times.extend(output.time for _ in output.new_token_ids)
+        self.num_output_tokens = output.num_output_tokens
+        self.num_cached_tokens = output.num_cached_tokens
+        if output.finish_reason is not None:
+            self.reason = output.finish_reason.value
+
+    def usage(self) -> dict[str, Any]:
+        prompt = len(self.prepared.prompt_token_ids)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.num_output_tokens,
+            "total_tokens": prompt + self.num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
+        }
+
+
+def _body(prepared: _Prepared, text: str, reason: str | None, final: bool) -> dict[str, Any]:
+    """A completion (final=True) or a streamed chunk, for either endpoint."""
+    created = int(time.time())
+    if prepared.chat:
+        content_key = "message" if final else "delta"
+        choice = {
+            "index": 0,
+            content_key: {"role": "assistant", "content": text},
+            "finish_reason": reason,
+            "logprobs": None,
+        }
+        kind = "chat.completion" if final else "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+        kind = "text_completion"
+    return {"id": prepared.request_id, "object": kind, "created": created, "choices": [choice]}
+
+
+async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+
+async def _json_body(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise HTTPError(400, f"malformed JSON body: {error}") from error
+
+
+def _parse(model: type[ParsedBody], body: Any) -> ParsedBody:
+    if not isinstance(body, dict):
+        raise HTTPError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as error:
+        raise HTTPError(400, f"invalid request: {validation_message(error)}") from error
