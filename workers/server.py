@@ -208,7 +208,7 @@ class WorkerServer:
             prepared.prompt_token_ids, prepared.params, prepared.request_id
         )
         text = TextStream(
-            IncrementalDetokenizer(self.tokenizer),
+            IncrementalDetokenizer(self.tokenizer, prepared.prompt_token_ids),
             prepared.params.stop,
             prepared.params.include_stop_str_in_output,
         )

@@ -14,6 +14,9 @@ class Detokenizer(Protocol):
     def add(self, token_id: int) -> str:
         """Feed the next token; return the new complete text (may be empty)."""
 
+    def flush(self) -> str:
+        """Release text held back at the end (e.g. an incomplete character)."""
+
 
 @dataclass
 class TextDelta:
@@ -58,6 +61,13 @@ class TextStream:
 
     def flush(self) -> str:
         """The rest of the text, once the request has ended."""
+        if not self.stopped:
+            searched_from = len(self._text)
+            self._text += self._detokenizer.flush()
+            cut = self._find_stop(searched_from) if self._stop else None
+            if cut is not None:
+                self._text = self._text[:cut]
+                self.stopped = True
         return self._send(len(self._text))
 
     def _send(self, upto: int) -> str:

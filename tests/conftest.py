@@ -1,0 +1,23 @@
+"""Shared fixtures: small generated checkpoints (written once per session)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pdserve.workers.engine.checkpoint import TinyModelSpec, write_tiny_checkpoint
+
+# Small enough for many engine instances per test run, big enough for GQA and chunking
+# to matter (two layers, 4 query heads over 2 KV heads).
+SMALL_SPEC = TinyModelSpec(
+    layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=1024, max_position=2048
+)
+
+
+@pytest.fixture(scope="session")
+def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small random Llama checkpoint with its tokenizer."""
+    directory = tmp_path_factory.mktemp("models") / "small-llama"
+    write_tiny_checkpoint(directory, SMALL_SPEC)
+    return directory

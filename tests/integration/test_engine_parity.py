@@ -1,0 +1,74 @@
+"""The engine against a reference it did not write: Hugging Face transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from support.engine import GREEDY, make_engine, run_to_completion
+from transformers import AutoModelForCausalLM
+
+from pdserve.workers.engine.engine import LLMEngine
+from pdserve.workers.engine.sampling import SamplingParams
+
+# float32 on both sides; differences come only from summation order.
+LOGIT_ATOL = 2e-4
+PROMPT_LEN = 300
+
+
+@pytest.fixture(scope="module")
+def reference(small_model_dir: Path) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(small_model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def prompt() -> list[int]:
+    generator = torch.Generator().manual_seed(7)
+    return torch.randint(3, 1000, (PROMPT_LEN,), generator=generator).tolist()
+
+
+def prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
+    """Logits of every prompt position, computed chunk by chunk through the engine's
+    own scheduler, runner and paged KV cache."""
+    engine.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    rows = []
+    while engine.scheduler.running or engine.scheduler.waiting:
+        step = engine.scheduler.schedule()
+        batch = engine.runner.prepare(step, engine.kv_cache.block_table)
+        every_row = torch.arange(batch.input_ids.shape[0])
+        runner = engine.runner
+        rows.append(runner.model(batch.input_ids, batch.positions, runner.kv_cache, batch.meta, every_row))
+        engine.scheduler.update(step)
+        if engine.scheduler.running[0].num_computed_tokens == len(prompt):
+            break
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("chunk", [16, 37, 128, 512])
+def test_prompt_logits_match_transformers(
+    small_model_dir: Path, reference: torch.nn.Module, prompt: list[int], chunk: int
+) -> None:
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0].float()
+    engine = make_engine(small_model_dir, budget=chunk)
+    actual = prompt_logits(engine, prompt)
+    assert actual.shape == expected.shape
+    assert (actual - expected).abs().max().item() < LOGIT_ATOL
+
+
+def test_greedy_tokens_identical_chunked_unchunked_transformers(
+    small_model_dir: Path, reference: torch.nn.Module, prompt: list[int]
+) -> None:
+    with torch.no_grad():
+        generated = reference.generate(
+            torch.tensor([prompt]), max_new_tokens=32, do_sample=False, min_new_tokens=32
+        )
+    expected = generated[0, len(prompt) :].tolist()
+    for budget, chunked in [(16, True), (100, True), (512, False)]:
+        engine = make_engine(small_model_dir, budget=budget, chunked=chunked)
+        tokens, steps = run_to_completion(engine, [prompt], GREEDY)
+        assert tokens[0] == expected, f"budget={budget} chunked={chunked}"
+        prefill_steps = sum(1 for s in steps if s.stats.num_prefill_chunks)
+        assert prefill_steps == (-(-PROMPT_LEN // budget) if chunked else 1)

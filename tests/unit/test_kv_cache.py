@@ -1,0 +1,79 @@
+"""Block pool and block tables: reference counts, prefix hashes, LRU eviction."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.workers.engine.kv_cache import BlockPool, KVCacheManager, hash_block
+
+
+def test_hashes_chain_to_the_parent() -> None:
+    first = hash_block(None, [1, 2, 3, 4])
+    assert hash_block(None, [1, 2, 3, 4]) == first
+    assert hash_block(first, [5, 6, 7, 8]) != hash_block(None, [5, 6, 7, 8])
+
+
+def test_allocate_and_release_return_blocks() -> None:
+    pool = BlockPool(4)
+    blocks = pool.allocate(3)
+    assert blocks is not None and len(set(blocks)) == 3
+    assert pool.allocate(2) is None  # all or nothing
+    assert pool.num_free == 1
+    pool.release(blocks)
+    assert pool.num_free == 4 and pool.usage == 0.0
+
+
+def test_release_more_than_acquired_is_a_bug() -> None:
+    pool = BlockPool(2)
+    blocks = pool.allocate(1)
+    assert blocks is not None
+    pool.release(blocks)
+    with pytest.raises(AssertionError):
+        pool.release(blocks)
+
+
+def test_shared_prefix_blocks_are_reference_counted() -> None:
+    manager = KVCacheManager(BlockPool(16), block_size=4)
+    tokens = list(range(10))
+    assert manager.find_cached_prefix("a", tokens) == 0
+    assert manager.allocate("a", 10)
+    manager.cache_full_blocks("a", tokens, 10)  # two full blocks registered
+    assert manager.find_cached_prefix("b", tokens) == 8
+    assert manager.block_table("b") == manager.block_table("a")[:2]
+    manager.free("a")
+    # b still holds the shared blocks, a's private third block is free again.
+    assert manager.pool.num_free == 16 - 2
+    manager.free("b")
+    assert manager.pool.usage == 0.0
+
+
+def test_at_least_one_token_is_left_to_compute() -> None:
+    manager = KVCacheManager(BlockPool(8), block_size=4)
+    tokens = list(range(8))
+    manager.find_cached_prefix("a", tokens)
+    manager.allocate("a", 8)
+    manager.cache_full_blocks("a", tokens, 8)
+    manager.free("a")
+    assert manager.find_cached_prefix("b", tokens) == 4  # not 8
+
+
+def test_freed_cached_blocks_are_evicted_oldest_first() -> None:
+    manager = KVCacheManager(BlockPool(4), block_size=2)
+    for name, tokens in (("a", [1, 2, 3]), ("b", [4, 5, 6])):
+        manager.find_cached_prefix(name, tokens)
+        manager.allocate(name, 3)
+        manager.cache_full_blocks(name, tokens, 2)
+        manager.free(name)
+    # Two new blocks: the free list hands out a's blocks (freed first) before b's.
+    manager.find_cached_prefix("c", [9, 9, 9, 9, 9])
+    manager.allocate("c", 4)
+    assert manager.find_cached_prefix("d", [4, 5, 6]) == 2  # b's prefix survived
+    assert manager.find_cached_prefix("e", [1, 2, 3]) == 0  # a's was evicted
+
+
+def test_prefix_caching_can_be_disabled() -> None:
+    manager = KVCacheManager(BlockPool(8, enable_prefix_caching=False), block_size=2)
+    manager.find_cached_prefix("a", [1, 2, 3])
+    manager.allocate("a", 3)
+    manager.cache_full_blocks("a", [1, 2, 3], 3)
+    assert manager.find_cached_prefix("b", [1, 2, 3]) == 0
