@@ -9,13 +9,10 @@ if __name__ == "operator":  # pragma: no cover - depends on how Python was start
     # before `operator` itself may be used here (else the import is circular).
     import os
     import sys
+    from importlib import _bootstrap, _bootstrap_external
 
-    import _frozen_importlib as _bootstrap  # type: ignore[import-not-found]
-    import _frozen_importlib_external as _bootstrap_external  # type: ignore[import-not-found]
-
-    _spec = _bootstrap_external.spec_from_file_location(
-        "operator", os.path.join(os.path.dirname(os.__file__), "operator.py")
-    )
-    _stdlib_operator = _bootstrap.module_from_spec(_spec)
+    _path = os.path.join(os.path.dirname(os.__file__), "operator.py")
+    _loader = _bootstrap_external.SourceFileLoader("operator", _path)
+    _stdlib_operator = _bootstrap.module_from_spec(_bootstrap.ModuleSpec("operator", _loader))
     sys.modules["operator"] = _stdlib_operator
-    _spec.loader.exec_module(_stdlib_operator)
+    _loader.exec_module(_stdlib_operator)

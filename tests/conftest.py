@@ -5,8 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from pdserve.workers.engine.checkpoint import TinyModelSpec, write_tiny_checkpoint
+
+# Tests share two cores with worker processes they start: one torch thread each keeps
+# OpenMP from spinning against them.
+torch.set_num_threads(1)
 
 # Small enough for many engine instances per test run, big enough for GQA and chunking
 # to matter (two layers, 4 query heads over 2 KV heads).

@@ -6,6 +6,7 @@ server's view of each request. Names follow one scheme across the project: prefi
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -161,7 +162,7 @@ class WorkerMetrics:
         first, last = token_times[0], token_times[-1]
         self.ttft.labels(**labels).observe(first - arrival)
         self.e2e.labels(**labels).observe(last - arrival)
-        for earlier, later in zip(token_times, token_times[1:], strict=False):
+        for earlier, later in pairwise(token_times):
             self.itl.labels(**labels).observe(later - earlier)
         if len(token_times) > 1:
             self.tpot.labels(**labels).observe((last - first) / (len(token_times) - 1))

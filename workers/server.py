@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -204,7 +204,7 @@ class WorkerServer:
 
     async def _serve(self, request: web.Request, prepared: _Prepared) -> web.StreamResponse:
         arrival = time.monotonic()
-        outputs = self.engine.generate(
+        outputs: AsyncGenerator[RequestOutput, None] = self.engine.generate(
             prepared.prompt_token_ids, prepared.params, prepared.request_id
         )
         text = TextStream(

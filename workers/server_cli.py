@@ -58,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"))
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=_positive, help="torch CPU threads")
+    parser.add_argument("--threads", type=_positive, help="torch CPU threads (default on CPU: 1)")
     parser.add_argument("--log-level", default="info")
     parser.set_defaults(handler=run)
 

@@ -81,9 +81,7 @@ class TextStream:
         longest = max(len(stop) for stop in self._stop)
         start = max(0, searched_from - longest + 1)
         found = [
-            (index, stop)
-            for stop in self._stop
-            if (index := self._text.find(stop, start)) != -1
+            (index, stop) for stop in self._stop if (index := self._text.find(stop, start)) != -1
         ]
         if not found:
             return None

@@ -77,8 +77,11 @@ def build_server(options: WorkerOptions) -> WorkerServer:
     """Load the model and tokenizer and assemble the server (not yet listening)."""
     import torch
 
-    if options.threads:
-        torch.set_num_threads(options.threads)
+    # One thread by default on CPU: a worker shares the cores with the router, other
+    # workers and clients, and OpenMP threads that spin while others hold the cores
+    # make every step many times slower. Give --threads to use more.
+    if options.threads or options.device == "cpu":
+        torch.set_num_threads(options.threads or 1)
     engine = LLMEngine(options.engine_config())
     tokenizer = Tokenizer.from_dir(options.model)
     metrics = WorkerMetrics(options.pool, options.role)

@@ -53,17 +53,19 @@ def test_requests_arriving_mid_stream_join_the_batch(small_model_dir: Path) -> N
 def test_repeated_prefix_is_served_from_cache(small_model_dir: Path) -> None:
     shared = random_prompts(1, seed=3, low=200, high=201)[0]
     engine = make_engine(small_model_dir, budget=512)
-    first, steps_first = run_to_completion(engine, [shared + [11, 12, 13]])
-    second, steps_second = run_to_completion(engine, [shared + [11, 12, 13]])
+    first, steps_first = run_to_completion(engine, [[*shared, 11, 12, 13]])
+    second, steps_second = run_to_completion(engine, [[*shared, 11, 12, 13]])
     hits_first = sum(s.stats.prefix_cache_hits for s in steps_first)
     hits_second = sum(s.stats.prefix_cache_hits for s in steps_second)
     assert hits_first == 0
     assert hits_second == (len(shared) + 3 - 1) // 16 * 16  # every full block but the last
     assert second == first
     cold = make_engine(small_model_dir, budget=512, prefix_caching=False)
-    assert run_to_completion(cold, [shared + [11, 12, 13]])[0] == first
+    assert run_to_completion(cold, [[*shared, 11, 12, 13]])[0] == first
     # Less computed the second time.
-    assert sum(s.stats.num_tokens for s in steps_second) < sum(s.stats.num_tokens for s in steps_first)
+    assert sum(s.stats.num_tokens for s in steps_second) < sum(
+        s.stats.num_tokens for s in steps_first
+    )
 
 
 def test_preemption_when_cache_is_too_small(small_model_dir: Path) -> None:

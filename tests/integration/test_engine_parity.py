@@ -39,7 +39,9 @@ def prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
         batch = engine.runner.prepare(step, engine.kv_cache.block_table)
         every_row = torch.arange(batch.input_ids.shape[0])
         runner = engine.runner
-        rows.append(runner.model(batch.input_ids, batch.positions, runner.kv_cache, batch.meta, every_row))
+        rows.append(
+            runner.model(batch.input_ids, batch.positions, runner.kv_cache, batch.meta, every_row)
+        )
         engine.scheduler.update(step)
         if engine.scheduler.running[0].num_computed_tokens == len(prompt):
             break

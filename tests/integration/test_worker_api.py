@@ -22,7 +22,9 @@ KV_BLOCKS = 48  # 768 tokens of KV cache: less than the context, so both limits 
 
 
 @pytest.fixture(scope="module")
-def worker(small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+def worker(
+    small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[WorkerProcess]:
     args = ("--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", str(KV_BLOCKS),
             "--max-num-batched-tokens", "64", "--served-model-name", "small")  # fmt: skip
     with running_worker(small_model_dir, tmp_path_factory.mktemp("logs"), *args) as process:
@@ -118,7 +120,9 @@ def test_stop_string_cuts_the_output(client: openai.OpenAI) -> None:
         ({"prompt": "hi", "model": "other"}, "not served here"),
     ],
 )
-def test_bad_requests_get_4xx_with_a_reason(worker: WorkerProcess, body: dict[str, object], reason: str) -> None:
+def test_bad_requests_get_4xx_with_a_reason(
+    worker: WorkerProcess, body: dict[str, object], reason: str
+) -> None:
     status, answer = asyncio.run(post(worker.url, "/v1/completions", json.dumps(body).encode()))
     assert 400 <= status < 500
     assert reason in answer["error"]["message"]
@@ -129,8 +133,16 @@ def test_malformed_json_gets_400(worker: WorkerProcess) -> None:
     assert status == 400 and "malformed JSON" in answer["error"]["message"]
 
 
-def test_rejected_requests_leave_nothing_behind(worker: WorkerProcess, client: openai.OpenAI) -> None:
-    asyncio.run(post(worker.url, "/v1/completions", json.dumps({"prompt": list(range(1, 700)), "max_tokens": 200}).encode()))
+def test_rejected_requests_leave_nothing_behind(
+    worker: WorkerProcess, client: openai.OpenAI
+) -> None:
+    asyncio.run(
+        post(
+            worker.url,
+            "/v1/completions",
+            json.dumps({"prompt": list(range(1, 700)), "max_tokens": 200}).encode(),
+        )
+    )
     assert metric(worker, "pdserve_kv_cache_usage_ratio") == 0.0
     ok = client.completions.create(model="small", prompt="still serving", max_tokens=2)
     assert ok.choices[0].text is not None
@@ -140,11 +152,16 @@ def test_client_disconnect_aborts_the_request(worker: WorkerProcess) -> None:
     aborted_before = metric(worker, "pdserve_requests_total", finish_reason="abort")
 
     async def read_a_little_then_leave() -> None:
-        body = {"prompt": list(range(1, 400)), "max_tokens": 300, "stream": True, "ignore_eos": True}
-        async with aiohttp.ClientSession() as session:
-            async with session.post(f"{worker.url}/v1/completions", json=body) as response:
-                for _ in range(3):
-                    await response.content.readline()
+        body = {
+            "prompt": list(range(1, 400)),
+            "max_tokens": 300,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        url = f"{worker.url}/v1/completions"
+        async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
+            for _ in range(3):
+                await response.content.readline()
 
     asyncio.run(read_a_little_then_leave())
     deadline = time.monotonic() + 10
@@ -159,7 +176,9 @@ def test_client_disconnect_aborts_the_request(worker: WorkerProcess) -> None:
 
 def test_metrics_count_what_was_served(worker: WorkerProcess, client: openai.OpenAI) -> None:
     before = metric(worker, "pdserve_time_to_first_token_seconds_count")
-    client.completions.create(model="small", prompt="count me", max_tokens=3, extra_body={"ignore_eos": True})
+    client.completions.create(
+        model="small", prompt="count me", max_tokens=3, extra_body={"ignore_eos": True}
+    )
     assert metric(worker, "pdserve_time_to_first_token_seconds_count") == before + 1
     assert metric(worker, "pdserve_inter_token_latency_seconds_count") >= 2
     assert metric(worker, "pdserve_engine_step_tokens_count") > 0

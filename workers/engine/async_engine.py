@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -83,7 +83,7 @@ class AsyncEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         request_id: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Validate (raising InvalidRequestError at once), queue, and yield outputs
         until the request finishes. Leaving the iteration early aborts it."""
         if self._error is not None:

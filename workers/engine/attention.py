@@ -62,7 +62,9 @@ def paged_attention(
     return out
 
 
-def _gather(kv_layer: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather(
+    kv_layer: torch.Tensor, block_tables: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the blocks in `block_tables` ([..., n]) as [..., kv_heads, n*block, dim]."""
     blocks = kv_layer[block_tables]  # [..., n, 2, block, kv_heads, dim]
     *lead, n, _, block_size, kv_heads, dim = blocks.shape

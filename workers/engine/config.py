@@ -10,9 +10,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = frozenset(
-    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
-)
+SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

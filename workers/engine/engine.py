@@ -127,7 +127,7 @@ class LLMEngine:
             now,
             duration_s=now - started,
             num_tokens=output.num_tokens,
-            num_decode_tokens=sum(1 for c in output.chunks if not c.request.is_prefilling),
+            num_decode_tokens=sum(1 for c in output.chunks if not c.is_prefill),
             num_prefill_chunks=output.num_prefill_chunks,
             num_preemptions=len(output.preempted),
             prefix_cache_queries=queries,
@@ -205,9 +205,7 @@ class LLMEngine:
         )
 
 
-def _prefix_lookups(
-    candidates: list[Request], chunks: Sequence[ScheduledChunk]
-) -> tuple[int, int]:
+def _prefix_lookups(candidates: list[Request], chunks: Sequence[ScheduledChunk]) -> tuple[int, int]:
     """Prompt tokens looked up in the prefix cache by requests admitted this step,
     and how many of them were found."""
     admitted = {chunk.request for chunk in chunks}

@@ -149,7 +149,9 @@ class KVCacheManager:
         table.extend(blocks)
         return True
 
-    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+    def cache_full_blocks(
+        self, request_id: str, token_ids: Sequence[int], num_computed: int
+    ) -> None:
         """Register the hashes of blocks that became full once `num_computed` tokens of
         `token_ids` are in the cache."""
         table, hashes = self._tables[request_id], self._hashes[request_id]

@@ -109,7 +109,8 @@ class Attention(nn.Module):
         query, key = rotary(query, key, positions)
         write_kv(kv_layer, key, value, meta)
         attended = paged_attention(query, kv_layer, meta, self.scale)
-        return self.o_proj(attended.reshape(tokens, self.num_heads * self.head_dim))
+        projected: torch.Tensor = self.o_proj(attended.reshape(tokens, -1))
+        return projected
 
 
 class MLP(nn.Module):
@@ -122,7 +123,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
+        gated = nn.functional.silu(self.gate_proj(hidden)) * self.up_proj(hidden)
+        projected: torch.Tensor = self.down_proj(gated)
+        return projected
 
 
 class DecoderLayer(nn.Module):
@@ -145,7 +148,8 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         attended = self.self_attn(self.input_layernorm(hidden), positions, rotary, kv_layer, meta)
         hidden = hidden + attended
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        output: torch.Tensor = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return output
 
 
 class DecoderStack(nn.Module):
@@ -185,7 +189,8 @@ class CausalLM(nn.Module):
         for index, layer in enumerate(self.model.layers):
             hidden = layer(hidden, positions, self.rotary, kv_cache[index], meta)
         hidden = self.model.norm(hidden[logits_rows])
-        return self.lm_head(hidden).float()
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits.float()
 
 
 def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: str) -> CausalLM:

@@ -64,7 +64,9 @@ class ModelRunner:
         )
         self.sampler = Sampler(self.device, config.seed, frozenset(model_config.eos_token_ids))
 
-    def execute(self, output: SchedulerOutput, block_tables: BlockTables) -> list[tuple[Request, int]]:
+    def execute(
+        self, output: SchedulerOutput, block_tables: BlockTables
+    ) -> list[tuple[Request, int]]:
         """Run one step; return the token sampled for each request that reached the
         end of its tokens."""
         batch = self.prepare(output, block_tables)
@@ -116,7 +118,11 @@ class ModelRunner:
             prefills=tuple(prefills),
         )
         return Batch(
-            self._long(token_ids), self._long(positions), meta, self._long(logits_rows), tuple(sampling)
+            self._long(token_ids),
+            self._long(positions),
+            meta,
+            self._long(logits_rows),
+            tuple(sampling),
         )
 
     def _long(self, values: list[int] | list[list[int]]) -> torch.Tensor:

@@ -30,6 +30,12 @@ class ScheduledChunk:
     request: Request
     start: int
     num_tokens: int
+    is_prefill: bool  # computes prompt (or recomputed) tokens rather than one decode
+
+    @classmethod
+    def of(cls, request: Request, num_tokens: int) -> ScheduledChunk:
+        """The next `num_tokens` tokens of `request`."""
+        return cls(request, request.num_computed_tokens, num_tokens, request.is_prefilling)
 
     @property
     def samples(self) -> bool:
@@ -53,13 +59,15 @@ class SchedulerOutput:
     @property
     def num_prefill_chunks(self) -> int:
         """Chunks that compute prompt (or recomputed) tokens rather than one decode."""
-        return sum(1 for chunk in self.chunks if chunk.request.is_prefilling)
+        return sum(1 for chunk in self.chunks if chunk.is_prefill)
 
 
 class Scheduler:
     """Decides what each engine step computes."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int
+    ) -> None:
         self.config = config
         self.kv_cache = kv_cache
         # Without chunking a whole prompt must fit in one step's budget.
@@ -94,7 +102,7 @@ class Scheduler:
             scheduled = {chunk.request for chunk in chunks}
             if not self._allocate_or_preempt(request, num_tokens, scheduled, preempted):
                 continue
-            chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_tokens))
+            chunks.append(ScheduledChunk.of(request, num_tokens))
             budget -= num_tokens
         if not preempted:
             budget = self._schedule_waiting(budget, chunks)
@@ -132,7 +140,9 @@ class Scheduler:
                 self._unschedule(request)
                 break
             num_tokens = min(remaining, budget)
-            if not self.kv_cache.allocate(request.request_id, request.num_computed_tokens + num_tokens):
+            if not self.kv_cache.allocate(
+                request.request_id, request.num_computed_tokens + num_tokens
+            ):
                 self._unschedule(request)
                 break
             self.waiting.popleft()
@@ -140,7 +150,7 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
-            chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_tokens))
+            chunks.append(ScheduledChunk.of(request, num_tokens))
             budget -= num_tokens
         return budget
 

@@ -1,0 +1,197 @@
+"""The engine's tokenizer and streaming detokenizer, checked against transformers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import tokenizers
+from transformers import AutoTokenizer
+
+from pdserve.workers.engine.checkpoint import TinyModelSpec, write_tiny_checkpoint
+from pdserve.workers.engine.tiny_tokenizer import generate_corpus
+from pdserve.workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+SPEC = TinyModelSpec(
+    layers=1, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=1024, max_position=4096
+)
+
+ASCII_TEXT = "Hello world! The prefill worker streams 42 tokens, then stops."
+MULTIBYTE_TEXT = "Café naïve 😀🚀 — 你好，世界! こんにちは 🤖👍🏽 Ωμέγα ∑ x² ✨"
+CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "  Say hi in 中文 😀  "},
+    {"role": "assistant", "content": "你好"},
+    {"role": "user", "content": "Again <b>please</b>."},
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tok") / "model"
+    write_tiny_checkpoint(directory, SPEC)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(model_dir)
+
+
+def _stream(tokenizer: Tokenizer, ids: list[int], prompt_ids: list[int] | None = None) -> list[str]:
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids or [])
+    deltas = [detokenizer.add(token_id) for token_id in ids]
+    return [*deltas, detokenizer.flush()]
+
+
+def test_libraries_load_the_written_tokenizer(model_dir: Path, tokenizer: Tokenizer) -> None:
+    backend = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    reference = AutoTokenizer.from_pretrained(model_dir)
+    assert backend.get_vocab_size() == tokenizer.vocab_size == len(reference) == SPEC.vocab
+    for text in (ASCII_TEXT, MULTIBYTE_TEXT):
+        assert tokenizer.encode(text) == reference(text).input_ids
+        assert (
+            tokenizer.encode(text, add_special_tokens=False)
+            == reference(text, add_special_tokens=False).input_ids
+        )
+
+
+def test_special_tokens_are_inside_the_vocabulary(tokenizer: Tokenizer) -> None:
+    names = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>"]
+    names += ["<|end_header_id|>", "<|eot_id|>"]
+    ids = [tokenizer.token_to_id(name) for name in names]
+    assert all(i is not None and 0 <= i < SPEC.vocab for i in ids)
+    assert tokenizer.bos_id == ids[0]
+    assert tokenizer.eos_ids == {ids[1], ids[4]}
+    assert tokenizer.encode("hi")[0] == tokenizer.bos_id
+
+
+@pytest.mark.parametrize("text", [ASCII_TEXT, MULTIBYTE_TEXT])
+def test_encode_decode_roundtrip(tokenizer: Tokenizer, text: str) -> None:
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    with_specials = tokenizer.decode(tokenizer.encode(text), skip_special_tokens=False)
+    assert with_specials == "<|begin_of_text|>" + text
+
+
+def test_every_token_id_decodes(tokenizer: Tokenizer) -> None:
+    for token_id in range(SPEC.vocab):
+        assert isinstance(tokenizer.decode([token_id]), str)
+
+
+def test_streamed_deltas_add_up_to_the_full_text(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode(MULTIBYTE_TEXT, add_special_tokens=False)
+    deltas = _stream(tokenizer, ids)
+    assert "".join(deltas) == MULTIBYTE_TEXT
+    # No delta shows a half character, and the split ones are held back, not lost.
+    assert not any("\ufffd" in delta for delta in deltas)
+    assert any(delta == "" for delta in deltas[:-1])
+
+
+def test_streaming_after_a_prompt_emits_only_new_text(tokenizer: Tokenizer) -> None:
+    prompt = tokenizer.encode("Question: 你好?")
+    ids = tokenizer.encode(" Answer: 世界 🚀", add_special_tokens=False)
+    assert "".join(_stream(tokenizer, ids, prompt)) == " Answer: 世界 🚀"
+
+
+def test_random_token_ids_stream_like_a_full_decode(tokenizer: Tokenizer) -> None:
+    # What a load generator's random prompts and a random model's output look like:
+    # byte tokens that never form whole characters must still come out at the end.
+    ids = [(i * 7919) % SPEC.vocab for i in range(300)]
+    deltas = _stream(tokenizer, ids)
+    assert "".join(deltas) == tokenizer.decode(ids)
+
+
+def test_chat_template_matches_transformers(model_dir: Path, tokenizer: Tokenizer) -> None:
+    reference = AutoTokenizer.from_pretrained(model_dir)
+    for add_generation_prompt in (True, False):
+        ours = tokenizer.apply_chat_template(CHAT, add_generation_prompt=add_generation_prompt)
+        theirs = reference.apply_chat_template(
+            CHAT, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        assert ours == theirs
+    prompt = tokenizer.apply_chat_template(CHAT[:2])
+    assert prompt.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n")
+    assert prompt.endswith("<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+# Features other models' templates use: loop controls, namespaces, tojson on
+# non-ASCII text, whitespace control by trim_blocks and lstrip_blocks, raise_exception.
+_CHATML_TEMPLATE = """{%- set ns = namespace(system='none') -%}
+{% for m in messages %}
+    {% if m['role'] == 'system' %}{% set ns.system = m['content'] %}{% continue %}{% endif %}
+    {% if m['role'] not in ['user', 'assistant'] %}{{ raise_exception('bad role') }}{% endif %}
+<|im_start|>{{ m['role'] }}
+{{ m['content'] | tojson }}{% if loop.last %} (last){% endif %}<|im_end|>
+{% endfor %}
+{% if add_generation_prompt %}<|im_start|>assistant [{{ ns.system }}]
+{% endif %}"""
+
+
+def test_other_chat_templates_render_as_in_transformers(model_dir: Path, tmp_path: Path) -> None:
+    shutil.copytree(model_dir, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({**config, "chat_template": _CHATML_TEMPLATE})
+    )
+    ours = Tokenizer.from_dir(tmp_path).apply_chat_template(CHAT)
+    reference = AutoTokenizer.from_pretrained(tmp_path)
+    theirs = reference.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert ours == theirs
+    assert '"Again <b>please</b>."' in ours and "[You are terse.]" in ours
+    with pytest.raises(ValueError, match="bad role"):
+        Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+# A SentencePiece-style model directory (Llama-2 and Mistral): metaspace pieces,
+# special tokens written as AddedToken dicts, named chat templates, eos ids in
+# generation_config.json.
+_SENTENCEPIECE_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}"
+    "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("sentencepiece")
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>", byte_fallback=True))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+    backend.decoder = tokenizers.decoders.Sequence(
+        [tokenizers.decoders.Metaspace(), tokenizers.decoders.ByteFallback()]
+    )
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+    )
+    backend.train_from_iterator(generate_corpus(600), trainer)
+    # Byte-fallback pieces are ordinary vocabulary entries, as in Llama-2's tokenizer.
+    content = json.loads(backend.to_str())
+    vocab = content["model"]["vocab"]
+    for byte in range(256):
+        vocab[f"<0x{byte:02X}>"] = len(vocab)
+    (directory / "tokenizer.json").write_text(json.dumps(content))
+    config = {
+        "bos_token": {"content": "<s>", "special": True},
+        "eos_token": {"content": "</s>", "special": True},
+        "chat_template": [{"name": "default", "template": _SENTENCEPIECE_TEMPLATE}],
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    return directory
+
+
+def test_sentencepiece_style_directory(sentencepiece_dir: Path) -> None:
+    tokenizer = Tokenizer.from_dir(sentencepiece_dir)
+    assert tokenizer.bos_id == 1 and tokenizer.eos_ids == {2, 7}
+    text = "the model answers 你好 quickly"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text
+    # Decoding piece by piece would drop the spaces SentencePiece keeps in the pieces.
+    assert "".join(_stream(tokenizer, ids)) == text
+    assert (
+        "".join(_stream(tokenizer, ids[3:], ids[:3]))
+        == tokenizer.decode(ids)[len(tokenizer.decode(ids[:3])) :]
+    )
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert rendered == "<s>[user] hi</s>[assistant] "

@@ -1,0 +1,42 @@
+"""What one request did, as the client saw it: the raw material of every metric."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestRecord:
+    """Times (`time.perf_counter` seconds) and outcome of one request.
+
+    The client fills it in as the response streams; metrics are derived from it
+    afterwards, so the hot path does no arithmetic beyond taking timestamps.
+    """
+
+    index: int
+    kind: str
+    input_tokens: int
+    requested_output_tokens: int
+    scheduled_at: float
+    sent_at: float | None = None
+    # One entry per streamed chunk that carried tokens: arrival time and token count.
+    chunk_times: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    usage_prompt_tokens: int | None = None
+    usage_completion_tokens: int | None = None
+    status: int | None = None
+    error: str | None = None
+    finished: bool = False
+    ended_at: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        """The request streamed to its end with at least one token and no error."""
+        return self.finished and self.error is None and bool(self.chunk_times)
+
+    def fail(self, message: str, now: float) -> None:
+        """Mark the request failed (the first reason given is kept)."""
+        if self.error is None:
+            self.error = message
+        if self.ended_at is None:
+            self.ended_at = now
