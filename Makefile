@@ -39,6 +39,9 @@ test: lint typecheck unit
 bench: venv
 	$(BIN)/pytest tests/bench -m slow -s $(PYTEST_ARGS)
 
+crd: venv
+	$(PY) -m pdserve crd -o crds/servingpool.yaml
+
 clean:
 	rm -rf build .mypy_cache .pytest_cache .ruff_cache
 

@@ -5,6 +5,12 @@ set -euo pipefail
 python=$1 venv_dir=$2 link=$3
 here=$(pwd -P)
 
+# One creation at a time: concurrent `make` runs would otherwise delete each other's
+# half-made environment.
+mkdir -p "$(dirname "$venv_dir")"
+exec 9>"$venv_dir.lock"
+flock 9
+
 if [ ! -x "$venv_dir/bin/python" ] || [ ! -f "$venv_dir/.deps-ok" ]; then
     echo "creating virtual environment in $venv_dir"
     rm -rf "$venv_dir"

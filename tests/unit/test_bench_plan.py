@@ -32,6 +32,14 @@ def test_mixed_is_mostly_chat_with_some_rag() -> None:
     assert kinds["chat"] + kinds["rag"] == len(plan)
 
 
+def test_long_share_sets_the_mix_of_mixed() -> None:
+    config = BenchConfig(URL, workload="mixed", long_share=0.4, num_requests=2000, rate=math.inf)
+    kinds = Counter(p.kind for p in build_plan(config))
+    assert kinds["rag"] / 2000 == pytest.approx(0.4, abs=0.03)
+    with pytest.raises(ConfigError, match="long-share"):
+        BenchConfig(URL, workload="chat", long_share=0.4, num_requests=1)
+
+
 def test_limits_clip_lengths() -> None:
     config = BenchConfig(
         URL,

@@ -25,6 +25,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     traffic = parser.add_mutually_exclusive_group(required=True)
     traffic.add_argument("--workload", choices=WORKLOAD_NAMES, help="synthetic workload class")
+    parser.add_argument(
+        "--long-share", type=float, metavar="F",
+        help="mixed workload: share of long (rag) prompts (default 0.15)",
+    )  # fmt: skip
     traffic.add_argument("--trace", type=Path, metavar="FILE", help="replay a trace CSV (Azure)")
     _add_run_arguments(parser)
     _add_length_arguments(parser)
@@ -153,6 +157,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         url=args.url,
         workload=args.workload,
+        long_share=args.long_share,
         trace=args.trace,
         model=args.model,
         rate=DEFAULT_RATE if args.rate is None else args.rate,

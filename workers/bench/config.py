@@ -33,6 +33,7 @@ class BenchConfig:
 
     url: str
     workload: str | None = None
+    long_share: float | None = None  # mixed: share of long prompts (default 0.15)
     trace: Path | None = None
     model: str | None = None
     rate: float = DEFAULT_RATE
@@ -57,6 +58,10 @@ class BenchConfig:
 
     def _problems(self) -> list[str]:
         problems: list[str] = []
+        if self.long_share is not None and (
+            self.workload != "mixed" or not 0.0 <= self.long_share <= 1.0
+        ):
+            problems.append("long-share applies to the mixed workload and must be in [0, 1]")
         if (self.workload is None) == (self.trace is None):
             problems.append("give exactly one of a workload and a trace")
         if self.workload is not None and self.workload not in WORKLOADS:

@@ -15,7 +15,7 @@ import numpy as np
 from pdserve.workers.bench.arrivals import arrival_offsets
 from pdserve.workers.bench.config import FIRST_PROMPT_TOKEN_ID, BenchConfig
 from pdserve.workers.bench.trace import TraceScaling, load_trace, scale_trace
-from pdserve.workers.bench.workloads import WORKLOADS
+from pdserve.workers.bench.workloads import workload_named
 
 _ARRIVAL_STREAM = 0
 _LENGTH_STREAM = 1
@@ -42,7 +42,7 @@ def build_plan(config: BenchConfig) -> list[PlannedRequest]:
 
 def _workload_plan(config: BenchConfig) -> list[PlannedRequest]:
     assert config.workload is not None
-    workload = WORKLOADS[config.workload]
+    workload = workload_named(config.workload, config.long_share)
     offsets = arrival_offsets(
         np.random.default_rng([config.seed, _ARRIVAL_STREAM]),
         config.rate,

@@ -76,3 +76,12 @@ WORKLOADS: dict[str, Workload] = {
     # prefill run in one piece shows up as stutter in everyone else's stream.
     "mixed": Workload("mixed", ((CHAT, 0.85), (RAG, 0.15))),
 }
+
+
+def workload_named(name: str, long_share: float | None = None) -> Workload:
+    """The workload `name`; for `mixed`, `long_share` replaces the share of long
+    (rag) prompts."""
+    workload = WORKLOADS[name]
+    if long_share is None or name != "mixed":
+        return workload
+    return Workload("mixed", ((CHAT, 1.0 - long_share), (RAG, long_share)))

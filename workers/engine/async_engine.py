@@ -13,16 +13,18 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from pdserve.workers.engine.engine import LLMEngine, StepResult
 from pdserve.workers.engine.sampling import SamplingParams
 from pdserve.workers.engine.stats import RequestOutput
 
 log = logging.getLogger(__name__)
+Result = TypeVar("Result")
 
 
 class EngineObserver(Protocol):
@@ -36,17 +38,27 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped on an error; no request can be served."""
 
 
+Sink = Callable[[RequestOutput | BaseException], None]
+# Puts a request into the engine (on the engine thread); may return a first output.
+Admit = Callable[[LLMEngine], RequestOutput | None]
+
+
 @dataclass
-class _Add:
+class _Admit:
     request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    sink: Callable[[RequestOutput | BaseException], None]
+    admit: Admit
+    sink: Sink
 
 
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _Call:
+    function: Callable[[LLMEngine], Any]
+    done: Callable[[Any, BaseException | None], None]
 
 
 class AsyncEngine:
@@ -55,8 +67,8 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, observers: Sequence[EngineObserver] = ()) -> None:
         self.engine = engine
         self.observers = list(observers)
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
-        self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
+        self._commands: queue.SimpleQueue[_Admit | _Abort | _Call | None] = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._error: BaseException | None = None
@@ -83,20 +95,32 @@ class AsyncEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         request_id: str | None = None,
+        hold_blocks: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Validate (raising InvalidRequestError at once), queue, and yield outputs
         until the request finishes. Leaving the iteration early aborts it."""
-        if self._error is not None:
-            raise EngineDeadError(f"the engine stopped: {self._error}")
         self.engine.validate(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
+        prompt = list(prompt_token_ids)
+
+        def admit(engine: LLMEngine) -> None:
+            engine.add_request(request_id, prompt, params, hold_blocks=hold_blocks)
+
+        async for output in self.stream(request_id, admit):
+            yield output
+
+    async def stream(self, request_id: str, admit: Admit) -> AsyncGenerator[RequestOutput, None]:
+        """Outputs of a request that `admit` puts into the engine (on the engine
+        thread), until it finishes. Leaving the iteration early aborts it."""
+        if self._error is not None:
+            raise EngineDeadError(f"the engine stopped: {self._error}")
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
         def sink(item: RequestOutput | BaseException) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, item)
 
-        self._post(_Add(request_id, list(prompt_token_ids), params, sink))
+        self._post(_Admit(request_id, admit, sink))
         finished = False
         try:
             while not finished:
@@ -109,11 +133,32 @@ class AsyncEngine:
             if not finished:
                 self._post(_Abort(request_id))
 
+    async def call(self, function: Callable[[LLMEngine], Result]) -> Result:
+        """Run `function(engine)` on the engine thread; its result or exception."""
+        if self._error is not None:
+            raise EngineDeadError(f"the engine stopped: {self._error}")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Result] = loop.create_future()
+
+        def settle(result: Any, error: BaseException | None) -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        def done(result: Any, error: BaseException | None) -> None:
+            loop.call_soon_threadsafe(settle, result, error)
+
+        self._post(_Call(function, done))
+        return await future
+
     def abort(self, request_id: str) -> None:
         """Abort a request by id (no-op if it already ended)."""
         self._post(_Abort(request_id))
 
-    def _post(self, command: _Add | _Abort) -> None:
+    def _post(self, command: _Admit | _Abort | _Call) -> None:
         self._commands.put(command)
         self._wake.set()
 
@@ -122,10 +167,11 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopping:
-                if self._drain_commands() and not self.engine.has_unfinished():
+                changed = self._drain_commands() + self.engine.expire_leases()
+                if changed and not self.engine.has_unfinished():
                     self._deliver(self.engine.snapshot())  # e.g. an abort freed blocks
                 if not self.engine.has_unfinished():
-                    self._wake.wait(timeout=1.0)
+                    self._wake.wait(timeout=self._idle_wait())
                     self._wake.clear()
                     continue
                 self._deliver(self.engine.step())
@@ -136,9 +182,17 @@ class AsyncEngine:
                 sink(EngineDeadError(f"the engine stopped: {error}"))
             self._sinks.clear()
 
-    def _drain_commands(self) -> bool:
-        """Apply queued adds and aborts; True if there were any."""
-        applied = False
+    def _idle_wait(self) -> float:
+        """Seconds to sleep while idle: until the next lease deadline, at most 1 s."""
+        deadline = self.engine.leases.next_deadline()
+        if deadline is None:
+            return 1.0
+        remaining = max(0.0, float(deadline) - time.monotonic())
+        return min(1.0, remaining + 0.001)
+
+    def _drain_commands(self) -> int:
+        """Apply queued commands; how many there were."""
+        applied = 0
         while True:
             try:
                 command = self._commands.get_nowait()
@@ -146,19 +200,32 @@ class AsyncEngine:
                 return applied
             if command is None:
                 return applied
-            applied = True
-            if isinstance(command, _Add):
-                self._add(command)
+            applied += 1
+            if isinstance(command, _Admit):
+                self._admit(command)
+            elif isinstance(command, _Call):
+                self._call(command)
             else:
                 self._abort(command.request_id)
 
-    def _add(self, command: _Add) -> None:
+    def _admit(self, command: _Admit) -> None:
         try:
-            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
-        except ValueError as error:
+            first = command.admit(self.engine)
+        except (ValueError, LookupError) as error:
             command.sink(error)
             return
-        self._sinks[command.request_id] = command.sink
+        if first is None or not first.finished:
+            self._sinks[command.request_id] = command.sink
+        if first is not None:
+            command.sink(first)
+
+    def _call(self, command: _Call) -> None:
+        try:
+            result = command.function(self.engine)
+        except Exception as error:
+            command.done(None, error)
+            return
+        command.done(result, None)
 
     def _abort(self, request_id: str) -> None:
         output = self.engine.abort(request_id)

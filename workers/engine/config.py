@@ -164,3 +164,5 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     served_model_name: str | None = None
+    # How long a prefill worker keeps a finished prompt's blocks for their transfer.
+    handoff_lease_s: float = 30.0

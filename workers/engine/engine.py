@@ -10,7 +10,8 @@ from dataclasses import dataclass, field, replace
 
 from pdserve.workers.engine.config import EngineConfig, ModelConfig
 from pdserve.workers.engine.kv_cache import BlockPool, KVCacheManager
-from pdserve.workers.engine.request import FinishReason, Request
+from pdserve.workers.engine.leases import LeaseBook, LeaseError, Reservation
+from pdserve.workers.engine.request import FinishReason, Request, RequestStatus
 from pdserve.workers.engine.runner import ModelRunner, resolve_dtype
 from pdserve.workers.engine.sampling import InvalidRequestError, SamplingParams
 from pdserve.workers.engine.scheduler import ScheduledChunk, Scheduler
@@ -45,6 +46,7 @@ class LLMEngine:
             BlockPool(self.num_blocks, cache.enable_prefix_caching), self.block_size
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        self.leases = LeaseBook(self.kv_cache)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self._requests: dict[str, Request] = {}
 
@@ -77,9 +79,22 @@ class LLMEngine:
             )
 
     def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        hold_blocks: bool = False,
+    ) -> Request:
+        """Validate and queue a request. With `hold_blocks` its KV blocks outlive it
+        (under a lease, see `held_blocks`): a prefill worker sends them afterwards."""
+        request = self._new_request(request_id, prompt_token_ids, params)
+        request.hold_blocks = hold_blocks
+        self.scheduler.add(request)
+        return request
+
+    def _new_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> Request:
-        """Validate and queue a request."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
@@ -87,20 +102,93 @@ class LLMEngine:
             params = replace(params, max_tokens=self.max_model_len - len(prompt_token_ids))
         request = Request(request_id, list(prompt_token_ids), params)
         self._requests[request_id] = request
-        self.scheduler.add(request)
         return request
+
+    # -- P/D hand-off ------------------------------------------------------------
+
+    def reserve(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        lease_s: float,
+    ) -> Reservation | None:
+        """Decode side: reserve blocks for a prompt a prefill worker will compute.
+        Blocks already here (prefix cache) are kept and need no transfer. None when
+        the cache has no room now."""
+        request = self._new_request(request_id, prompt_token_ids, params)
+        cached = self.kv_cache.find_cached_prefix(request_id, request.prompt_token_ids)
+        if not self.kv_cache.allocate(request_id, request.num_prompt_tokens):
+            self.kv_cache.free(request_id)
+            self._forget(request)
+            return None
+        request.num_cached_tokens = cached
+        self.leases.hold(request, lease_s)
+        first_block = cached // self.block_size
+        assert request.lease_deadline is not None
+        return Reservation(
+            request_id=request_id,
+            block_ids=self.kv_cache.block_table(request_id)[first_block:],
+            first_block=first_block,
+            num_cached_tokens=cached,
+            deadline=request.lease_deadline,
+        )
+
+    def adopt(self, request_id: str, first_token: int) -> RequestOutput:
+        """Decode side: the reserved blocks now hold the prompt's KV; continue the
+        request from the first token as if it had been prefilled here. Raises
+        LeaseError if the reservation is gone (expired or released)."""
+        request = self.leases.take(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.first_scheduled_time = time.monotonic()
+        self.kv_cache.cache_full_blocks(
+            request_id, request.prompt_token_ids, request.num_computed_tokens
+        )
+        request.output_token_ids.append(first_token)
+        reason = self._stop_reason(request, first_token)
+        self.scheduler.add_running(request)
+        now = time.monotonic()
+        if reason is not None:
+            self.scheduler.finish(request, reason)
+            self._forget(request)
+        return self._output(request, (first_token,), now)
+
+    def held_blocks(self, request_id: str) -> list[int]:
+        """Prefill side: the blocks of a finished request that holds them (in prompt
+        order). Raises LeaseError if its lease is gone."""
+        if request_id not in self.leases:
+            raise LeaseError(f"no lease for request {request_id!r} (unknown or expired)")
+        return self.kv_cache.block_table(request_id)
+
+    def release(self, request_id: str) -> None:
+        """Either side: end a hand-off's lease and free its blocks."""
+        request = self.leases.release(request_id)
+        if request is not None:
+            self._forget(request)
+
+    def expire_leases(self) -> int:
+        """Free blocks whose lease ran out; the number of leases that expired."""
+        expired = self.leases.expire()
+        for request in expired:
+            self._forget(request)
+        return len(expired)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request at once and free its blocks; None if it is not known."""
         request = self._requests.get(request_id)
         if request is None:
             return None
-        self.scheduler.finish(request, FinishReason.ABORT)
+        if request_id in self.leases:
+            self.leases.release(request_id)
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = FinishReason.ABORT
+        else:
+            self.scheduler.finish(request, FinishReason.ABORT)
         self._forget(request)
         return self._output(request, (), time.monotonic())
 
     def has_unfinished(self) -> bool:
-        """Whether any request waits or runs."""
+        """Whether any request waits or runs (leases are not work: they wait)."""
         return self.scheduler.has_work()
 
     # -- the step --------------------------------------------------------------
@@ -119,9 +207,12 @@ class LLMEngine:
             request.output_token_ids.append(token)
             reason = self._stop_reason(request, token)
             if reason is not None:
-                self.scheduler.finish(request, reason)
+                self.scheduler.finish(request, reason, free_blocks=not request.hold_blocks)
                 finished.append(self._finished(request, now))
-                self._forget(request)
+                if request.hold_blocks:
+                    self.leases.hold(request, self.config.handoff_lease_s)
+                else:
+                    self._forget(request)
             outputs.append(self._output(request, (token,), now))
         stats = self._stats(
             now,

@@ -84,6 +84,12 @@ class Scheduler:
         """Queue a new request."""
         self.waiting.append(request)
 
+    def add_running(self, request: Request) -> None:
+        """Admit a request whose tokens are already in the cache (adopted from a
+        prefill worker): it decodes from the next step on."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
     def has_work(self) -> bool:
         """Whether any request waits or runs."""
         return bool(self.waiting or self.running)
@@ -180,14 +186,16 @@ class Scheduler:
                 request.request_id, request.all_token_ids, request.num_computed_tokens
             )
 
-    def finish(self, request: Request, reason: FinishReason) -> None:
-        """End a request (stopped, too long, or aborted) and free its blocks."""
+    def finish(self, request: Request, reason: FinishReason, free_blocks: bool = True) -> None:
+        """End a request (stopped, too long, or aborted); free its blocks unless the
+        caller keeps them (a prefill worker's blocks wait for their transfer)."""
         if request.is_finished:
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv_cache.free(request.request_id)
+        if free_blocks:
+            self.kv_cache.free(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

@@ -1,0 +1,107 @@
+"""The KV cache layout both ends of a transfer must share, and how a list of blocks
+becomes a few large contiguous copies.
+
+The cache is one tensor [num_layers, num_blocks, 2, block_size, kv_heads, head_dim]
+(see engine/attention.py): for each layer, a run of consecutive block ids is one
+contiguous range of memory. A transfer pairs the sender's blocks with the
+receiver's, position by position; wherever both sides' ids run consecutively, the
+pairs merge into one segment, and each segment moves as one copy per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+
+class LayoutMismatchError(ValueError):
+    """Two workers whose KV caches cannot exchange blocks."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape and type of a worker's KV cache, as exchanged between workers."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name without the prefix, e.g. "float32"
+    model: str  # model identity (served name); prefill and decode must agree
+
+    @classmethod
+    def of(cls, kv_cache: torch.Tensor, model: str) -> KVLayout:
+        """The layout of a cache tensor."""
+        num_layers, num_blocks, two, block_size, kv_heads, head_dim = kv_cache.shape
+        assert two == 2, "the cache holds K and V side by side"
+        dtype = str(kv_cache.dtype).removeprefix("torch.")
+        return cls(num_layers, num_blocks, block_size, kv_heads, head_dim, dtype, model)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block in one layer (its K and V)."""
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).itemsize
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer's cache."""
+        return self.num_blocks * self.block_bytes
+
+    def offset(self, layer: int, block: int) -> int:
+        """Byte offset of `block` of `layer` from the start of the cache."""
+        return layer * self.layer_bytes + block * self.block_bytes
+
+    def check_compatible(self, peer: KVLayout, *, local: str, remote: str) -> None:
+        """Raise LayoutMismatchError naming each setting where the two differ, with
+        both values (the block count may differ: each side has its own cache)."""
+        fields = ("model", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
+        problems = [
+            f"{name}: {local} has {getattr(self, name)}, {remote} has {getattr(peer, name)}"
+            for name in fields
+            if getattr(self, name) != getattr(peer, name)
+        ]
+        if problems:
+            raise LayoutMismatchError("KV cache layouts differ: " + "; ".join(problems))
+
+    def to_json(self) -> dict[str, Any]:
+        """For the workers' HTTP API."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> KVLayout:
+        """Parse what `to_json` wrote (raises ValueError on a malformed layout)."""
+        try:
+            return cls(**{name: raw[name] for name in cls.__dataclass_fields__})
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"malformed KV layout: {error}") from error
+
+
+@dataclass(frozen=True)
+class Segment:
+    """`count` consecutive blocks from `src` on the sender to `dst` on the receiver."""
+
+    src: int
+    dst: int
+    count: int
+
+
+def segments(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[Segment]:
+    """Pair blocks position by position and merge runs that are consecutive on both
+    sides."""
+    if len(src_blocks) != len(dst_blocks):
+        raise ValueError(
+            f"block counts differ: {len(src_blocks)} to send, {len(dst_blocks)} to receive"
+        )
+    merged: list[Segment] = []
+    for src, dst in zip(src_blocks, dst_blocks, strict=True):
+        last = merged[-1] if merged else None
+        if last and src == last.src + last.count and dst == last.dst + last.count:
+            merged[-1] = Segment(last.src, last.dst, last.count + 1)
+        else:
+            merged.append(Segment(src, dst, 1))
+    return merged
