@@ -1,0 +1,321 @@
+"""Rendering a ServingPool into Kubernetes objects (pure, deterministic)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pdserve.operator import api, render
+from pdserve.operator.quantity import parse_quantity, to_bytes
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "deploy" / "examples"
+
+Obj = dict[str, Any]
+
+
+def pool(name: str) -> api.ServingPool:
+    return api.parse_pool(yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text()))
+
+
+def rendered(p: api.ServingPool, **kwargs: Any) -> list[Obj]:
+    return render.render(p.metadata.name, "serving", p.spec, **kwargs)
+
+
+def by_key(objects: list[Obj]) -> dict[tuple[str, str], Obj]:
+    return {(o["kind"], o["metadata"]["name"]): o for o in objects}
+
+
+def container(deployment: Obj) -> Obj:
+    containers: list[Obj] = deployment["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def flag(args: list[str], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args else None
+
+
+def with_patch(p: api.ServingPool, patch: Obj) -> api.ServingPool:
+    """The pool with some spec fields changed (nested dict merge)."""
+
+    def merge(base: Any, change: Any) -> Any:
+        if isinstance(base, dict) and isinstance(change, dict):
+            return {**base, **{k: merge(base.get(k), v) for k, v in change.items()}}
+        return change
+
+    return api.parse_pool(merge(api.dump(p), {"spec": patch}))
+
+
+def test_colocated_pool_renders_no_prefill_objects() -> None:
+    objects = rendered(pool("tiny-colocated"))
+    assert [(o["kind"], o["metadata"]["name"]) for o in objects] == [
+        ("ConfigMap", "tiny-routing"),
+        ("ServiceAccount", "tiny-router"),
+        ("Role", "tiny-router"),
+        ("RoleBinding", "tiny-router"),
+        ("Service", "tiny-decode"),
+        ("Service", "tiny-router"),
+        ("Deployment", "tiny-decode"),
+        ("Deployment", "tiny-router"),
+        ("PodDisruptionBudget", "tiny-decode"),
+        ("PodDisruptionBudget", "tiny-router"),
+    ]
+    assert all(o["metadata"]["namespace"] == "serving" for o in objects)
+
+
+def test_colocated_decode_worker_prefills_itself() -> None:
+    decode = by_key(rendered(pool("tiny-colocated")))[("Deployment", "tiny-decode")]
+    worker = container(decode)
+    args = worker["args"]
+    assert worker["command"] == ["pdserve"]
+    assert worker["image"] == "pdserve:0.1.0"
+    assert args[0] == "worker"
+    assert flag(args, "--role") == "both"
+    assert flag(args, "--pool") == "tiny"
+    assert flag(args, "--device") == "cpu"
+    assert flag(args, "--model") == "/models/tiny-llama"
+    assert flag(args, "--served-model-name") == "tiny-llama"
+    assert flag(args, "--port") == "8000"
+    assert flag(args, "--max-num-batched-tokens") == "256"
+    assert flag(args, "--max-num-seqs") == "16"
+    assert flag(args, "--num-kv-blocks") == "512"
+    assert flag(args, "--dtype") == "float32"
+    assert "--kv-transfer" not in args and "--kv-cache-memory" not in args
+    assert "--kv-cache-dtype" not in args  # auto: the worker's default
+    assert decode["spec"]["replicas"] == 2
+    assert worker["resources"] == {
+        "requests": {"cpu": "1", "memory": "1Gi"},
+        "limits": {"memory": "2Gi"},
+    }
+
+
+def test_disaggregated_workers() -> None:
+    objects = by_key(rendered(pool("disaggregated")))
+    prefill = container(objects[("Deployment", "llama-pd-prefill")])
+    decode = container(objects[("Deployment", "llama-pd-decode")])
+    assert flag(prefill["args"], "--role") == "prefill"
+    assert flag(decode["args"], "--role") == "decode"
+    for worker in (prefill, decode):
+        assert flag(worker["args"], "--kv-transfer") == "nixl"
+        assert flag(worker["args"], "--transfer-failure-policy") == "recompute"
+        assert flag(worker["args"], "--block-size") == "16"
+        assert flag(worker["args"], "--max-model-len") == "32768"
+        assert flag(worker["args"], "--device") == "cuda"
+        assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert {"name": "model", "mountPath": "/models", "readOnly": True} in worker["volumeMounts"]
+    assert flag(prefill["args"], "--kv-cache-memory") == str(20 * 2**30)
+    assert flag(decode["args"], "--max-num-batched-tokens") == "512"
+    hf = next(v for v in decode["env"] if v["name"] == "HF_TOKEN")
+    assert hf["valueFrom"]["secretKeyRef"] == {
+        "name": "huggingface",
+        "key": "token",
+        "optional": True,
+    }
+    pod = objects[("Deployment", "llama-pd-prefill")]["spec"]["template"]["spec"]
+    assert pod["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    ]
+    assert {
+        "name": "model",
+        "persistentVolumeClaim": {"claimName": "models", "readOnly": True},
+    } in pod["volumes"]
+
+
+def test_labels_selectors_ports_and_probes() -> None:
+    objects = rendered(pool("disaggregated"))
+    for obj in objects:
+        labels = obj["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "pdserve"
+        assert labels["app.kubernetes.io/instance"] == "llama-pd"
+        assert labels["pdserve.dev/pool"] == "llama-pd"
+    for component in ("prefill", "decode", "router"):
+        deployment = by_key(objects)[("Deployment", f"llama-pd-{component}")]
+        template = deployment["spec"]["template"]
+        assert template["metadata"]["labels"]["app.kubernetes.io/component"] == component
+        selector = deployment["spec"]["selector"]["matchLabels"]
+        assert selector.items() <= template["metadata"]["labels"].items()
+        main = container(deployment)
+        assert main["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+        assert main["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+        assert main["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        assert template["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_worker_services_are_headless_and_router_service_is_not() -> None:
+    objects = by_key(rendered(pool("disaggregated")))
+    for role in ("prefill", "decode"):
+        spec = objects[("Service", f"llama-pd-{role}")]["spec"]
+        assert spec["clusterIP"] == "None"
+        assert spec["selector"]["app.kubernetes.io/component"] == role
+    router = objects[("Service", "llama-pd-router")]["spec"]
+    assert router["type"] == "ClusterIP" and "clusterIP" not in router
+    assert router["ports"][0]["targetPort"] == "http"
+
+
+def test_pod_disruption_budgets_allow_one_pod_per_role() -> None:
+    budgets = [o for o in rendered(pool("disaggregated")) if o["kind"] == "PodDisruptionBudget"]
+    assert [b["metadata"]["name"] for b in budgets] == [
+        "llama-pd-prefill",
+        "llama-pd-decode",
+        "llama-pd-router",
+    ]
+    assert all(b["spec"]["maxUnavailable"] == 1 for b in budgets)
+
+
+def test_router_reads_the_routing_table() -> None:
+    p = pool("disaggregated")
+    objects = by_key(rendered(p))
+    table = json.loads(objects[("ConfigMap", "llama-pd-routing")]["data"]["routing.json"])
+    assert table["buckets"] == [
+        {"maxInputTokens": 1024, "mode": "colocated"},
+        {"maxInputTokens": None, "mode": "disaggregated"},
+    ]
+    assert table["discovery"] == {
+        "kind": "kubernetes",
+        "namespace": "serving",
+        "port": 8000,
+        "services": {"decode": "llama-pd-decode", "prefill": "llama-pd-prefill"},
+    }
+    assert table["kvTransfer"] == {"failurePolicy": "recompute"}
+    router = objects[("Deployment", "llama-pd-router")]
+    args = container(router)["args"]
+    assert args[:3] == ["router", "--config", "/etc/pdserve/routing.json"]
+    pod = router["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "llama-pd-router"
+    assert {"name": "routing", "configMap": {"name": "llama-pd-routing"}} in pod["volumes"]
+    role = objects[("Role", "llama-pd-router")]
+    assert role["rules"][0]["resources"] == ["endpointslices"]
+
+
+def test_decode_engine_change_touches_only_the_decode_deployment() -> None:
+    p = pool("disaggregated")
+    before = by_key(rendered(p))
+    after = by_key(rendered(with_patch(p, {"decode": {"engine": {"maxNumBatchedTokens": 1024}}})))
+    assert before.keys() == after.keys()
+    changed = [key for key in before if before[key] != after[key]]
+    assert changed == [("Deployment", "llama-pd-decode")]
+
+
+def test_routing_change_touches_the_config_map_and_rolls_the_router() -> None:
+    p = pool("disaggregated")
+    before = by_key(rendered(p))
+    buckets = [{"maxInputTokens": 2048, "mode": "colocated"}, {"mode": "disaggregated"}]
+    after = by_key(rendered(with_patch(p, {"routing": {"buckets": buckets}})))
+    changed = [key for key in before if before[key] != after[key]]
+    assert changed == [("ConfigMap", "llama-pd-routing"), ("Deployment", "llama-pd-router")]
+    key = ("Deployment", "llama-pd-router")
+    annotation = "pdserve.dev/routing-hash"
+
+    def digest(objects: dict[tuple[str, str], Obj]) -> str:
+        value: str = objects[key]["spec"]["template"]["metadata"]["annotations"][annotation]
+        return value
+
+    assert digest(before) != digest(after)
+
+
+def test_rendering_is_deterministic() -> None:
+    p = pool("disaggregated")
+    first = json.dumps(rendered(p))
+    again = api.parse_pool(yaml.safe_load(yaml.safe_dump(api.dump(p))))
+    assert json.dumps(rendered(again)) == first
+    assert json.dumps(rendered(p)) == first
+
+
+def test_replicas_override_and_zero_replicas() -> None:
+    p = pool("disaggregated")
+    objects = by_key(rendered(p, replicas={"prefill": 0, "decode": 6}))
+    assert ("Deployment", "llama-pd-prefill") not in objects
+    assert ("Service", "llama-pd-prefill") not in objects
+    assert ("PodDisruptionBudget", "llama-pd-prefill") not in objects
+    assert objects[("Deployment", "llama-pd-decode")]["spec"]["replicas"] == 6
+    # Scaling a role leaves the router's configuration and the decode role alone.
+    unscaled = by_key(rendered(p))
+    routing = ("ConfigMap", "llama-pd-routing")
+    assert objects[routing] == unscaled[routing]
+    decode = ("Deployment", "llama-pd-decode")
+    assert container(objects[decode]) == container(unscaled[decode])
+
+
+def test_router_with_zero_replicas_renders_no_router_objects() -> None:
+    p = with_patch(pool("tiny-colocated"), {"router": {"replicas": 0}})
+    kinds = {(o["kind"], o["metadata"]["name"]) for o in rendered(p)}
+    assert kinds == {
+        ("Service", "tiny-decode"),
+        ("Deployment", "tiny-decode"),
+        ("PodDisruptionBudget", "tiny-decode"),
+    }
+
+
+def test_service_monitor_only_when_asked() -> None:
+    assert all(o["kind"] != "ServiceMonitor" for o in rendered(pool("tiny-colocated")))
+    monitor = rendered(pool("disaggregated"))[-1]
+    assert monitor["kind"] == "ServiceMonitor"
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert monitor["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
+    assert monitor["spec"]["selector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "pdserve",
+        "app.kubernetes.io/instance": "llama-pd",
+    }
+
+
+def test_longest_pool_name_gives_valid_names() -> None:
+    name = "p" * api.MAX_POOL_NAME
+    spec = pool("disaggregated").spec
+    for obj in render.render(name, "default", spec):
+        assert len(obj["metadata"]["name"]) <= 63
+        assert all(len(v) <= 63 for v in obj["metadata"]["labels"].values())
+
+
+def test_owner_reference() -> None:
+    metadata = {"name": "tiny", "namespace": "serving", "uid": "1234"}
+    ref = render.owner_reference(metadata)
+    assert ref == {
+        "apiVersion": "pdserve.dev/v1alpha1",
+        "kind": "ServingPool",
+        "name": "tiny",
+        "uid": "1234",
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+    obj = rendered(pool("tiny-colocated"))[0]
+    owned = render.with_owner(obj, metadata)
+    assert owned["metadata"]["ownerReferences"] == [ref]
+    assert "ownerReferences" not in obj["metadata"]
+
+
+def test_router_endpoint() -> None:
+    assert render.router_endpoint("tiny", "serving") == "http://tiny-router.serving.svc:8000"
+
+
+@pytest.mark.parametrize(
+    ("quantity", "value"),
+    [("4Gi", 4 * 2**30), ("1500M", 1_500_000_000), ("2e3", 2000), (512, 512), ("1.5Ki", 1536)],
+)
+def test_quantities(quantity: int | str, value: int) -> None:
+    assert to_bytes(quantity) == value
+
+
+def test_bad_quantity() -> None:
+    with pytest.raises(ValueError, match="not a Kubernetes quantity"):
+        parse_quantity("lots")
+    assert to_bytes("100m") == 1  # rounded up, as Kubernetes does for bytes
+
+
+def test_colocated_worker_args_parse_with_the_worker_command() -> None:
+    # The rendered command line must be one `pdserve worker` accepts.
+    from pdserve.workers import server_cli
+
+    parser = argparse.ArgumentParser()
+    server_cli.register(parser.add_subparsers())
+    p = pool("tiny-colocated")
+    parsed = parser.parse_args(
+        render.worker_args("tiny", p.spec, "decode", host="0.0.0.0", port=8000)
+    )
+    assert parsed.role == "both" and parsed.pool == "tiny"
+    assert parsed.max_num_batched_tokens == 256 and parsed.num_kv_blocks == 512
