@@ -13,7 +13,7 @@ PY := $(BIN)/python
 DEMO_MODEL := $(CACHE_DIR)/models/tiny-llama
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test lint typecheck unit bench crd cluster clean
+.PHONY: venv demo test lint typecheck unit e2e bench crd cluster clean
 
 # Dependencies are installed once per key; the editable install of this checkout
 # (a strict link tree that mypy can read) is redone whenever the checkout moves or
@@ -31,10 +31,16 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy -p pdserve
 
+# Unit and integration tests: real worker processes, no Kubernetes.
 unit: venv
-	$(BIN)/pytest tests -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/pytest tests -m "not slow and not cluster" $(PYTEST_ARGS)
 
-test: lint typecheck unit
+# Against a real control plane (etcd, kube-apiserver, controller-manager, scheduler,
+# kwok), built from Go modules once per machine (see mk/cluster.mk).
+e2e: venv cluster-bin
+	$(BIN)/pytest tests/e2e -m "cluster and not slow" $(PYTEST_ARGS)
+
+test: lint typecheck unit e2e
 
 bench: venv
 	$(BIN)/pytest tests/bench -m slow -s $(PYTEST_ARGS)

@@ -11,6 +11,9 @@
 #
 # Environment: GO (the go command), XDG_CACHE_HOME, GOMODCACHE and GOCACHE (default
 # under the pdserve cache, so `rm -rf ~/.cache/pdserve` removes everything).
+# The private build cache (about 4 GB) is emptied after a complete build, as the
+# binaries are what is kept; KEEP_GOCACHE=1 keeps it. The module cache (about 1 GB,
+# 190 MB downloaded) stays, so a rebuild needs no network.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -58,6 +61,7 @@ fi
 
 GO=${GO:-$(command -v go || echo /usr/local/go/bin/go)}
 [[ -x $GO ]] || { echo "go not found: install Go >= 1.26 or set GO=/path/to/go" >&2; exit 1; }
+PRIVATE_GOCACHE=${GOCACHE:+no}
 export GOMODCACHE=${GOMODCACHE:-$CACHE/go/mod}
 export GOCACHE=${GOCACHE:-$CACHE/go/build}
 # -modcacherw: a plain `rm -rf` can clear the cache. -buildvcs=false: the wrapper
@@ -125,4 +129,7 @@ build kube-controller-manager k8s k8s.io/kubernetes/cmd/kube-controller-manager 
 build kube-scheduler k8s k8s.io/kubernetes/cmd/kube-scheduler "$K8S_LDFLAGS"
 build kubectl k8s k8s.io/kubernetes/cmd/kubectl "$K8S_LDFLAGS"
 echo "total $(($(date +%s) - BUILD_START))s $(date -u +%Y-%m-%dT%H:%M:%SZ)" >>"$LOG_FILE"
+if [[ ${PRIVATE_GOCACHE:-yes} == yes && ${KEEP_GOCACHE:-0} != 1 ]]; then
+    "$GO" clean -cache
+fi
 echo "$BIN_DIR"

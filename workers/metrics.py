@@ -11,6 +11,7 @@ from itertools import pairwise
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.workers.engine.engine import StepResult
+from pdserve.workers.kv_transfer.base import TransferStats
 
 # Latency buckets in seconds: fine below 100 ms where ITL lives, coarse up to minutes.
 LATENCY_BUCKETS = (
@@ -36,7 +37,7 @@ class WorkerMetrics:
     def __init__(self, pool: str, role: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self._labels = {"pool": pool, "role": role}
-        names, labeled = ("pool", "role"), ("pool", "role", "bucket")
+        names, labeled = ("pool", "role"), ("pool", "role", "bucket", "mode")
         reg = self.registry
         self.ttft = Histogram(
             "pdserve_time_to_first_token_seconds",
@@ -115,8 +116,34 @@ class WorkerMetrics:
             "Prompt tokens found in the prefix cache / looked up, since start.",
             names, registry=reg,
         )  # fmt: skip
+        self.transfer_bytes = Counter(
+            "pdserve_kv_transfer_bytes_total", "KV cache bytes transferred between workers.",
+            names, registry=reg,
+        )  # fmt: skip
+        self.transfer_duration = Histogram(
+            "pdserve_kv_transfer_duration_seconds", "Duration of KV transfers.",
+            names, buckets=LATENCY_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.transfer_descriptors = Histogram(
+            "pdserve_kv_transfer_descriptors", "Contiguous copies per KV transfer.",
+            names, buckets=TOKEN_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.transfer_failures = Counter(
+            "pdserve_kv_transfer_failures_total", "Hand-offs that failed, by cause.",
+            (*names, "reason"), registry=reg,
+        )  # fmt: skip
+        self.leases_expired = Counter(
+            "pdserve_kv_leases_expired_total", "Hand-off leases that ran out (blocks freed).",
+            names, registry=reg,
+        )  # fmt: skip
+        self.kv_wait = Histogram(
+            "pdserve_kv_wait_seconds",
+            "Decode side: request arrival to its KV in place (prefill and transfer).",
+            names, buckets=LATENCY_BUCKETS, registry=reg,
+        )  # fmt: skip
         self._queries_seen = 0
         self._hits_seen = 0
+        self._expired_seen = 0
 
     # -- engine side (called on the engine thread) -----------------------------
 
@@ -133,6 +160,8 @@ class WorkerMetrics:
         self.prefill_chunks.labels(**labels).inc(stats.num_prefill_chunks)
         self.generation_tokens.labels(**labels).inc(len(result.outputs))
         self._record_prefix(stats.prefix_cache_queries, stats.prefix_cache_hits)
+        self.leases_expired.labels(**labels).inc(stats.leases_expired_total - self._expired_seen)
+        self._expired_seen = stats.leases_expired_total
         for done in result.finished:
             self.prompt_tokens.labels(**labels).inc(done.num_prompt_tokens)
             if done.first_scheduled_time is not None:
@@ -152,10 +181,15 @@ class WorkerMetrics:
     # -- server side (per request, token times as the server saw them) ---------
 
     def observe_request(
-        self, num_prompt_tokens: int, token_times: Sequence[float], arrival: float, reason: str
+        self,
+        num_prompt_tokens: int,
+        token_times: Sequence[float],
+        arrival: float,
+        reason: str,
+        mode: str = "colocated",
     ) -> None:
         """Record the latencies of a request that ended."""
-        labels = {**self._labels, "bucket": input_bucket(num_prompt_tokens)}
+        labels = {**self._labels, "bucket": input_bucket(num_prompt_tokens), "mode": mode}
         self.requests.labels(**self._labels, finish_reason=reason).inc()
         if not token_times:
             return
@@ -166,6 +200,20 @@ class WorkerMetrics:
             self.itl.labels(**labels).observe(later - earlier)
         if len(token_times) > 1:
             self.tpot.labels(**labels).observe((last - first) / (len(token_times) - 1))
+
+    def observe_transfer(self, stats: TransferStats) -> None:
+        """Record a finished KV transfer."""
+        self.transfer_bytes.labels(**self._labels).inc(stats.bytes)
+        self.transfer_duration.labels(**self._labels).observe(stats.seconds)
+        self.transfer_descriptors.labels(**self._labels).observe(stats.descriptors)
+
+    def observe_transfer_failure(self, reason: str) -> None:
+        """Count a failed hand-off."""
+        self.transfer_failures.labels(**self._labels, reason=reason).inc()
+
+    def observe_kv_wait(self, seconds: float) -> None:
+        """Decode side: how long a request waited for its KV."""
+        self.kv_wait.labels(**self._labels).observe(seconds)
 
     def observe_rejected(self) -> None:
         """Count a request refused with a 4xx."""

@@ -39,6 +39,7 @@ class _Common(BaseModel):
     frequency_penalty: float = 0.0
     logprobs: Any = None
     user: str | None = None
+    return_token_ids: bool = False  # extension: each choice carries its token ids
 
     def check_supported(self) -> None:
         """Refuse features this server does not implement."""

@@ -24,6 +24,10 @@ from pdserve.workers.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.workers.engine.sampling import InvalidRequestError, SamplingParams
 from pdserve.workers.engine.stats import RequestOutput
 from pdserve.workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.workers.handoff.decode import DecodeHandoff
+from pdserve.workers.handoff.errors import HandoffError
+from pdserve.workers.handoff.prefill import PrefillService
+from pdserve.workers.handoff.protocol import PREFILL_URL_HEADER
 from pdserve.workers.metrics import WorkerMetrics
 from pdserve.workers.protocol import (
     ChatCompletionRequest,
@@ -72,6 +76,7 @@ class _Prepared:
     stream: bool
     include_usage: bool
     chat: bool
+    return_token_ids: bool
 
 
 class WorkerServer:
@@ -83,11 +88,15 @@ class WorkerServer:
         tokenizer: Tokenizer,
         metrics: WorkerMetrics,
         info: WorkerInfo,
+        handoff: DecodeHandoff | None = None,
+        prefill: PrefillService | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.info = info
+        self.handoff = handoff
+        self.prefill = prefill
         self.ready = False
 
     def app(self) -> web.Application:
@@ -99,6 +108,8 @@ class WorkerServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.readiness)
         app.router.add_get("/metrics", self.prometheus)
+        if self.prefill is not None:
+            self.prefill.add_routes(app)
         return app
 
     @web.middleware
@@ -114,6 +125,7 @@ class WorkerServer:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions."""
+        self._check_role()
         body = await _json_body(request)
         parsed = _parse(CompletionRequest, body)
         self._check_model(parsed.model)
@@ -127,6 +139,7 @@ class WorkerServer:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/chat/completions."""
+        self._check_role()
         body = await _json_body(request)
         parsed = _parse(ChatCompletionRequest, body)
         self._check_model(parsed.model)
@@ -171,6 +184,13 @@ class WorkerServer:
 
     # -- serving ---------------------------------------------------------------
 
+    def _check_role(self) -> None:
+        if self.info.role == "prefill":
+            raise HTTPError(
+                400, "this is a prefill worker: send completions to a decode worker, with "
+                f"the header {PREFILL_URL_HEADER} naming this worker",
+            )  # fmt: skip
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.info.model_name:
             raise HTTPError(
@@ -200,28 +220,58 @@ class WorkerServer:
             stream=parsed.stream,
             include_usage=bool(options and options.include_usage),
             chat=chat,
+            return_token_ids=parsed.return_token_ids,
         )
 
     async def _serve(self, request: web.Request, prepared: _Prepared) -> web.StreamResponse:
         arrival = time.monotonic()
-        outputs: AsyncGenerator[RequestOutput, None] = self.engine.generate(
-            prepared.prompt_token_ids, prepared.params, prepared.request_id
-        )
+        tracker = _Tracker(prepared, arrival)
+        outputs = self._outputs(request, prepared, tracker)
         text = TextStream(
             IncrementalDetokenizer(self.tokenizer, prepared.prompt_token_ids),
             prepared.params.stop,
             prepared.params.include_stop_str_in_output,
         )
-        tracker = _Tracker(prepared, arrival)
         try:
+            # The first output decides between an answer and an error status; only
+            # then does a stream start.
+            first = await _first(outputs)
+            chained = _chain(first, outputs)
             if prepared.stream:
-                return await self._stream(request, prepared, outputs, text, tracker)
-            return await self._complete(prepared, outputs, text, tracker)
+                return await self._stream(request, prepared, chained, text, tracker)
+            return await self._complete(prepared, chained, text, tracker)
         finally:
             await outputs.aclose()  # aborts the request if it had not finished
             self.metrics.observe_request(
-                len(prepared.prompt_token_ids), tracker.token_times, arrival, tracker.reason
+                len(prepared.prompt_token_ids),
+                tracker.token_times,
+                arrival,
+                tracker.reason,
+                tracker.mode,
             )
+
+    def _outputs(
+        self, request: web.Request, prepared: _Prepared, tracker: _Tracker
+    ) -> AsyncGenerator[RequestOutput, None]:
+        prefill_url = request.headers.get(PREFILL_URL_HEADER)
+        if prefill_url is None:
+            return self.engine.generate(
+                prepared.prompt_token_ids, prepared.params, prepared.request_id
+            )
+        if self.handoff is None:
+            raise HTTPError(
+                400, f"this worker takes no prefill hand-offs ({PREFILL_URL_HEADER}): "
+                "start it with --role decode",
+            )  # fmt: skip
+        tracker.mode = "disaggregated"
+
+        def fell_back() -> None:
+            tracker.mode = "colocated"
+
+        return self.handoff.generate(
+            prepared.request_id, prepared.prompt_token_ids, prepared.params,
+            prefill_url.rstrip("/"), on_fallback=fell_back,
+        )  # fmt: skip
 
     async def _complete(
         self,
@@ -242,6 +292,8 @@ class WorkerServer:
             raise HTTPError(503, str(error), "server_error") from error
         pieces.append(text.flush())
         body = _body(prepared, "".join(pieces), tracker.reason, final=True)
+        if prepared.return_token_ids:
+            body["choices"][0]["token_ids"] = tracker.token_ids
         body["usage"] = tracker.usage()
         return web.json_response(body)
 
@@ -266,7 +318,10 @@ class WorkerServer:
                 done = output.finished or text.stopped
                 piece = delta.text + (text.flush() if done else "")
                 reason = tracker.reason if done else None
-                await _send(response, _body(prepared, piece, reason, final=False))
+                chunk = _body(prepared, piece, reason, final=False)
+                if prepared.return_token_ids:
+                    chunk["choices"][0]["token_ids"] = list(output.new_token_ids)
+                await _send(response, chunk)
                 if done:
                     break
         except EngineDeadError as error:
@@ -288,12 +343,15 @@ class _Tracker:
         self.prepared = prepared
         self.arrival = arrival
         self.token_times: list[float] = []
+        self.token_ids: list[int] = []
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
         self.reason = "abort"
+        self.mode = "colocated"
 
     def record(self, output: RequestOutput) -> None:
         self.token_times.extend(output.time for _ in output.new_token_ids)
+        self.token_ids.extend(output.new_token_ids)
         self.num_output_tokens = output.num_output_tokens
         self.num_cached_tokens = output.num_cached_tokens
         if output.finish_reason is not None:
@@ -325,6 +383,26 @@ def _body(prepared: _Prepared, text: str, reason: str | None, final: bool) -> di
         choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
         kind = "text_completion"
     return {"id": prepared.request_id, "object": kind, "created": created, "choices": [choice]}
+
+
+async def _first(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """The first output, or the HTTP error that stands for why there is none."""
+    try:
+        return await anext(outputs)
+    except HandoffError as error:
+        raise HTTPError(502, f"prefill hand-off failed: {error}", error.code) from error
+    except EngineDeadError as error:
+        raise HTTPError(503, str(error), "server_error") from error
+    except InvalidRequestError as error:
+        raise HTTPError(400, str(error)) from error
+
+
+async def _chain(
+    first: RequestOutput, rest: AsyncIterator[RequestOutput]
+) -> AsyncGenerator[RequestOutput, None]:
+    yield first
+    async for output in rest:
+        yield output
 
 
 async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-ROLES = ("both",)
+ROLES = ("both", "prefill", "decode")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
@@ -40,7 +40,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--model", type=Path, required=True, help="Hugging Face model directory")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--role", choices=ROLES, default="both")
+    parser.add_argument(
+        "--role", choices=ROLES, default="both",
+        help="both: serve requests alone; decode: also take prompts prefilled by a prefill "
+        "worker (header X-Pdserve-Prefill-Url); prefill: only prefill for decode workers",
+    )  # fmt: skip
     parser.add_argument("--pool", default="local", help="pool name for metric labels")
     parser.add_argument("--served-model-name", help="model id in the API (default: dir name)")
     parser.add_argument("--max-num-batched-tokens", type=_positive, default=512)
@@ -56,6 +60,22 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--max-model-len", type=_positive)
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"))
+    parser.add_argument(
+        "--kv-cache-dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto"
+    )
+    handoff = parser.add_argument_group("P/D hand-off (roles prefill and decode)")
+    handoff.add_argument("--kv-transfer", choices=("nixl", "torch"), default="nixl")
+    handoff.add_argument(
+        "--transfer-failure-policy", choices=("recompute", "fail"), default="recompute",
+        help="decode: on a failed hand-off, prefill here (recompute) or end the request",
+    )  # fmt: skip
+    handoff.add_argument(
+        "--handoff-timeout", type=float, default=30.0, metavar="SECONDS",
+        help="lease on KV blocks held for a hand-off; a hand-off not done by then fails",
+    )  # fmt: skip
+    handoff.add_argument(
+        "--kv-transfer-host", help="address peers reach this worker's transfer agent at"
+    )
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=_positive, help="torch CPU threads (default on CPU: 1)")
@@ -67,8 +87,10 @@ def run(args: argparse.Namespace) -> int:
     """Start the worker and serve until interrupted."""
     from pdserve.workers.worker import WorkerOptions, serve
 
-    options = WorkerOptions(**{k: v for k, v in vars(args).items() if k in _OPTION_NAMES})
-    return serve(options)
+    chosen = {k: v for k, v in vars(args).items() if k in _OPTION_NAMES}
+    if chosen["kv_cache_dtype"] == "auto":
+        chosen["kv_cache_dtype"] = None
+    return serve(WorkerOptions(**chosen))
 
 
 _OPTION_NAMES: frozenset[Any] = frozenset(
@@ -76,6 +98,7 @@ _OPTION_NAMES: frozenset[Any] = frozenset(
         "model", "host", "port", "role", "pool", "served_model_name",
         "max_num_batched_tokens", "max_num_seqs", "no_chunked_prefill", "num_kv_blocks",
         "kv_cache_memory", "block_size", "no_prefix_caching", "max_model_len", "dtype",
-        "device", "seed", "threads", "log_level",
+        "device", "seed", "threads", "log_level", "kv_cache_dtype", "kv_transfer",
+        "transfer_failure_policy", "handoff_timeout", "kv_transfer_host",
     }
 )  # fmt: skip

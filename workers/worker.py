@@ -6,6 +6,7 @@ import asyncio
 import logging
 import signal
 import sys
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,9 @@ from pdserve.workers.engine.config import (
 from pdserve.workers.engine.engine import LLMEngine
 from pdserve.workers.engine.sampling import SamplingParams
 from pdserve.workers.engine.tokenizer import Tokenizer
+from pdserve.workers.handoff.decode import DecodeHandoff
+from pdserve.workers.handoff.prefill import PrefillService
+from pdserve.workers.kv_transfer.layout import KVLayout
 from pdserve.workers.metrics import WorkerMetrics
 from pdserve.workers.server import WorkerInfo, WorkerServer
 
@@ -50,6 +54,11 @@ class WorkerOptions:
     seed: int = 0
     threads: int | None = None
     log_level: str = "info"
+    kv_cache_dtype: str | None = None
+    kv_transfer: str = "nixl"
+    transfer_failure_policy: str = "recompute"
+    handoff_timeout: float = 30.0
+    kv_transfer_host: str | None = None
 
     def engine_config(self) -> EngineConfig:
         """The engine's configuration."""
@@ -57,7 +66,9 @@ class WorkerOptions:
             model_dir=self.model,
             device=self.device,
             dtype=self.dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
             max_model_len=self.max_model_len,
+            handoff_lease_s=self.handoff_timeout,
             seed=self.seed,
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -91,7 +102,33 @@ def build_server(options: WorkerOptions) -> WorkerServer:
         role=options.role,
         max_model_len=engine.max_model_len,
     )
-    return WorkerServer(async_engine, tokenizer, metrics, info)
+    handoff, prefill = _handoff_sides(options, async_engine, metrics, info.model_name)
+    return WorkerServer(async_engine, tokenizer, metrics, info, handoff, prefill)
+
+
+def _handoff_sides(
+    options: WorkerOptions, engine: AsyncEngine, metrics: WorkerMetrics, model_name: str
+) -> tuple[DecodeHandoff | None, PrefillService | None]:
+    """The P/D hand-off side this worker's role plays, with its transfer agent."""
+    if options.role == "both":
+        return None, None
+    # Imported here: a transfer backend (NIXL, UCX) loads only where it is used.
+    from pdserve.workers.kv_transfer.factory import create_agent
+
+    kv_cache = engine.engine.runner.kv_cache
+    agent = create_agent(
+        options.kv_transfer,
+        f"{options.role}-{uuid.uuid4().hex[:12]}",
+        kv_cache,
+        KVLayout.of(kv_cache, model=model_name),
+        host=options.kv_transfer_host or options.host,
+    )
+    if options.role == "prefill":
+        return None, PrefillService(engine, agent, metrics, options.handoff_timeout)
+    handoff = DecodeHandoff(
+        engine, agent, metrics, options.transfer_failure_policy, options.handoff_timeout
+    )
+    return handoff, None
 
 
 async def warm_up(server: WorkerServer) -> None:
@@ -119,6 +156,8 @@ async def run_server(server: WorkerServer, host: str, port: int) -> None:
     await stop.wait()
     server.ready = False
     await runner.cleanup()
+    if server.handoff is not None:
+        await server.handoff.close()
     server.engine.stop()
 
 
@@ -129,7 +168,7 @@ def serve(options: WorkerOptions) -> int:
     )
     try:
         server = build_server(options)
-    except (ConfigError, OSError) as error:
+    except (ConfigError, OSError, ValueError) as error:
         print(f"pdserve worker: {error}", file=sys.stderr)
         return 2
     asyncio.run(run_server(server, options.host, options.port))

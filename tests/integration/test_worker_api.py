@@ -43,7 +43,11 @@ def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
 def test_completion_matches_the_engine(client: openai.OpenAI, small_model_dir: Path) -> None:
     prompt = list(range(10, 90))
     result = client.completions.create(
-        model="small", prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+        model="small",
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
     )
     expected, _ = run_to_completion(
         make_engine(small_model_dir),
@@ -51,6 +55,7 @@ def test_completion_matches_the_engine(client: openai.OpenAI, small_model_dir: P
         SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
     )
     tokenizer = Tokenizer.from_dir(small_model_dir)
+    assert (result.choices[0].model_extra or {})["token_ids"] == expected[0]
     assert result.choices[0].text == tokenizer.decode(expected[0])
     assert result.choices[0].finish_reason == "length"
     assert result.usage is not None

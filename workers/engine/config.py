@@ -159,6 +159,7 @@ class EngineConfig:
     model_dir: Path
     device: str = "cpu"
     dtype: str | None = None  # None: the checkpoint's dtype (float32 on CPU for halves)
+    kv_cache_dtype: str | None = None  # None: the compute dtype
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -12,7 +12,7 @@ from pdserve.workers.engine.config import EngineConfig, ModelConfig
 from pdserve.workers.engine.kv_cache import BlockPool, KVCacheManager
 from pdserve.workers.engine.leases import LeaseBook, LeaseError, Reservation
 from pdserve.workers.engine.request import FinishReason, Request, RequestStatus
-from pdserve.workers.engine.runner import ModelRunner, resolve_dtype
+from pdserve.workers.engine.runner import ModelRunner, resolve_kv_dtype
 from pdserve.workers.engine.sampling import InvalidRequestError, SamplingParams
 from pdserve.workers.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.workers.engine.stats import FinishedRequest, RequestOutput, StepStats
@@ -39,7 +39,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or limit, limit)
         cache = config.cache
         self.block_size = cache.block_size
-        itemsize = resolve_dtype(config, self.model_config).itemsize
+        itemsize = resolve_kv_dtype(config, self.model_config).itemsize
         self.num_blocks = cache.resolve_num_blocks(self.model_config, itemsize)
         self.runner = ModelRunner(config, self.model_config, self.num_blocks, self.block_size)
         self.kv_cache = KVCacheManager(
@@ -246,6 +246,7 @@ class LLMEngine:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.kv_cache.pool.usage,
+            leases_expired_total=self.leases.num_expired,
             **counters,  # type: ignore[arg-type]
         )
 

@@ -18,6 +18,15 @@ from pdserve.workers.engine.scheduler import ScheduledChunk, SchedulerOutput
 BlockTables = Callable[[str], list[int]]
 
 
+def resolve_kv_dtype(config: EngineConfig, model: ModelConfig) -> torch.dtype:
+    """The KV cache's dtype: as asked, else the compute dtype."""
+    if config.kv_cache_dtype is None:
+        return resolve_dtype(config, model)
+    if config.kv_cache_dtype not in DTYPES:
+        raise ConfigError(f"unsupported KV cache dtype {config.kv_cache_dtype!r}")
+    return DTYPES[config.kv_cache_dtype]
+
+
 def resolve_dtype(config: EngineConfig, model: ModelConfig) -> torch.dtype:
     """The compute dtype: as asked, else the checkpoint's; half types fall back to
     float32 on CPU unless asked for, since CPU half-precision matmuls are slow."""
@@ -59,7 +68,7 @@ class ModelRunner:
                 model_config.num_kv_heads,
                 model_config.head_dim,
             ),
-            dtype=self.dtype,
+            dtype=resolve_kv_dtype(config, model_config),
             device=self.device,
         )
         self.sampler = Sampler(self.device, config.seed, frozenset(model_config.eos_token_ids))

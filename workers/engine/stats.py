@@ -36,6 +36,7 @@ class StepStats:
     num_preemptions: int  # preemptions in this step
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache this step
     prefix_cache_hits: int  # of which found
+    leases_expired_total: int  # hand-off leases that ran out, since start
 
 
 @dataclass(frozen=True)

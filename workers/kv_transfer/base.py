@@ -90,5 +90,6 @@ class KVTransferAgent(abc.ABC):
         """Prefill side: copy local blocks into the peer's blocks, position by
         position; return once the data is in the peer's memory."""
 
+    @abc.abstractmethod
     def close(self) -> None:
         """Release the agent's resources."""

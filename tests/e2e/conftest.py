@@ -1,0 +1,40 @@
+"""End-to-end tests against a real local control plane (see pdserve.operator.devcluster).
+
+Every test in this folder is marked `cluster`. The session's first test starts the
+cluster (building its binaries once if they are not cached: tens of minutes);
+PDSERVE_CLUSTER_NO_BUILD=1 skips these tests instead of building.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pdserve.operator.devcluster import DevCluster
+from pdserve.operator.devcluster.binaries import BinariesError, ensure_binaries
+
+HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test collected from this folder `cluster`."""
+    for item in items:
+        if HERE in item.path.parents:
+            item.add_marker(pytest.mark.cluster)
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[DevCluster]:
+    """A started DevCluster, shared by the whole session, stopped at its end."""
+    build = os.environ.get("PDSERVE_CLUSTER_NO_BUILD") != "1"
+    try:
+        ensure_binaries(build=build)
+    except BinariesError as error:
+        if build:
+            raise
+        pytest.skip(f"cluster binaries not built: {error}")
+    with DevCluster() as started:
+        yield started
