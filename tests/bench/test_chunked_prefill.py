@@ -10,7 +10,7 @@ import pytest
 from support.results import publish
 
 from pdserve.workers.bench.config import BenchConfig
-from pdserve.workers.bench.metrics import SLO, GroupMetrics
+from pdserve.workers.bench.metrics import SLO, BenchMetrics, GroupMetrics
 from pdserve.workers.bench.runner import run_benchmark
 from pdserve.workers.engine.config import ModelConfig
 from pdserve.workers.process import running_worker
@@ -19,14 +19,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 BUDGET = 256  # tokens per step with chunking
 DURATION_S = 60.0
-RATE = 2.0
+RATE = 1.0
 # A third of the requests carry long prompts, so that a long prefill regularly lands
 # while several short requests stream (at a 15% share, stalls stay under 1% of the
 # gaps: they move the max, not the P99).
 LONG_SHARE = 0.3
 
 
-def serve_and_measure(model_dir: Path, log_dir: Path, *worker_args: str) -> GroupMetrics:
+def serve_and_measure(model_dir: Path, log_dir: Path, *worker_args: str) -> BenchMetrics:
     vocab = ModelConfig.from_dir(model_dir).vocab_size
     with running_worker(model_dir, log_dir / "worker.log", worker_args) as worker:
         config = BenchConfig(
@@ -39,22 +39,36 @@ def serve_and_measure(model_dir: Path, log_dir: Path, *worker_args: str) -> Grou
             vocab_size=vocab,
             slo=SLO(ttft_ms=3000.0, tpot_ms=250.0, itl_ms=None, e2e_ms=None),
         )
-        return run_benchmark(config).metrics.overall
+        return run_benchmark(config).metrics
 
 
 def test_chunking_cuts_p99_itl(tiny_model_dir: Path, tmp_path: Path) -> None:
     budget = ("--max-num-batched-tokens", str(BUDGET))
-    chunked = serve_and_measure(tiny_model_dir, tmp_path / "chunked", *budget)
-    unchunked = serve_and_measure(
-        tiny_model_dir, tmp_path / "whole", *budget, "--no-chunked-prefill"
-    )
-    rows = [_row("chunked", chunked), _row("unchunked", unchunked)]
+    runs = {
+        "chunked": serve_and_measure(tiny_model_dir, tmp_path / "chunked", *budget),
+        "unchunked": serve_and_measure(
+            tiny_model_dir, tmp_path / "whole", *budget, "--no-chunked-prefill"
+        ),
+    }
+    rows = []
+    for mode, metrics in runs.items():
+        rows.append(_row(mode, "all", metrics.overall))
+        for bucket in ("<=256", "<=4096"):  # the short chat prompts, the long ones
+            if bucket in metrics.buckets:
+                rows.append(_row(mode, bucket, metrics.buckets[bucket]))
+    chunked, unchunked = runs["chunked"].overall, runs["unchunked"].overall
     assert chunked.itl and unchunked.itl and chunked.ttft and unchunked.ttft
+    long_chunked, long_whole = (
+        runs["chunked"].buckets["<=4096"],
+        runs["unchunked"].buckets["<=4096"],
+    )
+    assert long_chunked.ttft and long_whole.ttft
     ratios = {
         "p99_itl_chunked_over_unchunked": chunked.itl.p99 / unchunked.itl.p99,
         "max_itl_chunked_over_unchunked": chunked.itl.max / unchunked.itl.max,
         "p50_ttft_chunked_over_unchunked": chunked.ttft.p50 / unchunked.ttft.p50,
         "p99_ttft_chunked_over_unchunked": chunked.ttft.p99 / unchunked.ttft.p99,
+        "long_prompt_p50_ttft_chunked_over_unchunked": long_chunked.ttft.p50 / long_whole.ttft.p50,
     }
     publish(
         "chunked_prefill_itl",
@@ -71,10 +85,11 @@ def test_chunking_cuts_p99_itl(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert ratios["p99_itl_chunked_over_unchunked"] < 0.8
 
 
-def _row(mode: str, group: GroupMetrics) -> dict[str, object]:
+def _row(mode: str, bucket: str, group: GroupMetrics) -> dict[str, object]:
     assert group.itl and group.ttft and group.tpot
     return {
         "mode": mode,
+        "bucket": bucket,
         "requests": group.succeeded,
         "itl_p50_ms": group.itl.p50 * 1e3,
         "itl_p99_ms": group.itl.p99 * 1e3,
