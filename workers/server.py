@@ -21,11 +21,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from pdserve.workers.engine.async_engine import AsyncEngine, EngineDeadError
-from pdserve.workers.engine.sampling import InvalidRequestError, SamplingParams
+from pdserve.workers.engine.sampling import InvalidRequestError
 from pdserve.workers.engine.stats import RequestOutput
 from pdserve.workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.workers.handoff.decode import DecodeHandoff
-from pdserve.workers.handoff.errors import HandoffError
 from pdserve.workers.handoff.prefill import PrefillService
 from pdserve.workers.handoff.protocol import PREFILL_URL_HEADER
 from pdserve.workers.metrics import WorkerMetrics
@@ -33,6 +32,16 @@ from pdserve.workers.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     validation_message,
+)
+from pdserve.workers.responses import (
+    HTTPError,
+    PreparedRequest,
+    RequestTracker,
+    chain,
+    completion_body,
+    error_response,
+    first_output,
+    send_event,
 )
 from pdserve.workers.text_stream import TextStream
 
@@ -42,21 +51,6 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ParsedBody = TypeVar("ParsedBody", CompletionRequest, ChatCompletionRequest)
 
 
-class HTTPError(Exception):
-    """An error answered with `status` and an OpenAI-style error body."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status = status
-        self.kind = kind
-
-
-def error_response(status: int, message: str, kind: str) -> web.Response:
-    """The OpenAI error body."""
-    body = {"error": {"message": message, "type": kind, "code": status}}
-    return web.json_response(body, status=status)
-
-
 @dataclass(frozen=True)
 class WorkerInfo:
     """What the server says about itself."""
@@ -64,19 +58,6 @@ class WorkerInfo:
     model_name: str
     role: str
     max_model_len: int
-
-
-@dataclass
-class _Prepared:
-    """A validated request, ready for the engine."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    stream: bool
-    include_usage: bool
-    chat: bool
-    return_token_ids: bool
 
 
 class WorkerServer:
@@ -204,7 +185,7 @@ class WorkerServer:
         parsed: CompletionRequest | ChatCompletionRequest,
         token_ids: list[int],
         chat: bool,
-    ) -> _Prepared:
+    ) -> PreparedRequest:
         try:
             params = parsed.sampling_params(default_max_tokens=None)
             self.engine.engine.validate(token_ids, params)
@@ -213,7 +194,7 @@ class WorkerServer:
         prefix = "chatcmpl" if chat else "cmpl"
         request_id = request.headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex}"
         options = parsed.stream_options
-        return _Prepared(
+        return PreparedRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
             params=params,
@@ -223,9 +204,9 @@ class WorkerServer:
             return_token_ids=parsed.return_token_ids,
         )
 
-    async def _serve(self, request: web.Request, prepared: _Prepared) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, prepared: PreparedRequest) -> web.StreamResponse:
         arrival = time.monotonic()
-        tracker = _Tracker(prepared, arrival)
+        tracker = RequestTracker(prepared, arrival)
         outputs = self._outputs(request, prepared, tracker)
         text = TextStream(
             IncrementalDetokenizer(self.tokenizer, prepared.prompt_token_ids),
@@ -235,8 +216,8 @@ class WorkerServer:
         try:
             # The first output decides between an answer and an error status; only
             # then does a stream start.
-            first = await _first(outputs)
-            chained = _chain(first, outputs)
+            first = await first_output(outputs)
+            chained = chain(first, outputs)
             if prepared.stream:
                 return await self._stream(request, prepared, chained, text, tracker)
             return await self._complete(prepared, chained, text, tracker)
@@ -251,7 +232,7 @@ class WorkerServer:
             )
 
     def _outputs(
-        self, request: web.Request, prepared: _Prepared, tracker: _Tracker
+        self, request: web.Request, prepared: PreparedRequest, tracker: RequestTracker
     ) -> AsyncGenerator[RequestOutput, None]:
         prefill_url = request.headers.get(PREFILL_URL_HEADER)
         if prefill_url is None:
@@ -275,10 +256,10 @@ class WorkerServer:
 
     async def _complete(
         self,
-        prepared: _Prepared,
+        prepared: PreparedRequest,
         outputs: AsyncIterator[RequestOutput],
         text: TextStream,
-        tracker: _Tracker,
+        tracker: RequestTracker,
     ) -> web.Response:
         pieces = []
         try:
@@ -291,7 +272,7 @@ class WorkerServer:
         except EngineDeadError as error:
             raise HTTPError(503, str(error), "server_error") from error
         pieces.append(text.flush())
-        body = _body(prepared, "".join(pieces), tracker.reason, final=True)
+        body = completion_body(prepared, "".join(pieces), tracker.reason, final=True)
         if prepared.return_token_ids:
             body["choices"][0]["token_ids"] = tracker.token_ids
         body["usage"] = tracker.usage()
@@ -300,10 +281,10 @@ class WorkerServer:
     async def _stream(
         self,
         request: web.Request,
-        prepared: _Prepared,
+        prepared: PreparedRequest,
         outputs: AsyncIterator[RequestOutput],
         text: TextStream,
-        tracker: _Tracker,
+        tracker: RequestTracker,
     ) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -318,95 +299,22 @@ class WorkerServer:
                 done = output.finished or text.stopped
                 piece = delta.text + (text.flush() if done else "")
                 reason = tracker.reason if done else None
-                chunk = _body(prepared, piece, reason, final=False)
+                chunk = completion_body(prepared, piece, reason, final=False)
                 if prepared.return_token_ids:
                     chunk["choices"][0]["token_ids"] = list(output.new_token_ids)
-                await _send(response, chunk)
+                await send_event(response, chunk)
                 if done:
                     break
         except EngineDeadError as error:
-            await _send(response, {"error": {"message": str(error), "type": "server_error"}})
+            await send_event(response, {"error": {"message": str(error), "type": "server_error"}})
         if prepared.include_usage:
-            usage_chunk = _body(prepared, "", None, final=False)
+            usage_chunk = completion_body(prepared, "", None, final=False)
             usage_chunk["choices"] = []
             usage_chunk["usage"] = tracker.usage()
-            await _send(response, usage_chunk)
+            await send_event(response, usage_chunk)
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
-
-
-class _Tracker:
-    """Token times and counts of one request as the server saw them."""
-
-    def __init__(self, prepared: _Prepared, arrival: float) -> None:
-        self.prepared = prepared
-        self.arrival = arrival
-        self.token_times: list[float] = []
-        self.token_ids: list[int] = []
-        self.num_output_tokens = 0
-        self.num_cached_tokens = 0
-        self.reason = "abort"
-        self.mode = "colocated"
-
-    def record(self, output: RequestOutput) -> None:
-        self.token_times.extend(output.time for _ in output.new_token_ids)
-        self.token_ids.extend(output.new_token_ids)
-        self.num_output_tokens = output.num_output_tokens
-        self.num_cached_tokens = output.num_cached_tokens
-        if output.finish_reason is not None:
-            self.reason = output.finish_reason.value
-
-    def usage(self) -> dict[str, Any]:
-        prompt = len(self.prepared.prompt_token_ids)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": self.num_output_tokens,
-            "total_tokens": prompt + self.num_output_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
-        }
-
-
-def _body(prepared: _Prepared, text: str, reason: str | None, final: bool) -> dict[str, Any]:
-    """A completion (final=True) or a streamed chunk, for either endpoint."""
-    created = int(time.time())
-    if prepared.chat:
-        content_key = "message" if final else "delta"
-        choice = {
-            "index": 0,
-            content_key: {"role": "assistant", "content": text},
-            "finish_reason": reason,
-            "logprobs": None,
-        }
-        kind = "chat.completion" if final else "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-        kind = "text_completion"
-    return {"id": prepared.request_id, "object": kind, "created": created, "choices": [choice]}
-
-
-async def _first(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    """The first output, or the HTTP error that stands for why there is none."""
-    try:
-        return await anext(outputs)
-    except HandoffError as error:
-        raise HTTPError(502, f"prefill hand-off failed: {error}", error.code) from error
-    except EngineDeadError as error:
-        raise HTTPError(503, str(error), "server_error") from error
-    except InvalidRequestError as error:
-        raise HTTPError(400, str(error)) from error
-
-
-async def _chain(
-    first: RequestOutput, rest: AsyncIterator[RequestOutput]
-) -> AsyncGenerator[RequestOutput, None]:
-    yield first
-    async for output in rest:
-        yield output
-
-
-async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
 
 async def _json_body(request: web.Request) -> Any:
