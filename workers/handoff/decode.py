@@ -32,7 +32,12 @@ from pdserve.workers.handoff.protocol import (
     PrefillRequest,
     WireSampling,
 )
-from pdserve.workers.kv_transfer.base import KVTransferAgent, TransferError, TransferStats
+from pdserve.workers.kv_transfer.base import (
+    KVTransferAgent,
+    PendingReceive,
+    TransferError,
+    TransferStats,
+)
 from pdserve.workers.kv_transfer.layout import KVLayout, LayoutMismatchError
 from pdserve.workers.metrics import WorkerMetrics
 
@@ -153,16 +158,20 @@ class DecodeHandoff:
         )
         if reservation is None:
             raise HandoffError("no free KV blocks to reserve for the prompt", "no_blocks")
-        pending = self.agent.expect(pair, reservation.block_ids, request_id)
+        pending: PendingReceive | None = None
         try:
+            pending = self.agent.expect(pair, reservation.block_ids, request_id)
             answer = await self._ask_prefill(session, url, pair, prompt, params, reservation)
             remaining = max(0.0, reservation.deadline - time.monotonic())
             await asyncio.to_thread(pending.wait, remaining)
         except BaseException as error:
-            pending.cancel()
+            if pending is not None:
+                pending.cancel()
+            # A cancelled receive may end the connection (torch drops the pair's
+            # group): the next hand-off to this peer connects again.
+            self.peers.forget(url)
             self.engine.abort(request_id)  # releases the reservation
             if isinstance(error, TransferError):
-                self.peers.forget(url)
                 raise HandoffError(f"KV transfer failed: {error}", "transfer_failed") from error
             raise
         self.metrics.observe_transfer(
@@ -194,13 +203,13 @@ class DecodeHandoff:
             lease_ms=int(self.lease_s * 1000),
         )
         timeout = max(0.0, reservation.deadline - time.monotonic())
+        raw = await _post(session, f"{url}/pd/prefill", body.model_dump(), timeout)
         try:
-            raw = await _post(session, f"{url}/pd/prefill", body.model_dump(), timeout)
-        except HandoffError as error:
-            if error.code in ("unknown_peer", "connect_failed", "transfer_failed"):
-                self.peers.forget(url)
-            raise
-        return PrefillAnswer.model_validate(raw)
+            return PrefillAnswer.model_validate(raw)
+        except ValueError as error:
+            raise HandoffError(
+                f"{url} answered a malformed hand-off: {error}", "bad_handoff"
+            ) from error
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:

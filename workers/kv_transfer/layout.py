@@ -98,10 +98,16 @@ def segments(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[Segme
             f"block counts differ: {len(src_blocks)} to send, {len(dst_blocks)} to receive"
         )
     merged: list[Segment] = []
-    for src, dst in zip(src_blocks, dst_blocks, strict=True):
-        last = merged[-1] if merged else None
-        if last and src == last.src + last.count and dst == last.dst + last.count:
-            merged[-1] = Segment(last.src, last.dst, last.count + 1)
+    if not src_blocks:
+        return merged
+    # One Segment per run, not per block: this runs on every transfer, over
+    # thousands of blocks for a long prompt.
+    start_src, start_dst, count = src_blocks[0], dst_blocks[0], 1
+    for src, dst in zip(src_blocks[1:], dst_blocks[1:], strict=True):
+        if src == start_src + count and dst == start_dst + count:
+            count += 1
         else:
-            merged.append(Segment(src, dst, 1))
+            merged.append(Segment(start_src, start_dst, count))
+            start_src, start_dst, count = src, dst, 1
+    merged.append(Segment(start_src, start_dst, count))
     return merged

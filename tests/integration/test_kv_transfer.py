@@ -1,0 +1,206 @@
+"""KV transfer between two processes, for each backend: the bytes land exactly where
+the decode side asked, nothing else moves, mismatched caches are refused, and a dead
+or silent peer costs a deadline, never a hang."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from support.kv_agents import AgentCallError, AgentProcess, CacheSpec, agent_process
+
+from pdserve.workers.kv_transfer.blocks import runs
+from pdserve.workers.kv_transfer.layout import segments
+
+BACKENDS = ["nixl", "torch"]
+DECODE_SPEC = CacheSpec(num_blocks=24)
+PREFILL_SPEC = CacheSpec(num_blocks=20)  # each side sizes its own cache
+BLOCK_BYTES = 2 * 4 * 2 * 8 * 4  # K and V, 4 tokens, 2 heads, head_dim 8, float32
+DEADLINE_S = 2.0
+SLACK_S = 3.0  # pipe round trips and a busy machine
+
+
+@dataclass
+class Pair:
+    backend: str
+    decode: AgentProcess
+    prefill: AgentProcess
+    peer: str
+
+
+def start_pair(stack: ExitStack, backend: str) -> tuple[AgentProcess, AgentProcess]:
+    """A decode and a prefill agent process, started side by side."""
+    decode = stack.enter_context(agent_process(backend, "decode-0", DECODE_SPEC, seed=1))
+    prefill = stack.enter_context(agent_process(backend, "prefill-0", PREFILL_SPEC, seed=2))
+    return decode, prefill
+
+
+def connect(decode: AgentProcess, prefill: AgentProcess, peer: str, timeout_s: float = 20) -> None:
+    """The decode worker's meeting: accept beside the prefill side's connect."""
+    metadata = decode.call("metadata")
+    decode.send("accept", peer, timeout_s)
+    prefill.call("connect", peer, metadata, timeout_s)
+    decode.receive()
+
+
+def transfer(pair: Pair, src: list[int], dst: list[int], transfer_id: str) -> dict[str, Any]:
+    """One hand-off's transfer, in the order the workers make the calls."""
+    pair.decode.call("expect", pair.peer, dst, transfer_id)
+    pair.prefill.send("write", pair.peer, src, dst, transfer_id, DEADLINE_S)
+    pair.decode.send("wait", transfer_id, DEADLINE_S)
+    stats: dict[str, Any] = pair.prefill.receive()
+    pair.decode.receive()
+    return stats
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    with ExitStack() as stack:
+        decode, prefill = start_pair(stack, request.param)
+        connect(decode, prefill, "pair-0")
+        yield Pair(request.param, decode, prefill, "pair-0")
+
+
+def expected_descriptors(backend: str, src: list[int], dst: list[int]) -> int:
+    """NIXL copies one segment per layer; torch sends one message per destination run
+    per layer (the receiver cannot know where the sender's blocks break)."""
+    pieces = segments(src, dst) if backend == "nixl" else runs(dst)
+    return int(len(pieces) * DECODE_SPEC.num_layers)
+
+
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [
+        ([3, 4, 5, 9], [10, 11, 12, 13]),
+        ([0, 1, 2, 3, 4, 5, 6, 7], [16, 17, 18, 19, 20, 21, 22, 23]),
+        ([19, 3, 4, 11, 12, 13], [0, 5, 6, 7, 8, 2]),
+    ],
+)
+def test_blocks_land_exactly_where_asked_and_nothing_else_moves(
+    pair: Pair, src: list[int], dst: list[int]
+) -> None:
+    before = pair.decode.call("cache")
+    source = pair.prefill.call("cache")
+
+    stats = transfer(pair, src, dst, f"t-{src[0]}-{dst[0]}")
+
+    after = pair.decode.call("cache")
+    assert torch.equal(after[:, dst], source[:, src])
+    untouched = [b for b in range(DECODE_SPEC.num_blocks) if b not in dst]
+    assert torch.equal(after[:, untouched], before[:, untouched])
+    assert stats["bytes"] == len(src) * DECODE_SPEC.num_layers * BLOCK_BYTES
+    assert stats["descriptors"] == expected_descriptors(pair.backend, src, dst)
+
+
+def test_descriptors_of_the_example_hand_off(pair: Pair) -> None:
+    stats = transfer(pair, [3, 4, 5, 9], [10, 11, 12, 13], "t-example")
+    layers = DECODE_SPEC.num_layers
+    assert stats["descriptors"] == (2 * layers if pair.backend == "nixl" else 1 * layers)
+
+
+def test_transfers_outstanding_together_do_not_mix(pair: Pair) -> None:
+    source = pair.prefill.call("cache")
+    first, second = ([1, 2, 3], [4, 5, 6]), ([7, 8], [14, 15])
+    pair.decode.call("expect", pair.peer, first[1], "t-first")
+    pair.decode.call("expect", pair.peer, second[1], "t-second")
+    # The prefill side finishes the later request first.
+    pair.prefill.call("write", pair.peer, *second, "t-second", DEADLINE_S)
+    pair.prefill.call("write", pair.peer, *first, "t-first", DEADLINE_S)
+    pair.decode.call("wait", "t-first", DEADLINE_S)
+    pair.decode.call("wait", "t-second", DEADLINE_S)
+
+    after = pair.decode.call("cache")
+    for src, dst in (first, second):
+        assert torch.equal(after[:, dst], source[:, src])
+
+
+@pytest.mark.parametrize(
+    ("field", "theirs"), [("block_size", 8), ("dtype", "bfloat16"), ("num_layers", 4)]
+)
+def test_a_layout_mismatch_is_refused_at_connect(pair: Pair, field: str, theirs: Any) -> None:
+    # What a decode worker configured differently publishes.
+    metadata = pair.decode.call("metadata")
+    ours = metadata["layout"][field]
+    metadata["layout"][field] = theirs
+
+    with pytest.raises(AgentCallError) as refused:
+        pair.prefill.call("connect", f"mismatch-{field}", metadata, 5.0)
+
+    assert refused.value.kind == "LayoutMismatchError"
+    first_line = refused.value.message.splitlines()[0]
+    assert field in first_line and str(ours) in first_line and str(theirs) in first_line
+
+
+def assert_fails_in_time(call: AgentProcess, kind: str = "TransferError") -> float:
+    """The pending call's answer is `kind`, within the deadline; the time it took."""
+    started = time.monotonic()
+    with pytest.raises(AgentCallError) as failed:
+        call.receive(timeout_s=DEADLINE_S + SLACK_S)
+    elapsed = time.monotonic() - started
+    assert failed.value.kind == kind, failed.value.message
+    assert elapsed < DEADLINE_S + SLACK_S
+    return elapsed
+
+
+def test_a_killed_decode_worker_fails_the_write_and_the_next_connect_in_time(pair: Pair) -> None:
+    with agent_process(pair.backend, "decode-doomed", DECODE_SPEC, seed=3) as doomed:
+        metadata = doomed.call("metadata")
+        connect(doomed, pair.prefill, "pair-doomed")
+        doomed.call("expect", "pair-doomed", [1, 2, 3], "t-doomed")
+        doomed.kill()
+
+        pair.prefill.send("write", "pair-doomed", [1, 2, 3], [1, 2, 3], "t-doomed", DEADLINE_S)
+        assert_fails_in_time(pair.prefill)
+
+        started = time.monotonic()
+        try:
+            pair.prefill.call("connect", "pair-late", metadata, DEADLINE_S)
+        except AgentCallError as error:  # torch: the store is gone
+            assert error.kind == "TransferError", error.message
+        else:  # NIXL knows the agent already; the next write is what fails
+            pair.prefill.send("write", "pair-late", [1], [1], "t-late", DEADLINE_S)
+            assert_fails_in_time(pair.prefill)
+        assert time.monotonic() - started < DEADLINE_S + SLACK_S
+
+    # The prefill worker still serves its other decode workers.
+    transfer(pair, [1], [1], "t-survivor")
+
+
+def test_connect_without_accept(pair: Pair) -> None:
+    metadata = pair.decode.call("metadata")
+    pair.prefill.send("connect", "pair-unaccepted", metadata, DEADLINE_S)
+    if pair.backend == "nixl":  # one-sided: the decode side takes no part
+        pair.prefill.receive()
+        return
+    elapsed = assert_fails_in_time(pair.prefill)
+    assert elapsed >= DEADLINE_S * 0.9  # it waited for the peer, then gave up
+
+
+@pytest.mark.parametrize("pair", ["torch"], indirect=True)
+def test_torch_receive_failures_surface_in_time_and_the_pair_reconnects(pair: Pair) -> None:
+    decode = pair.decode
+    with agent_process("torch", "prefill-doomed", PREFILL_SPEC, seed=4) as prefill:
+        connect(decode, prefill, "pair-r1")
+        source = prefill.call("cache")
+
+        # A prefill worker that never writes: the receive times out...
+        decode.call("expect", "pair-r1", [1, 2], "t-silent")
+        decode.send("wait", "t-silent", DEADLINE_S)
+        assert_fails_in_time(decode)
+        # ...and the pair is dropped on the decode side: it must meet again.
+        with pytest.raises(AgentCallError, match="not connected"):
+            decode.call("expect", "pair-r1", [3], "t-after")
+        connect(decode, prefill, "pair-r2")
+        transfer(Pair("torch", decode, prefill, "pair-r2"), [5, 6], [7, 8], "t-again")
+        assert torch.equal(decode.call("cache")[:, [7, 8]], source[:, [5, 6]])
+
+        # A prefill worker that dies: the receive fails at once, not at the deadline.
+        decode.call("expect", "pair-r2", [9, 10], "t-dead")
+        prefill.kill()
+        decode.send("wait", "t-dead", DEADLINE_S)
+        assert assert_fails_in_time(decode) < DEADLINE_S

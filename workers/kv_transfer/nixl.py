@@ -1,0 +1,328 @@
+"""KV transfer over NIXL with its UCX backend: the prefill worker WRITEs one-sidedly
+into the decode worker's cache, which was registered with UCX once, at start.
+
+A transfer is one NIXL request holding one descriptor per segment per layer (see
+layout.py): each a contiguous range on both sides, so a sequence whose blocks mostly
+run consecutively moves as a few large copies. The decode side takes no part in the
+copy: its `PendingReceive.wait` returns at once, and the prefill worker's answer to
+the hand-off request (sent after `write` returned) says the bytes have landed.
+
+Transports (UCX chooses; `UCX_TLS` narrows the choice): between processes of one host
+the writes go by cma (one kernel copy, process_vm_writev), across hosts by RDMA or
+TCP. Connection set-up and NIXL's own messages need an active-message transport
+that can report a failed peer, which UCX's shared-memory ones cannot: on one host
+that is TCP over loopback, so `UCX_TLS` must keep `tcp` (plain `sm` fails to start).
+
+On failure (`TransferError`) the request is released, which asks UCX to cancel what it
+has not copied yet; the destination blocks then hold an unknown mix of old and new
+bytes, and the decode worker must not adopt them. Their lease outlives the write's
+deadline, so they are not handed to another request while this write may still run.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t, nixl_xfer_handle
+
+from pdserve.workers.kv_transfer.base import (
+    KVTransferAgent,
+    PendingReceive,
+    TransferError,
+    TransferStats,
+)
+from pdserve.workers.kv_transfer.blocks import check_blocks
+from pdserve.workers.kv_transfer.layout import KVLayout, Segment, segments
+
+log = logging.getLogger(__name__)
+
+UCX = "UCX"
+# Polling a running request: spin briefly (small writes finish within microseconds),
+# then back off so a long write does not take a core from the engine.
+_SPIN_POLLS = 200
+_MAX_SLEEP_S = 0.001
+# Measured idle cost of the pump: ~3% of one core at 2 ms.
+_PUMP_PERIOD_S = 0.002
+
+
+@dataclass(frozen=True)
+class NixlPeer:
+    """What a NIXL peer published: enough to address its registered cache."""
+
+    agent_name: str
+    agent_metadata: bytes
+    base_address: int
+    memory: str  # NIXL memory kind: "DRAM" or "VRAM"
+    device_id: int
+    layout: KVLayout
+
+    @classmethod
+    def from_metadata(cls, raw: dict[str, Any]) -> NixlPeer:
+        """Parse `NixlAgent.metadata()` of a peer (ValueError when malformed)."""
+        if raw.get("backend") != "nixl":
+            raise ValueError(
+                f"the peer's KV transfer backend is {raw.get('backend')!r}, this worker's "
+                "is 'nixl': both sides must use the same one"
+            )
+        try:
+            return cls(
+                agent_name=str(raw["agent_name"]),
+                agent_metadata=base64.b64decode(raw["agent_metadata"], validate=True),
+                base_address=int(raw["base_address"]),
+                memory=str(raw["memory"]),
+                device_id=int(raw["device_id"]),
+                layout=KVLayout.from_json(raw["layout"]),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"malformed NIXL metadata: {error}") from error
+
+
+class _Landed(PendingReceive):
+    """A one-sided write needs nothing from the receiver."""
+
+    def wait(self, timeout_s: float) -> None:
+        return None
+
+    def cancel(self) -> None:
+        return None
+
+
+class NixlAgent(KVTransferAgent):
+    """A worker's NIXL agent over its KV cache (DRAM on CPU, VRAM on CUDA)."""
+
+    backend = "nixl"
+
+    def __init__(self, name: str, kv_cache: torch.Tensor, layout: KVLayout) -> None:
+        super().__init__(name, kv_cache, layout)
+        if not kv_cache.is_contiguous():
+            raise ValueError("the KV cache must be one contiguous tensor to be registered")
+        self.memory, self.device_id = memory_kind(kv_cache)
+        self.base_address = kv_cache.data_ptr()
+        # NIXL's own progress thread polls without pause (its Python API fixes the
+        # delay at 0): a core per worker, idle or not. A write progresses while its
+        # writer polls it; a pump answers what peers ask of a decode agent
+        # (connection set-up) at a small cost. Reader-writer sync: hand-offs write
+        # from several threads at once, while adding a peer takes the agent alone.
+        config = nixl_agent_config(
+            enable_prog_thread=False,
+            backends=[UCX],
+            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
+        )
+        self._agent = nixl_agent(name, config)
+        if UCX not in self._agent.backends:
+            raise RuntimeError("NIXL was built without its UCX backend")
+        region = (self.base_address, kv_cache.numel() * kv_cache.element_size(), self.device_id, "")
+        self._registered = self._agent.register_memory([region], self.memory, backends=[UCX])
+        self._metadata = base64.b64encode(self._agent.get_agent_metadata()).decode()
+        self._peers: dict[str, NixlPeer] = {}
+        self._lock = threading.Lock()
+        self._pump: _Pump | None = None  # started by the first accept
+
+    def metadata(self) -> dict[str, Any]:
+        """The agent's NIXL metadata, where its cache lives, and its layout."""
+        return {
+            "backend": self.backend,
+            "agent_name": self.name,
+            "agent_metadata": self._metadata,
+            "base_address": self.base_address,
+            "memory": self.memory,
+            "device_id": self.device_id,
+            "layout": self.layout.to_json(),
+        }
+
+    def accept(self, peer: str, timeout_s: float) -> None:
+        """Get ready to be written to: the prefill side loads this agent's metadata
+        and writes; this side only has to answer its connection requests, which the
+        pump does from the first accept on (prefill agents, never written to, spare
+        themselves the pump)."""
+        with self._lock:
+            if self._pump is None:
+                self._pump = _Pump(self._agent)
+
+    def connect(self, peer: str, metadata: dict[str, Any], timeout_s: float) -> None:
+        """Check layouts, then load the decode agent's metadata (once per agent; a
+        peer that restarted under the same name is loaded afresh)."""
+        remote = NixlPeer.from_metadata(metadata)
+        self.layout.check_compatible(
+            remote.layout, local=f"this worker ({self.name})", remote=f"peer {remote.agent_name}"
+        )
+        with self._lock:
+            known = next(
+                (p for p in self._peers.values() if p.agent_name == remote.agent_name), None
+            )
+            try:
+                if known is not None and known.agent_metadata != remote.agent_metadata:
+                    self._agent.remove_remote_agent(known.agent_name)
+                    self._peers = {k: p for k, p in self._peers.items() if p is not known}
+                    known = None
+                if known is None:
+                    self._agent.add_remote_agent(remote.agent_metadata)
+                    # Sets up the UCX endpoint now rather than in the first write.
+                    self._agent.make_connection(remote.agent_name, [UCX])
+            except Exception as error:  # NIXL raises its own classes, all Exceptions
+                message = f"could not reach NIXL agent {remote.agent_name}: {error}"
+                raise TransferError(message) from error
+            self._peers[peer] = remote
+
+    def expect(self, peer: str, blocks: list[int], transfer_id: str) -> PendingReceive:
+        """The write is one-sided: nothing to wait for here."""
+        check_blocks(blocks, self.layout.num_blocks, "destination")
+        return _Landed()
+
+    def write(
+        self,
+        peer: str,
+        local_blocks: list[int],
+        remote_blocks: list[int],
+        transfer_id: str,
+        timeout_s: float,
+    ) -> TransferStats:
+        """One NIXL WRITE of every segment of every layer; returns once UCX reports
+        it complete (the bytes are in the peer's memory)."""
+        started = time.monotonic()
+        remote = self._peers.get(peer)
+        if remote is None:
+            raise TransferError(f"not connected to {peer}: connect first")
+        merged = segments(local_blocks, remote_blocks)
+        if not merged:
+            return TransferStats(0, 0.0, 0)
+        if not _within(merged, "src", self.layout.num_blocks):
+            check_blocks(local_blocks, self.layout.num_blocks, "source")
+        if not _within(merged, "dst", remote.layout.num_blocks):
+            check_blocks(remote_blocks, remote.layout.num_blocks, "destination")
+        local = descriptors(merged, self.layout, self.base_address, self.device_id, "src")
+        far = descriptors(merged, remote.layout, remote.base_address, remote.device_id, "dst")
+        self._transfer(local, far, remote, transfer_id, started + timeout_s)
+        return TransferStats(
+            bytes=sum(length for _, length, _ in local),
+            seconds=time.monotonic() - started,
+            descriptors=len(local),
+        )
+
+    def close(self) -> None:
+        """Forget peers and deregister the cache."""
+        with self._lock:
+            if self._pump is not None:
+                self._pump.stop()
+            for name in {peer.agent_name for peer in self._peers.values()}:
+                _quietly(self._agent.remove_remote_agent, name)
+            self._peers.clear()
+            _quietly(self._agent.deregister_memory, self._registered, [UCX])
+
+    def _transfer(
+        self,
+        local: list[tuple[int, int, int]],
+        far: list[tuple[int, int, int]],
+        remote: NixlPeer,
+        transfer_id: str,
+        deadline: float,
+    ) -> None:
+        what = f"transfer {transfer_id} to {remote.agent_name}"
+        handle: nixl_xfer_handle | None = None
+        try:
+            local_list = self._agent.get_xfer_descs(local, self.memory)
+            far_list = self._agent.get_xfer_descs(far, remote.memory)
+            handle = self._agent.initialize_xfer(
+                "WRITE", local_list, far_list, remote.agent_name, backends=[UCX]
+            )
+            _finish(self._agent, handle, self._agent.transfer(handle), deadline, what)
+        except TransferError:
+            raise
+        except Exception as error:  # NIXL raises its own classes, all Exceptions
+            raise TransferError(f"{what} failed: {error}") from error
+        finally:
+            if handle is not None:
+                # Cancels whatever is still in flight after an error or timeout.
+                _quietly(handle.release)
+
+
+class _Pump:
+    """Progresses the agent's UCX worker every few milliseconds, in a thread of its
+    own, so that a peer's connection requests are answered while this side is idle."""
+
+    def __init__(self, agent: nixl_agent, period_s: float = _PUMP_PERIOD_S) -> None:
+        self._agent = agent
+        self._period_s = period_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nixl-progress", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop pumping (returns once the thread has ended)."""
+        self._stopped.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._period_s):
+            try:
+                # Without a progress thread, fetching notifications progresses the
+                # worker; this agent sends none, so nothing is lost.
+                self._agent.get_new_notifs()
+            except Exception as error:  # NIXL raises its own classes, all Exceptions
+                log.warning("NIXL progress failed: %s", error)
+
+
+def memory_kind(kv_cache: torch.Tensor) -> tuple[str, int]:
+    """NIXL's memory kind and device id for a tensor (DRAM has device id 0)."""
+    if kv_cache.device.type == "cuda":
+        return "VRAM", kv_cache.device.index or 0
+    if kv_cache.device.type == "cpu":
+        return "DRAM", 0
+    raise ValueError(f"NIXL cannot register memory on device {kv_cache.device}")
+
+
+def descriptors(
+    merged: Sequence[Segment], layout: KVLayout, base: int, device_id: int, side: str
+) -> list[tuple[int, int, int]]:
+    """(address, length, device id) for each segment of each layer, layers outer, on
+    the `side` ("src" or "dst") of each segment. Plain Python: for the tens of
+    segments of a sequence it is faster than numpy's per-call costs."""
+    block_bytes = layout.block_bytes  # a computed property: read it once
+    layer_bytes = layout.num_blocks * block_bytes
+    pieces = [(getattr(s, side) * block_bytes, s.count * block_bytes) for s in merged]
+    return [
+        (base + layer * layer_bytes + offset, length, device_id)
+        for layer in range(layout.num_layers)
+        for offset, length in pieces
+    ]
+
+
+def _within(merged: Sequence[Segment], side: str, num_blocks: int) -> bool:
+    """Whether every segment's `side` lies inside a cache of `num_blocks` (segments
+    are consecutive runs: their ends tell)."""
+    starts: list[int] = [getattr(s, side) for s in merged]
+    ends = [start + s.count for start, s in zip(starts, merged, strict=True)]
+    return min(starts) >= 0 and max(ends) <= num_blocks
+
+
+def _finish(
+    agent: nixl_agent, handle: nixl_xfer_handle, state: str, deadline: float, what: str
+) -> None:
+    """Poll a posted request until it is done; TransferError on error or deadline."""
+    polls = 0
+    sleep_s = 1e-5
+    while state == "PROC":
+        if time.monotonic() > deadline:
+            raise TransferError(f"{what} did not finish before its deadline")
+        polls += 1
+        if polls > _SPIN_POLLS:
+            time.sleep(sleep_s)
+            sleep_s = min(2 * sleep_s, _MAX_SLEEP_S)
+        state = agent.check_xfer_state(handle)
+    if state != "DONE":
+        raise TransferError(f"{what} failed: NIXL reported {state}")
+
+
+def _quietly(call: Any, *args: Any) -> None:
+    """Clean-up that must not mask the error being raised."""
+    try:
+        call(*args)
+    except Exception as error:  # NIXL raises its own classes, all Exceptions
+        log.warning("NIXL clean-up %s failed: %s", getattr(call, "__name__", call), error)

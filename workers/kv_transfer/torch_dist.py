@@ -1,0 +1,283 @@
+"""KV transfer over torch.distributed point-to-point: gloo on CPU, NCCL on CUDA.
+
+Each prefill/decode pair gets its own 2-rank process group (see torch_pair.py). The
+decode agent hosts a TCPStore (its address is in its metadata); `accept(peer)` joins
+the pair's group as rank 0 and blocks until the prefill side's `connect(peer)` joins
+as rank 1. Both sides must name the pair with the same `peer` string (the hand-off's
+pair id): it keys the group in the store, so a reconnection under a new id meets in
+a fresh group.
+
+A transfer is one message per run of consecutive destination blocks per layer. The
+decode side posts its receives straight into those runs of its cache (`expect`), the
+prefill side posts the matching sends (`write`), both in the same order (layers
+outer, runs inner) and under a tag derived from the transfer id, so transfers running
+at once on a pair do not mix. The sender does not know where the receiver's runs
+break until it is asked, so where its own blocks are not consecutive inside one
+destination run it gathers them into one buffer first (the receiver never copies).
+
+Failure: a peer that dies or stalls surfaces as TransferError at the deadline (gloo's
+timeout on each wait; polling with NCCL). The pair's group is then dropped on that
+side: every transfer pending on it fails, its connections close, and the next
+hand-off must connect again. Once `PendingReceive.wait` has failed or `cancel` has
+returned, no byte of that transfer lands in the destination blocks any more; their
+content is undefined (partly written) and they may be freed, never adopted.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._C._distributed_c10d import PrefixStore, Store
+
+from pdserve.workers.kv_transfer.base import (
+    KVTransferAgent,
+    PendingReceive,
+    TransferError,
+    TransferStats,
+)
+from pdserve.workers.kv_transfer.blocks import check_blocks, runs
+from pdserve.workers.kv_transfer.layout import KVLayout, LayoutMismatchError
+from pdserve.workers.kv_transfer.torch_pair import (
+    DECODE_RANK,
+    PREFILL_RANK,
+    Pair,
+    StoreServer,
+    open_group,
+    store_client,
+)
+
+
+@dataclass(frozen=True)
+class TorchPeer:
+    """What a torch.distributed peer published: its store and its cache's kind."""
+
+    name: str
+    host: str
+    port: int
+    device: str  # "cpu" (gloo) or "cuda" (NCCL)
+    layout: KVLayout
+
+    @classmethod
+    def from_metadata(cls, raw: dict[str, Any]) -> TorchPeer:
+        """Parse `TorchDistAgent.metadata()` of a peer (ValueError when malformed)."""
+        if raw.get("backend") != "torch":
+            raise ValueError(
+                f"the peer's KV transfer backend is {raw.get('backend')!r}, this worker's "
+                "is 'torch': both sides must use the same one"
+            )
+        try:
+            return cls(
+                name=str(raw["name"]),
+                host=str(raw["store_host"]),
+                port=int(raw["store_port"]),
+                device=str(raw["device"]),
+                layout=KVLayout.from_json(raw["layout"]),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"malformed torch.distributed metadata: {error}") from error
+
+
+class _Receive(PendingReceive):
+    """Receives posted into the destination blocks."""
+
+    def __init__(self, agent: TorchDistAgent, peer: str, pair: Pair, transfer_id: str) -> None:
+        self._agent = agent
+        self._peer = peer
+        self._pair = pair
+        self._transfer_id = transfer_id
+        self._done = False
+
+    def wait(self, timeout_s: float) -> None:
+        if self._done:
+            return
+        what = f"receiving transfer {self._transfer_id} from {self._peer}"
+        try:
+            self._pair.wait(self._transfer_id, time.monotonic() + timeout_s, what)
+        except TransferError:
+            self._agent.drop(self._peer, self._pair)
+            raise
+        self._done = True
+
+    def cancel(self) -> None:
+        # A posted receive cannot be withdrawn alone: only closing the pair
+        # guarantees nothing lands in blocks about to be freed.
+        if not self._done:
+            self._done = True
+            self._agent.drop(self._peer, self._pair)
+
+
+class TorchDistAgent(KVTransferAgent):
+    """A worker's torch.distributed end of KV transfers (gloo or NCCL by device)."""
+
+    backend = "torch"
+
+    def __init__(
+        self, name: str, kv_cache: torch.Tensor, layout: KVLayout, host: str = "127.0.0.1"
+    ) -> None:
+        super().__init__(name, kv_cache, layout)
+        self.host = host
+        self.kind = "nccl" if kv_cache.device.type == "cuda" else "gloo"
+        self._server: StoreServer | None = None
+        self._clients: dict[tuple[str, int], Store] = {}
+        self._pairs: dict[str, Pair] = {}
+        self._lock = threading.Lock()
+
+    def metadata(self) -> dict[str, Any]:
+        """Where this agent's store listens, its device kind and its layout."""
+        server = self._serve()
+        return {
+            "backend": self.backend,
+            "name": self.name,
+            "store_host": server.host,
+            "store_port": server.port,
+            "device": self.kv_cache.device.type,
+            "layout": self.layout.to_json(),
+        }
+
+    def accept(self, peer: str, timeout_s: float) -> None:
+        """Join `peer`'s group as rank 0; blocks until the prefill side has joined."""
+        store = PrefixStore(_prefix(peer), self._serve().store)
+        self._join(peer, store, DECODE_RANK, timeout_s)
+
+    def connect(self, peer: str, metadata: dict[str, Any], timeout_s: float) -> None:
+        """Check layouts, then join `peer`'s group as rank 1 (at once if joined)."""
+        remote = TorchPeer.from_metadata(metadata)
+        self.layout.check_compatible(
+            remote.layout, local=f"this worker ({self.name})", remote=f"peer {remote.name}"
+        )
+        if remote.device != self.kv_cache.device.type:
+            raise LayoutMismatchError(
+                f"KV cache devices differ: this worker ({self.name}) has "
+                f"{self.kv_cache.device.type}, peer {remote.name} has {remote.device} "
+                "(gloo and NCCL cannot meet)"
+            )
+        if peer in self._pairs:
+            return
+        store = PrefixStore(_prefix(peer), self._client(remote, timeout_s))
+        self._join(peer, store, PREFILL_RANK, timeout_s)
+
+    def expect(self, peer: str, blocks: list[int], transfer_id: str) -> PendingReceive:
+        """Post receives straight into the runs of `blocks`, layer by layer."""
+        pair = self._pair(peer)
+        check_blocks(blocks, self.layout.num_blocks, "destination")
+        views = [
+            self.kv_cache[layer, run.start : run.start + run.count]
+            for layer in range(self.layout.num_layers)
+            for run in runs(blocks)
+        ]
+        try:
+            pair.post_recvs(transfer_id, views, _tag(transfer_id))
+        except (TransferError, RuntimeError) as error:
+            self.drop(peer, pair)
+            raise TransferError(f"transfer {transfer_id} from {peer}: {error}") from error
+        return _Receive(self, peer, pair, transfer_id)
+
+    def write(
+        self,
+        peer: str,
+        local_blocks: list[int],
+        remote_blocks: list[int],
+        transfer_id: str,
+        timeout_s: float,
+    ) -> TransferStats:
+        """Send local blocks into the peer's, one message per destination run per
+        layer; returns once every send has completed."""
+        started = time.monotonic()
+        pair = self._pair(peer)
+        if len(local_blocks) != len(remote_blocks):
+            raise ValueError(
+                f"block counts differ: {len(local_blocks)} to send, {len(remote_blocks)} to receive"
+            )
+        check_blocks(local_blocks, self.layout.num_blocks, "source")
+        messages = self._outgoing(local_blocks, remote_blocks)
+        deadline = started + timeout_s
+        what = f"sending transfer {transfer_id} to {peer}"
+        try:
+            pair.post_sends(transfer_id, messages, _tag(transfer_id), deadline)
+            pair.wait(transfer_id, deadline, what)
+        except (TransferError, RuntimeError) as error:
+            self.drop(peer, pair)
+            raise TransferError(f"{what} failed: {error}") from error
+        return TransferStats(
+            bytes=sum(m.numel() * m.element_size() for m in messages),
+            seconds=time.monotonic() - started,
+            descriptors=len(messages),
+        )
+
+    def drop(self, peer: str, pair: Pair) -> None:
+        """Close `pair` and forget it (if it is still `peer`'s); never raises."""
+        with self._lock:
+            if self._pairs.get(peer) is pair:
+                del self._pairs[peer]
+        pair.close()
+
+    def close(self) -> None:
+        """Close every pair and stop the store."""
+        with self._lock:
+            pairs, self._pairs = list(self._pairs.values()), {}
+        for pair in pairs:
+            pair.close()
+        if self._server is not None:
+            self._server.close()
+
+    def _outgoing(self, local: list[int], remote: list[int]) -> list[torch.Tensor]:
+        """The tensor of each message, in the receiver's order: a view where the
+        local blocks of a destination run are consecutive too, else a gathered copy."""
+        messages: list[torch.Tensor] = []
+        pieces = [(run, local[run.position : run.position + run.count]) for run in runs(remote)]
+        for layer in range(self.layout.num_layers):
+            cache = self.kv_cache[layer]
+            for run, sources in pieces:
+                first = sources[0]
+                if sources == list(range(first, first + run.count)):
+                    messages.append(cache[first : first + run.count])
+                else:
+                    index = torch.tensor(sources, device=cache.device)
+                    messages.append(cache.index_select(0, index))
+        return messages
+
+    def _join(self, peer: str, store: Store, rank: int, timeout_s: float) -> None:
+        device = self.kv_cache.device
+        group = open_group(self.kind, store, rank, timeout_s, self.host, device)
+        pair = Pair(group, self.kind, rank, store)
+        with self._lock:
+            old = self._pairs.pop(peer, None)
+            self._pairs[peer] = pair
+        if old is not None:
+            old.close()
+
+    def _pair(self, peer: str) -> Pair:
+        pair = self._pairs.get(peer)
+        if pair is None or pair.closed:
+            raise TransferError(f"not connected to {peer} (or the connection was dropped)")
+        return pair
+
+    def _serve(self) -> StoreServer:
+        with self._lock:
+            if self._server is None:
+                self._server = StoreServer(self.host)
+            return self._server
+
+    def _client(self, remote: TorchPeer, timeout_s: float) -> Store:
+        key = (remote.host, remote.port)
+        with self._lock:
+            client = self._clients.get(key)
+        if client is None:
+            client = store_client(remote.host, remote.port, timeout_s)
+            with self._lock:
+                self._clients[key] = client
+        return client
+
+
+def _prefix(peer: str) -> str:
+    return f"pdserve/kv/{peer}/"
+
+
+def _tag(transfer_id: str) -> int:
+    """The transfer's message tag: both ends derive it from the id alone."""
+    return zlib.crc32(transfer_id.encode()) & 0x7FFFFFFF
