@@ -1,0 +1,198 @@
+"""kopf handlers: thin adapters from kopf's callbacks to the Reconciler.
+
+- A ServingPool created, changed (spec) or found at start-up: reconcile it.
+- A child (anything labelled pdserve.dev/pool) added, changed or deleted: put it
+  back if needed; Deployment news refreshes the pool's status.
+- Pools and children are cached in kopf indexes (from the watches kopf keeps
+  anyway), so deciding that nothing needs writing costs no request.
+
+kopf keeps its bookkeeping in annotations under pdserve.dev/: the status schema
+has no room for it. Handlers return nothing for the same reason. No finalizers:
+children go by garbage collection (owner references).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, cast
+
+import kopf
+
+from pdserve.operator import api, kube, metrics, render
+from pdserve.operator.kube import ApiError, KubeClient, load_credentials
+from pdserve.operator.reconcile import Reconciler
+
+Obj = dict[str, Any]
+PoolKey = tuple[str, str]  # (namespace, pool name)
+
+POOL = (api.API_VERSION, api.PLURAL)
+HAS_POOL = {render.POOL_LABEL: kopf.PRESENT}
+RETRY_SECONDS = 15
+MAX_EVENT_MESSAGE = 1000
+
+
+class KopfRecorder:
+    """Posts Events through kopf's poster (batched, retried, off the handler's path)."""
+
+    def normal(self, pool: Mapping[str, Any], reason: str, message: str) -> None:
+        """An Event of type Normal on the pool."""
+        self._post(pool, "Normal", reason, message)
+
+    def warning(self, pool: Mapping[str, Any], reason: str, message: str) -> None:
+        """An Event of type Warning on the pool."""
+        self._post(pool, "Warning", reason, message)
+
+    @staticmethod
+    def _post(pool: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+        text = message if len(message) <= MAX_EVENT_MESSAGE else message[:MAX_EVENT_MESSAGE] + "…"
+        kopf.event(cast(kopf.Body, pool), type=type_, reason=reason, message=text)
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    """kopf settings: bookkeeping in annotations, quiet Events, filtered watches."""
+    persistence = settings.persistence
+    persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
+    persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=api.GROUP, key="last-handled-configuration"
+    )
+    persistence.finalizer = f"{api.GROUP}/finalizer"
+    # kopf would post an Event per handler run; the reconciler posts what matters.
+    settings.posting.level = logging.WARNING
+    settings.posting.reporting_component = "pdserve-operator"
+    # Only children reach the operator: the API server filters the watches.
+    for kind in kube.WATCHED_KINDS:
+        settings.watching.label_selectors[kind.api_version, kind.plural] = render.POOL_LABEL
+
+
+def plain(body: Mapping[str, Any]) -> Obj:
+    """An object as a dict without managedFields (large, and never read).
+
+    Shallow: nested values are shared with kopf's copy, which nobody modifies (the
+    reconciler builds new objects, and kopf makes new bodies for every event).
+    """
+    meta = body["metadata"]
+    return {**body, "metadata": {k: v for k, v in meta.items() if k != "managedFields"}}
+
+
+def reconciler(memo: Mapping[str, Any]) -> Reconciler:
+    """The reconciler that start-up put in the operator's memo."""
+    found: Reconciler = memo["reconciler"]
+    return found
+
+
+# --- start and stop ----------------------------------------------------------------------
+
+
+@kopf.on.startup()
+async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """Configure kopf and connect the reconciler to the API server."""
+    configure(settings)
+    client = KubeClient(load_credentials(memo.get("kubeconfig")))
+    try:
+        monitors = await client.serves(kube.SERVICE_MONITOR)
+    except BaseException:
+        await client.close()
+        raise
+    memo["reconciler"] = Reconciler(client, KopfRecorder(), monitors=monitors)
+
+
+@kopf.on.login()
+def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:
+    """kopf connects with the same credentials as the reconciler's client."""
+    credentials = load_credentials(memo.get("kubeconfig"))
+    scheme, token = credentials.token()
+    ca, certificate, key = credentials.files()
+    return kopf.ConnectionInfo(
+        server=credentials.server,
+        ca_path=ca,
+        insecure=credentials.ssl_context is False,
+        scheme=scheme,
+        token=token,
+        certificate_path=certificate,
+        private_key_path=key,
+    )
+
+
+@kopf.on.cleanup()
+async def stop(memo: kopf.Memo, **_: Any) -> None:
+    """Close the reconciler's connections."""
+    if "reconciler" in memo:
+        await reconciler(memo).close()
+
+
+# --- caches ------------------------------------------------------------------------------
+
+
+@kopf.index(*POOL)
+def pools(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[PoolKey, Obj]:
+    """Every ServingPool, by (namespace, name)."""
+    return {(namespace or "", name): plain(body)}
+
+
+def children(
+    namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[PoolKey, Obj]:
+    """Every child object, by the (namespace, name) of its pool."""
+    return {(namespace or "", labels[render.POOL_LABEL]): plain(body)}
+
+
+def _index(kwargs: Mapping[str, Any], name: str) -> kopf.Index[PoolKey, Obj]:
+    """An index kopf passes as a keyword argument named after its indexing handler."""
+    index: kopf.Index[PoolKey, Obj] = kwargs[name]
+    return index
+
+
+def _children_of(kwargs: Mapping[str, Any], key: PoolKey) -> list[Obj]:
+    return list(_index(kwargs, "children").get(key, ()))
+
+
+# --- pools ---------------------------------------------------------------------------------
+
+
+@kopf.on.resume(*POOL)
+@kopf.on.create(*POOL)
+@kopf.on.update(*POOL, field="spec")
+async def reconcile_pool(body: kopf.Body, reason: str, memo: Any, **kwargs: Any) -> None:
+    """Apply the pool's rendered objects, prune the rest, write its status."""
+    pool = plain(body)
+    key = (pool["metadata"]["namespace"], pool["metadata"]["name"])
+    try:
+        await reconciler(memo).reconcile(pool, _children_of(kwargs, key), trigger=str(reason))
+    except api.InvalidPoolError as error:
+        raise kopf.PermanentError("; ".join(error.errors)) from None
+    except ApiError as error:
+        raise kopf.TemporaryError(str(error), delay=RETRY_SECONDS) from None
+
+
+@kopf.on.event(*POOL)
+def pool_event(type: str | None, uid: str, memo: Any, **_: Any) -> None:
+    """Forget a deleted pool."""
+    if type == "DELETED" and "reconciler" in memo:
+        reconciler(memo).forget(uid)
+
+
+# --- children ------------------------------------------------------------------------------
+
+
+async def child_event(
+    type: str | None,
+    body: kopf.Body,
+    namespace: str | None,
+    labels: kopf.Labels,
+    memo: Any,
+    **kwargs: Any,
+) -> None:
+    """Put a changed or deleted child back; refresh status on Deployment news."""
+    if type is None:  # the initial listing: the pools' resume handlers cover it
+        return
+    metrics.WATCH_EVENTS.labels(kind=body.get("kind", "")).inc()
+    key = (namespace or "", labels[render.POOL_LABEL])
+    pool = next(iter(_index(kwargs, "pools").get(key, ())), None)
+    if pool is not None:
+        await reconciler(memo).child_changed(pool, plain(body), type, _children_of(kwargs, key))
+
+
+for _kind in kube.WATCHED_KINDS:
+    kopf.index(_kind.api_version, _kind.plural, id="children", labels=HAS_POOL)(children)
+    kopf.on.event(_kind.api_version, _kind.plural, id="child_event", labels=HAS_POOL)(child_event)

@@ -1,0 +1,289 @@
+"""The operator's small Kubernetes API client: apply, delete, read, patch status.
+
+Plain HTTPS through aiohttp (kopf's own transport), so handlers never block the event
+loop. Credentials come from a kubeconfig or the pod's service account, read by the
+`kubernetes` package's loader. Every request is counted in the operator's metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from pdserve.operator import metrics
+
+Obj = dict[str, Any]
+
+FIELD_MANAGER = "pdserve"
+HEADER_REFRESH_SECONDS = 60.0
+APPLY_CONTENT_TYPE = "application/apply-patch+yaml"  # JSON is YAML
+MERGE_CONTENT_TYPE = "application/merge-patch+json"
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A namespaced resource kind the operator writes."""
+
+    api_version: str
+    kind: str
+    plural: str
+
+    @property
+    def group(self) -> str:
+        """The API group ("" for the core group)."""
+        return self.api_version.rpartition("/")[0]
+
+    @property
+    def version(self) -> str:
+        """The API version within the group."""
+        return self.api_version.rpartition("/")[2]
+
+    def path(self, namespace: str, name: str | None = None) -> str:
+        """The URL path of the collection in a namespace, or of one object."""
+        root = "/api/v1" if self.api_version == "v1" else f"/apis/{self.api_version}"
+        collection = f"{root}/namespaces/{namespace}/{self.plural}"
+        return collection if name is None else f"{collection}/{name}"
+
+
+# The kinds a ServingPool's children can have, in render order.
+CONFIG_MAP = Kind("v1", "ConfigMap", "configmaps")
+SERVICE_ACCOUNT = Kind("v1", "ServiceAccount", "serviceaccounts")
+ROLE = Kind("rbac.authorization.k8s.io/v1", "Role", "roles")
+ROLE_BINDING = Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings")
+SERVICE = Kind("v1", "Service", "services")
+DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments")
+POD_DISRUPTION_BUDGET = Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
+SERVICE_MONITOR = Kind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors")
+SERVING_POOL = Kind("pdserve.dev/v1alpha1", "ServingPool", "servingpools")
+
+# Watched (and cached) by the operator; ServiceMonitors are read on demand instead,
+# since their CRD is often absent.
+WATCHED_KINDS = (
+    CONFIG_MAP,
+    SERVICE_ACCOUNT,
+    ROLE,
+    ROLE_BINDING,
+    SERVICE,
+    DEPLOYMENT,
+    POD_DISRUPTION_BUDGET,
+)
+KINDS = {kind.kind: kind for kind in (*WATCHED_KINDS, SERVICE_MONITOR, SERVING_POOL)}
+
+
+def kind_of(obj: Mapping[str, Any]) -> Kind:
+    """The Kind of an object (KeyError for a kind the operator does not write)."""
+    return KINDS[obj["kind"]]
+
+
+class ApiError(Exception):
+    """The API server refused a request (or could not be reached: status 0)."""
+
+    def __init__(self, status: int, message: str, reason: str = "") -> None:
+        self.status = status
+        self.reason = reason
+        super().__init__(f"{status} {reason}: {message}" if reason else f"{status}: {message}")
+
+
+class Credentials:
+    """Where the API server is and how to authenticate to it (client certificate or
+    token; tokens are re-read when they expire, as the `kubernetes` loader does)."""
+
+    def __init__(self, configuration: Any) -> None:
+        self._configuration = configuration
+        self._headers: dict[str, str] | None = None
+        self._read_at = 0.0
+        self.server: str = configuration.host.rstrip("/")
+        self.ssl_context: ssl.SSLContext | bool = False
+        if configuration.verify_ssl:
+            self.ssl_context = ssl.create_default_context(cafile=configuration.ssl_ca_cert)
+            if configuration.cert_file:
+                self.ssl_context.load_cert_chain(configuration.cert_file, configuration.key_file)
+
+    def token(self) -> tuple[str | None, str | None]:
+        """(scheme, token) of a bearer token, or (None, None) when certificates are used."""
+        header = self.headers().get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        return (scheme, token) if token else ((None, scheme) if scheme else (None, None))
+
+    def files(self) -> tuple[str | None, str | None, str | None]:
+        """(CA, client certificate, client key) file paths; None where not used."""
+        c = self._configuration
+        return c.ssl_ca_cert or None, c.cert_file or None, c.key_file or None
+
+    def headers(self) -> dict[str, str]:
+        """The authentication headers for the next request (re-read every minute: the
+        loader's refresh is too slow to run per request, and tokens live far longer)."""
+        now = time.monotonic()
+        if self._headers is None or now - self._read_at > HEADER_REFRESH_SECONDS:
+            refresh = self._configuration.refresh_api_key_hook
+            if refresh is not None:
+                refresh(self._configuration)
+            settings = self._configuration.auth_settings().values()
+            self._headers = {
+                s["key"]: s["value"] for s in settings if s.get("in") == "header" and s["value"]
+            }
+            self._read_at = now
+        return dict(self._headers)
+
+
+def load_credentials(kubeconfig: Path | None = None) -> Credentials:
+    """Credentials from `kubeconfig`, else $KUBECONFIG/~/.kube/config, else in-cluster."""
+    from kubernetes import client, config  # only the loader: requests go through aiohttp
+
+    configuration = client.Configuration()
+    try:
+        config.load_kube_config(  # type: ignore[no-untyped-call]
+            config_file=str(kubeconfig) if kubeconfig else None,
+            client_configuration=configuration,
+        )
+    except config.ConfigException:
+        if kubeconfig is not None:
+            raise
+        config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+    return Credentials(configuration)
+
+
+def _decode(text: str) -> Obj:
+    """A JSON object from the API server; {} for an empty or non-JSON answer."""
+    try:
+        answer = json.loads(text) if text else {}
+    except ValueError:  # e.g. a proxy's plain-text error page
+        return {}
+    return answer if isinstance(answer, dict) else {}
+
+
+class KubeClient:
+    """Requests to one API server over one pooled aiohttp session.
+
+    At most `concurrency` requests are in flight; the others wait their turn before
+    their timeout starts, so a burst of reconciles queues instead of timing out.
+    """
+
+    def __init__(
+        self, credentials: Credentials, timeout: float = 30.0, concurrency: int = 16
+    ) -> None:
+        self._credentials = credentials
+        self._slots = asyncio.Semaphore(concurrency)
+        self._session = aiohttp.ClientSession(
+            headers={"Accept": "application/json"},
+            timeout=aiohttp.ClientTimeout(total=timeout),
+            connector=aiohttp.TCPConnector(ssl=credentials.ssl_context, limit=concurrency),
+        )
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        await self._session.close()
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        verb: str,
+        resource: str,
+        params: Mapping[str, str] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+    ) -> Obj | None:
+        """One request; the decoded answer, None for 404, ApiError for other failures."""
+        data = None if body is None else json.dumps(body, separators=(",", ":"))
+        headers = self._credentials.headers()
+        if data is not None:
+            headers["Content-Type"] = content_type
+        url = self._credentials.server + path
+        try:
+            async with (
+                self._slots,
+                self._session.request(
+                    method, url, params=params, data=data, headers=headers
+                ) as response,
+            ):
+                metrics.API_REQUESTS.labels(verb=verb, resource=resource).inc()
+                text = await response.text()
+                status = response.status
+        except (aiohttp.ClientError, TimeoutError) as error:
+            metrics.API_REQUESTS.labels(verb=verb, resource=resource).inc()
+            why = str(error) or type(error).__name__
+            raise ApiError(0, f"{method} {path}: {why}") from error
+        if status == 404:
+            return None
+        answer = _decode(text)
+        if status >= 400:
+            raise ApiError(status, answer.get("message", text), answer.get("reason", ""))
+        return answer
+
+    async def apply(self, obj: Mapping[str, Any]) -> Obj:
+        """Server-side apply (field manager `pdserve`, conflicts forced); the live object."""
+        kind = kind_of(obj)
+        meta = obj["metadata"]
+        path = kind.path(meta["namespace"], meta["name"])
+        params = {"fieldManager": FIELD_MANAGER, "force": "true"}
+        live = await self.request(
+            "PATCH",
+            path,
+            verb="apply",
+            resource=kind.plural,
+            params=params,
+            body=obj,
+            content_type=APPLY_CONTENT_TYPE,
+        )
+        if live is None:
+            raise ApiError(404, f"{kind.kind} is not served by this cluster", "NotFound")
+        return live
+
+    async def delete(self, obj: Mapping[str, Any]) -> bool:
+        """Delete this very object (uid precondition); False when it was already gone."""
+        kind = kind_of(obj)
+        meta = obj["metadata"]
+        body = {
+            "apiVersion": "v1",
+            "kind": "DeleteOptions",
+            "propagationPolicy": "Background",
+            "preconditions": {"uid": meta["uid"]},
+        }
+        try:
+            answer = await self.request(
+                "DELETE",
+                kind.path(meta["namespace"], meta["name"]),
+                verb="delete",
+                resource=kind.plural,
+                body=body,
+            )
+        except ApiError as error:
+            if error.status == 409:  # the uid changed: someone made a new one, keep it
+                return False
+            raise
+        return answer is not None
+
+    async def get(self, kind: Kind, namespace: str, name: str) -> Obj | None:
+        """One object, or None when it does not exist."""
+        return await self.request(
+            "GET", kind.path(namespace, name), verb="get", resource=kind.plural
+        )
+
+    async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        """Merge `status` into the pool's status subresource (None values remove keys)."""
+        await self.request(
+            "PATCH",
+            SERVING_POOL.path(namespace, name) + "/status",
+            verb="patch",
+            resource=f"{SERVING_POOL.plural}/status",
+            body={"status": status},
+            content_type=MERGE_CONTENT_TYPE,
+        )
+
+    async def serves(self, kind: Kind) -> bool:
+        """Whether the cluster serves a kind (its CRD may be missing)."""
+        root = "/api/v1" if kind.api_version == "v1" else f"/apis/{kind.api_version}"
+        answer = await self.request("GET", root, verb="discover", resource=kind.plural)
+        return answer is not None and any(
+            r.get("name") == kind.plural for r in answer.get("resources", [])
+        )

@@ -1,0 +1,363 @@
+"""Reconciling a ServingPool: render, apply what differs, prune, report.
+
+The kopf handlers (handlers.py) call in here with the pool and the children the
+operator's watches have cached; this module decides what to write. Writes are
+server-side applies of whole objects (field manager `pdserve`, forced), skipped when
+the live object is already up to date (drift.py), so a resync or a restart writes
+nothing. One lock per pool keeps a pool's reconciles from interleaving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pdserve.operator import api, drift, kube, metrics, render
+from pdserve.operator import status as pool_status
+from pdserve.operator.kube import ApiError, KubeClient
+
+Obj = dict[str, Any]
+Key = tuple[str, str]  # (kind, name)
+
+log = logging.getLogger(__name__)
+
+
+class Recorder(Protocol):
+    """Posts Kubernetes Events about a pool."""
+
+    def normal(self, pool: Mapping[str, Any], reason: str, message: str) -> None:
+        """An Event of type Normal."""
+
+    def warning(self, pool: Mapping[str, Any], reason: str, message: str) -> None:
+        """An Event of type Warning."""
+
+
+@dataclass
+class _PoolState:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    status: dict[str, Any] | None = None  # the status last written
+    failure: str | None = None  # why the last reconcile had a write refused
+    generation: int | None = None  # the pool's generation the last reconcile applied
+    # The spec and rendered children of one generation: child events need them often.
+    rendered: tuple[int | None, api.ServingPoolSpec, dict[Key, Obj]] | None = None
+    # (generation, resourceVersion) of each child as the last write left it: tells
+    # stale watch events and writes that changed nothing.
+    written: dict[Key, tuple[int | None, str]] = field(default_factory=dict)
+
+    def record(self, live: Mapping[str, Any]) -> bool:
+        """Remember a write's result; whether it changed the object (a new version)."""
+        meta = live["metadata"]
+        before = self.written.get(key_of(live))
+        self.written[key_of(live)] = (meta.get("generation"), meta["resourceVersion"])
+        return before is None or before[1] != meta["resourceVersion"]
+
+    def stale(self, child: Mapping[str, Any]) -> bool:
+        """Whether a watch event predates the operator's last write of the object."""
+        written = self.written.get(key_of(child))
+        generation = child["metadata"].get("generation")
+        if written is None or written[0] is None or generation is None:
+            return False
+        return bool(generation < written[0])
+
+
+def key_of(obj: Mapping[str, Any]) -> Key:
+    """An object's identity among a pool's children."""
+    return obj["kind"], obj["metadata"]["name"]
+
+
+def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
+    """Whether the pool with this uid owns the object."""
+    refs = obj.get("metadata", {}).get("ownerReferences", [])
+    return any(ref.get("uid") == uid for ref in refs)
+
+
+def desired_objects(pool: Mapping[str, Any], spec: api.ServingPoolSpec) -> dict[Key, Obj]:
+    """The pool's children as they should be: rendered, owned, stamped with their hash."""
+    meta = pool["metadata"]
+    rendered = render.render(meta["name"], meta["namespace"], spec)
+    objects = (drift.stamped(render.with_owner(obj, meta)) for obj in rendered)
+    return {key_of(obj): obj for obj in objects}
+
+
+def describe(changes: Iterable[tuple[str, Obj]]) -> str:
+    """ "created Deployment a, updated ConfigMap b" for an Event message."""
+    return ", ".join(f"{action} {obj['kind']} {obj['metadata']['name']}" for action, obj in changes)
+
+
+class Reconciler:
+    """Applies pools' desired objects and keeps their status; shared by all handlers."""
+
+    def __init__(self, client: KubeClient, recorder: Recorder, *, monitors: bool) -> None:
+        self._client = client
+        self._recorder = recorder
+        self._monitors = monitors  # whether the cluster serves ServiceMonitors
+        self._pools: dict[str, _PoolState] = {}
+
+    async def close(self) -> None:
+        """Release the API connections."""
+        await self._client.close()
+
+    def _state(self, pool: Mapping[str, Any]) -> _PoolState:
+        return self._pools.setdefault(pool["metadata"]["uid"], _PoolState())
+
+    def _rendered(self, pool: Mapping[str, Any]) -> tuple[api.ServingPoolSpec, dict[Key, Obj]]:
+        """The pool's parsed spec and desired children (cached per generation; callers
+        must not modify them). Raises api.InvalidPoolError."""
+        state = self._state(pool)
+        generation = pool["metadata"].get("generation")
+        if state.rendered is None or state.rendered[0] != generation or generation is None:
+            spec = api.parse_spec(pool["spec"])
+            state.rendered = (generation, spec, desired_objects(pool, spec))
+        return state.rendered[1], state.rendered[2]
+
+    def forget(self, uid: str) -> None:
+        """Drop what is remembered about a deleted pool."""
+        self._pools.pop(uid, None)
+
+    async def reconcile(
+        self, pool: Mapping[str, Any], children: Iterable[Obj], *, trigger: str
+    ) -> None:
+        """Bring every child of the pool to its rendered state and update the status.
+
+        Raises api.InvalidPoolError for a spec the operator refuses and ApiError when
+        the API server refuses a write (after recording both in the status).
+        """
+        started = time.perf_counter()
+        metrics.RECONCILES.labels(trigger=trigger).inc()
+        try:
+            async with self._state(pool).lock:
+                await self._reconcile(pool, children)
+        except api.InvalidPoolError:
+            metrics.RECONCILE_ERRORS.labels(trigger=trigger, reason="InvalidSpec").inc()
+            raise
+        except ApiError as error:
+            metrics.RECONCILE_ERRORS.labels(trigger=trigger, reason=f"Api{error.status}").inc()
+            raise
+        finally:
+            metrics.RECONCILE_DURATION.labels(trigger=trigger).observe(
+                time.perf_counter() - started
+            )
+
+    async def _reconcile(self, pool: Mapping[str, Any], children: Iterable[Obj]) -> None:
+        try:
+            spec, desired = self._rendered(pool)
+        except api.InvalidPoolError as error:
+            await self._refuse(pool, error)
+            raise
+        desired = self._servable(pool, desired)
+        live = {key_of(obj): obj for obj in children}
+        live.update(await self._monitor_of(pool))
+        changes: list[tuple[str, Obj]] = []
+        errors: list[ApiError] = []
+        # One refused object does not hold back the others: apply all, then report.
+        for key, obj in desired.items():
+            before = live.get(key)
+            if before is not None and drift.up_to_date(obj, before):
+                continue
+            try:
+                live[key], changed = await self._apply(pool, obj, before)
+            except ApiError as error:
+                errors.append(error)
+                continue
+            if changed:
+                changes.append(("updated" if before is not None else "created", obj))
+        for key, obj in list(live.items()):
+            if key not in desired and owned_by(obj, pool["metadata"]["uid"]):
+                del live[key]
+                try:
+                    if await self._client.delete(obj):
+                        changes.append(("deleted", obj))
+                except ApiError as error:
+                    errors.append(error)
+        self._report(pool, changes, "Applied")
+        state = self._state(pool)
+        state.failure = failure = "; ".join(str(e) for e in errors) or None
+        state.generation = pool["metadata"].get("generation")
+        await self._write_status(pool, spec, live.values())
+        if errors:
+            raise ApiError(errors[0].status, failure or "", errors[0].reason)
+
+    async def child_changed(
+        self, pool: Mapping[str, Any], child: Obj, event: str, children: Iterable[Obj]
+    ) -> None:
+        """React to a watch event on one child: recreate it if deleted, put it back if
+        edited, delete it if no longer rendered; refresh the status on Deployment news."""
+        if pool["metadata"].get("deletionTimestamp"):
+            return
+        try:
+            spec, desired = self._rendered(pool)
+        except api.InvalidPoolError:
+            return  # the pool's own handler reports it
+        key = key_of(child)
+        live = {key_of(obj): obj for obj in children}
+        if event == "DELETED":
+            live.pop(key, None)
+        else:
+            live[key] = child
+        state = self._state(pool)
+        async with state.lock:
+            if state.failure is not None and event == "DELETED":
+                # The last reconcile had a write refused: this may have cleared the way.
+                with contextlib.suppress(ApiError):
+                    metrics.RECONCILES.labels(trigger="child").inc()
+                    await self._reconcile(pool, live.values())
+                return
+            if event != "DELETED" and state.stale(child):
+                return  # the operator has written a newer version since
+            want = desired.get(key)
+            try:
+                change = await self._repair(pool, want, child, event)
+            except ApiError as error:
+                metrics.RECONCILE_ERRORS.labels(trigger="child", reason=f"Api{error.status}").inc()
+                self._recorder.warning(pool, "RepairFailed", str(error))
+                return
+            if change is not None:
+                metrics.RECONCILES.labels(trigger="child").inc()
+                self._report(pool, [change], "Repaired")
+                if change[0] != "deleted":
+                    live[key] = change[1]
+            if change is not None or key[0] == kube.DEPLOYMENT.kind:
+                await self._write_status(pool, spec, live.values())
+
+    async def _repair(
+        self, pool: Mapping[str, Any], want: Obj | None, child: Obj, event: str
+    ) -> tuple[str, Obj] | None:
+        """The write (if any) that puts one child back; (action, object written)."""
+        uid = pool["metadata"]["uid"]
+        if want is None:
+            gone = event == "DELETED" or child["metadata"].get("deletionTimestamp")
+            if gone or not owned_by(child, uid) or not await self._client.delete(child):
+                return None
+            return "deleted", child
+        if event == "DELETED":
+            # The pool may be going too (garbage collection deletes children after it).
+            if not await self._pool_exists(pool):
+                return None
+            live, _ = await self._apply(pool, want, None)
+            return "recreated", live
+        if drift.up_to_date(want, child):
+            return None
+        live, changed = await self._apply(pool, want, child)
+        return ("restored", live) if changed else None
+
+    async def _apply(
+        self, pool: Mapping[str, Any], obj: Obj, before: Mapping[str, Any] | None
+    ) -> tuple[Obj, bool]:
+        """Apply one object; the live result and whether the write changed it (a write
+        from a stale view may find the object already right)."""
+        live = await self._client.apply(obj)
+        new_version = self._state(pool).record(live)
+        if before is not None:
+            new_version = (
+                new_version
+                and before["metadata"].get("resourceVersion")
+                != (live["metadata"]["resourceVersion"])
+            )
+        return live, new_version
+
+    async def _pool_exists(self, pool: Mapping[str, Any]) -> bool:
+        meta = pool["metadata"]
+        live = await self._client.get(kube.SERVING_POOL, meta["namespace"], meta["name"])
+        return (
+            live is not None
+            and live["metadata"]["uid"] == meta["uid"]
+            and not live["metadata"].get("deletionTimestamp")
+        )
+
+    def _servable(self, pool: Mapping[str, Any], desired: dict[Key, Obj]) -> dict[Key, Obj]:
+        """The desired objects the cluster can hold (ServiceMonitors need their CRD)."""
+        if self._monitors or not any(k[0] == kube.SERVICE_MONITOR.kind for k in desired):
+            return desired
+        self._recorder.warning(
+            pool, "NoServiceMonitorCRD", "the cluster serves no ServiceMonitors: skipped"
+        )
+        return {k: v for k, v in desired.items() if k[0] != kube.SERVICE_MONITOR.kind}
+
+    async def _monitor_of(self, pool: Mapping[str, Any]) -> dict[Key, Obj]:
+        """The pool's live ServiceMonitor, read on demand (it is not watched)."""
+        if not self._monitors:
+            return {}
+        meta = pool["metadata"]
+        monitor = await self._client.get(kube.SERVICE_MONITOR, meta["namespace"], meta["name"])
+        return {} if monitor is None else {key_of(monitor): monitor}
+
+    def _report(self, pool: Mapping[str, Any], changes: list[tuple[str, Obj]], reason: str) -> None:
+        for action, obj in changes:
+            metrics.OBJECT_CHANGES.labels(kind=obj["kind"], action=action).inc()
+        if changes:
+            meta = pool["metadata"]
+            log.info("%s/%s: %s", meta["namespace"], meta["name"], describe(changes))
+            self._recorder.normal(pool, reason, describe(changes))
+
+    async def _refuse(self, pool: Mapping[str, Any], error: api.InvalidPoolError) -> None:
+        state = self._state(pool)
+        state.generation = pool["metadata"].get("generation")
+        previous = pool_status.previous_status(self._last_status(pool))
+        new = pool_status.invalid_status(previous, generation=state.generation, errors=error.errors)
+        await self._patch_status(pool, new)
+
+    async def _write_status(
+        self,
+        pool: Mapping[str, Any],
+        spec: api.ServingPoolSpec,
+        children: Iterable[Obj],
+    ) -> None:
+        meta = pool["metadata"]
+        deployments = {
+            obj["metadata"]["name"]: obj for obj in children if obj["kind"] == kube.DEPLOYMENT.kind
+        }
+        previous = pool_status.previous_status(self._last_status(pool))
+        state = self._state(pool)
+        written = state.written
+        # observedGeneration says what the operator has applied: a child event may
+        # arrive before the reconcile of a newer spec (or, after a restart, before any).
+        generation = state.generation if state.generation else previous.observed_generation
+        new = pool_status.pool_status(
+            previous,
+            pool=meta["name"],
+            namespace=meta["namespace"],
+            generation=generation,
+            spec=spec,
+            deployments=deployments,
+            written={
+                name: gen
+                for (kind, name), (gen, _) in written.items()
+                if kind == kube.DEPLOYMENT.kind and gen is not None
+            },
+            failure=state.failure,
+        )
+        await self._patch_status(pool, new)
+
+    def _last_status(self, pool: Mapping[str, Any]) -> Mapping[str, Any]:
+        remembered = self._state(pool).status
+        return remembered if remembered is not None else dict(pool.get("status") or {})
+
+    async def _patch_status(self, pool: Mapping[str, Any], new: api.ServingPoolStatus) -> None:
+        old = self._last_status(pool)
+        patch = pool_status.status_patch(old, new)
+        if patch is None:
+            return
+        meta = pool["metadata"]
+        await self._client.patch_status(meta["namespace"], meta["name"], patch)
+        self._state(pool).status = api.dump(new)
+        self._announce(pool, pool_status.previous_status(old), new)
+
+    def _announce(
+        self, pool: Mapping[str, Any], old: api.ServingPoolStatus, new: api.ServingPoolStatus
+    ) -> None:
+        """Events for the transitions a person watches for: Ready, and Degraded."""
+        types: tuple[api.ConditionType, ...] = ("Ready", "Degraded")
+        for type_ in types:
+            before, after = old.condition(type_), new.condition(type_)
+            if after is None or after.status != "True":
+                continue
+            if before is None or before.status != "True":
+                if type_ == "Ready":
+                    self._recorder.normal(pool, "Ready", after.message)
+                else:
+                    self._recorder.warning(pool, after.reason, after.message)

@@ -1,0 +1,207 @@
+"""Running `pdserve operator` as a real process against the dev cluster, for tests.
+
+The operator runs under the ServiceAccount of deploy/operator/rbac.yaml (a token
+kubeconfig), so the tests also prove that manifest grants enough.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[2]
+RBAC = ROOT / "deploy" / "operator" / "rbac.yaml"
+CRDS = ROOT / "crds"
+OPERATOR_NAMESPACE = "pdserve-system"
+OPERATOR_ACCOUNT = "pdserve-operator"
+POOL_LABEL = "pdserve.dev/pool"
+
+T = TypeVar("T")
+
+
+class Cluster(Protocol):
+    """The part of the dev cluster these helpers use."""
+
+    @property
+    def kubeconfig(self) -> Path: ...
+
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None
+    ) -> subprocess.CompletedProcess[str]: ...
+
+
+def wait_until(check: Callable[[], T], timeout: float, what: str, interval: float = 0.25) -> T:
+    """Poll `check` until it returns something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def install_crd(cluster: Cluster) -> None:
+    """Apply crds/ and wait until the API server serves ServingPools."""
+    cluster.kubectl("apply", "--server-side", "-f", str(CRDS))
+    cluster.kubectl(
+        "wait", "--for=condition=Established", "--timeout=60s", "crd/servingpools.pdserve.dev"
+    )
+
+
+def operator_kubeconfig(cluster: Cluster, path: Path) -> Path:
+    """A kubeconfig for the operator's ServiceAccount (deploy/operator/rbac.yaml)."""
+    if cluster.kubectl("get", "namespace", OPERATOR_NAMESPACE, check=False).returncode:
+        cluster.kubectl("create", "namespace", OPERATOR_NAMESPACE)
+    cluster.kubectl("apply", "-f", str(RBAC))
+    token = cluster.kubectl(
+        "create", "token", OPERATOR_ACCOUNT, "-n", OPERATOR_NAMESPACE, "--duration=6h"
+    ).stdout.strip()
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    context = {"cluster": admin["clusters"][0]["name"], "user": OPERATOR_ACCOUNT}
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": admin["clusters"],
+        "users": [{"name": OPERATOR_ACCOUNT, "user": {"token": token}}],
+        "contexts": [{"name": OPERATOR_ACCOUNT, "context": context}],
+        "current-context": OPERATOR_ACCOUNT,
+    }
+    path.write_text(yaml.safe_dump(config))
+    path.chmod(0o600)
+    return path
+
+
+def free_port() -> int:
+    """A TCP port on loopback nobody listens on (now)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class OperatorProcess:
+    """`python -m pdserve operator` in a child process, with its /metrics."""
+
+    def __init__(self, kubeconfig: Path, log: Path, namespaces: Sequence[str] = ()) -> None:
+        self.kubeconfig = kubeconfig
+        self.log = log
+        self.namespaces = tuple(namespaces)
+        self.port = free_port()
+        self.health_port = free_port()
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        """The process id (the operator must be running)."""
+        assert self._process is not None, "operator not started"
+        return self._process.pid
+
+    def start(self, timeout: float = 60.0) -> OperatorProcess:
+        """Start the operator and wait until it serves /metrics."""
+        scope = [arg for ns in self.namespaces for arg in ("--namespace", ns)] or ["-A"]
+        command = [sys.executable, "-m", "pdserve", "operator", *scope]
+        command += ["--kubeconfig", str(self.kubeconfig), "--metrics-host", "127.0.0.1"]
+        command += ["--metrics-port", str(self.port), "--health-port", str(self.health_port)]
+        env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
+        with self.log.open("ab") as log:
+            self._process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.log.parent
+            )
+        wait_until(self._serving, timeout, f"operator /metrics on port {self.port}")
+        return self
+
+    def _serving(self) -> bool:
+        assert self._process is not None
+        if self._process.poll() is not None:
+            raise AssertionError(f"operator exited ({self._process.returncode}):\n{self.tail()}")
+        try:
+            self.metrics()
+        except OSError:
+            return False
+        return True
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Stop the operator as Kubernetes would (SIGTERM, then SIGKILL)."""
+        if self._process is None:
+            return
+        if self._process.poll() is None:
+            self._process.send_signal(signal.SIGTERM)
+            try:
+                self._process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._process = None
+
+    def restart(self) -> OperatorProcess:
+        """Stop, then start a fresh process (a new metrics port too)."""
+        self.stop()
+        self.port, self.health_port = free_port(), free_port()
+        return self.start()
+
+    def healthy(self) -> bool:
+        """Whether kopf's liveness probe (/healthz) answers 200."""
+        url = f"http://127.0.0.1:{self.health_port}/healthz"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                return int(response.status) == 200
+        except OSError:
+            return False
+
+    def metrics(self) -> dict[str, float]:
+        """The operator's samples, keyed `name{label="value",...}` (labels sorted)."""
+        url = f"http://127.0.0.1:{self.port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+        samples: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return samples
+
+    def total(self, prefix: str, **labels: str) -> float:
+        """The sum of samples whose name starts with `prefix` and that carry `labels`."""
+        wanted = [f'{k}="{v}"' for k, v in labels.items()]
+        return sum(
+            value
+            for key, value in self.metrics().items()
+            if key.split("{")[0] == prefix and all(w in key for w in wanted)
+        )
+
+    def peak_rss_bytes(self) -> int:
+        """The process's peak resident memory (VmHWM in /proc)."""
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no VmHWM in /proc status")
+
+    def tail(self, lines: int = 40) -> str:
+        """The end of the operator's log, for failure messages."""
+        if not self.log.exists():
+            return ""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def get_json(cluster: Cluster, *args: str) -> Any:
+    """`kubectl get ... -o json`, decoded (None when the object does not exist)."""
+    result = cluster.kubectl("get", *args, "-o", "json", check=False)
+    if result.returncode != 0:
+        if "NotFound" in result.stderr:
+            return None
+        raise AssertionError(result.stderr)
+    return json.loads(result.stdout)
