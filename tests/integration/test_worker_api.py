@@ -169,14 +169,22 @@ def test_client_disconnect_aborts_the_request(worker: WorkerProcess) -> None:
                 await response.content.readline()
 
     asyncio.run(read_a_little_then_leave())
+
+    def settled() -> bool:
+        aborted = metric(worker, "pdserve_requests_total", finish_reason="abort")
+        idle = metric(worker, "pdserve_requests_running") == 0.0
+        return aborted > aborted_before and idle and kv_usage(worker) == 0.0
+
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if metric(worker, "pdserve_requests_total", finish_reason="abort") > aborted_before:
-            break
+    while not settled() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert metric(worker, "pdserve_requests_total", finish_reason="abort") == aborted_before + 1
-    assert metric(worker, "pdserve_kv_cache_usage_ratio") == 0.0
     assert metric(worker, "pdserve_requests_running") == 0.0
+    assert kv_usage(worker) == 0.0
+
+
+def kv_usage(worker: WorkerProcess) -> float:
+    return metric(worker, "pdserve_kv_cache_usage_ratio")
 
 
 def test_metrics_count_what_was_served(worker: WorkerProcess, client: openai.OpenAI) -> None:
