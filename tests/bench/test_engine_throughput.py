@@ -46,19 +46,27 @@ def decode_rate(engine: LLMEngine, batch: int) -> tuple[float, float]:
     return tokens / elapsed, elapsed / steps
 
 
+def engine_with_budget(model_dir: Path, budget: int) -> LLMEngine:
+    config = EngineConfig(
+        model_dir=model_dir, scheduler=SchedulerConfig(max_num_batched_tokens=budget)
+    )
+    return LLMEngine(config)
+
+
 @pytest.mark.parametrize("threads", [1])
 def test_engine_throughput(tiny_model_dir: Path, threads: int) -> None:
     torch.set_num_threads(threads)
-    engine = LLMEngine(
-        EngineConfig(
-            model_dir=tiny_model_dir, scheduler=SchedulerConfig(max_num_batched_tokens=2048)
-        )
-    )
+    engine = engine_with_budget(tiny_model_dir, 2048)
     rows: list[dict[str, object]] = []
     for length in (128, 512, 2048, 8192):
         rows.append(
             {"phase": "prefill", "size": length, "tokens_per_s": prefill_rate(engine, length)}
         )
+    # A prompt alone, in chunks of 256: what chunking costs its TTFT on an idle engine.
+    chunked = engine_with_budget(tiny_model_dir, 256)
+    for length in (2048, 8192):
+        rate = prefill_rate(chunked, length)
+        rows.append({"phase": "prefill/256-token chunks", "size": length, "tokens_per_s": rate})
     for batch in (1, 8, 32, 64):
         rate, step_s = decode_rate(engine, batch)
         rows.append(

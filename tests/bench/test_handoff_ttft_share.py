@@ -49,6 +49,8 @@ def measure(model_dir: Path, logs: Path, backend: str) -> list[dict[str, object]
     sizing = ["--num-kv-blocks", "1100", "--max-num-batched-tokens", "2048"]
     with pd_workers(model_dir, logs, backend, prefill_args=sizing, decode_args=sizing) as pd:
         decode, prefill = pd.decode[0], pd.prefill[0]
+        # The first hand-off of a pair also connects the agents: keep that out.
+        asyncio.run(timed_completion(decode.url, prefill.url, list(range(3, 40))))
         for length in PROMPT_LENGTHS:
             prompt = torch.randint(
                 3, 4000, (length,), generator=torch.Generator().manual_seed(length)

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from support.cluster import binaries_or_skip
 from support.operator import (
     OPERATOR_ACCOUNT,
     OPERATOR_NAMESPACE,
@@ -38,7 +39,6 @@ from support.results import publish
 
 from pdserve.operator import api
 from pdserve.operator.devcluster import DevCluster
-from pdserve.operator.devcluster.binaries import BinariesError, ensure_binaries
 from pdserve.operator.devcluster.nodes import gpu_node, node_schedulable
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(1800)]
@@ -119,13 +119,7 @@ def get_node(cluster: DevCluster, name: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[DevCluster]:
     """A fresh cluster for clean counts, with room for 400 pods."""
-    build = os.environ.get("PDSERVE_CLUSTER_NO_BUILD") != "1"
-    try:
-        ensure_binaries(build=build)
-    except BinariesError as error:
-        if build:
-            raise
-        pytest.skip(f"cluster binaries not built: {error}")
+    binaries_or_skip()
     with DevCluster() as started:
         node = gpu_node("kwok-bench-0", gpus=0, cpu="1000", memory="4Ti", pods=1000)
         started.kubectl("create", "-f", "-", input=json.dumps(node))

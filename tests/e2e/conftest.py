@@ -7,14 +7,13 @@ PDSERVE_CLUSTER_NO_BUILD=1 skips these tests instead of building.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.cluster import binaries_or_skip
 
 from pdserve.operator.devcluster import DevCluster
-from pdserve.operator.devcluster.binaries import BinariesError, ensure_binaries
 
 HERE = Path(__file__).parent
 
@@ -29,12 +28,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[DevCluster]:
     """A started DevCluster, shared by the whole session, stopped at its end."""
-    build = os.environ.get("PDSERVE_CLUSTER_NO_BUILD") != "1"
-    try:
-        ensure_binaries(build=build)
-    except BinariesError as error:
-        if build:
-            raise
-        pytest.skip(f"cluster binaries not built: {error}")
+    binaries_or_skip()
     with DevCluster() as started:
         yield started

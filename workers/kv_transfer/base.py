@@ -25,6 +25,15 @@ import torch
 from pdserve.workers.kv_transfer.layout import KVLayout
 
 
+def check_backend(metadata: dict[str, Any], backend: str) -> None:
+    """Raise ValueError when a peer's metadata comes from another backend."""
+    if metadata.get("backend") != backend:
+        raise ValueError(
+            f"the peer's KV transfer backend is {metadata.get('backend')!r}, this worker's "
+            f"is {backend!r}: both sides must use the same one"
+        )
+
+
 class TransferError(RuntimeError):
     """A transfer that failed or ran out of time (the blocks' content is undefined)."""
 

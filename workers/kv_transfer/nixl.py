@@ -37,6 +37,7 @@ from pdserve.workers.kv_transfer.base import (
     PendingReceive,
     TransferError,
     TransferStats,
+    check_backend,
 )
 from pdserve.workers.kv_transfer.blocks import check_blocks
 from pdserve.workers.kv_transfer.layout import KVLayout, Segment, segments
@@ -66,11 +67,7 @@ class NixlPeer:
     @classmethod
     def from_metadata(cls, raw: dict[str, Any]) -> NixlPeer:
         """Parse `NixlAgent.metadata()` of a peer (ValueError when malformed)."""
-        if raw.get("backend") != "nixl":
-            raise ValueError(
-                f"the peer's KV transfer backend is {raw.get('backend')!r}, this worker's "
-                "is 'nixl': both sides must use the same one"
-            )
+        check_backend(raw, "nixl")
         try:
             return cls(
                 agent_name=str(raw["agent_name"]),

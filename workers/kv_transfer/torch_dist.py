@@ -39,6 +39,7 @@ from pdserve.workers.kv_transfer.base import (
     PendingReceive,
     TransferError,
     TransferStats,
+    check_backend,
 )
 from pdserve.workers.kv_transfer.blocks import check_blocks, runs
 from pdserve.workers.kv_transfer.layout import KVLayout, LayoutMismatchError
@@ -65,11 +66,7 @@ class TorchPeer:
     @classmethod
     def from_metadata(cls, raw: dict[str, Any]) -> TorchPeer:
         """Parse `TorchDistAgent.metadata()` of a peer (ValueError when malformed)."""
-        if raw.get("backend") != "torch":
-            raise ValueError(
-                f"the peer's KV transfer backend is {raw.get('backend')!r}, this worker's "
-                "is 'torch': both sides must use the same one"
-            )
+        check_backend(raw, "torch")
         try:
             return cls(
                 name=str(raw["name"]),
