@@ -7,7 +7,6 @@ just as pydantic refuses it in tests/unit/test_api.py.
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,14 +14,13 @@ from typing import Any, Protocol
 
 import pytest
 import yaml
+from support.pools import EXAMPLES, INVALID_CASES, ROOT, example, merged
 
 from pdserve.operator import api, render
 
 pytestmark = pytest.mark.cluster
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = ROOT / "deploy" / "examples"
-CASES = yaml.safe_load((ROOT / "tests" / "data" / "invalid-servingpools.yaml").read_text())
+CASES = INVALID_CASES
 NAMESPACE = "crd-validation"
 CRD_NAME = "servingpools.pdserve.dev"
 
@@ -34,21 +32,6 @@ class Cluster(Protocol):
     def kubeconfig(self) -> Path: ...
 
     def kubectl(self, *args: str, check: bool = True) -> Any: ...
-
-
-def example(name: str) -> dict[str, Any]:
-    loaded: dict[str, Any] = yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text())
-    return loaded
-
-
-def merged(base: Any, patch: Any) -> Any:
-    """`base` with `patch` merged in: maps merge key by key, anything else replaces."""
-    if not (isinstance(base, dict) and isinstance(patch, dict)):
-        return copy.deepcopy(patch)
-    out = copy.deepcopy(base)
-    for key, value in patch.items():
-        out[key] = merged(out.get(key), value)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -2,35 +2,16 @@
 
 from __future__ import annotations
 
-import copy
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from pydantic import ValidationError
+from support.pools import INVALID_CASES, example, merged
 
 from pdserve.operator import api
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = ROOT / "deploy" / "examples"
-CASES = yaml.safe_load((ROOT / "tests" / "data" / "invalid-servingpools.yaml").read_text())
-
-
-def example(name: str) -> dict[str, Any]:
-    loaded: dict[str, Any] = yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text())
-    return loaded
-
-
-def merged(base: Any, patch: Any) -> Any:
-    """`base` with `patch` merged in: maps merge key by key, anything else replaces."""
-    if not (isinstance(base, dict) and isinstance(patch, dict)):
-        return copy.deepcopy(patch)
-    out = copy.deepcopy(base)
-    for key, value in patch.items():
-        out[key] = merged(out.get(key), value)
-    return out
+CASES = INVALID_CASES
 
 
 def test_examples_are_valid() -> None:
