@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from pathlib import Path
-from typing import Any
 
 ROLES = ("both", "prefill", "decode")
 
@@ -87,18 +87,8 @@ def run(args: argparse.Namespace) -> int:
     """Start the worker and serve until interrupted."""
     from pdserve.workers.worker import WorkerOptions, serve
 
-    chosen = {k: v for k, v in vars(args).items() if k in _OPTION_NAMES}
+    names = {option.name for option in dataclasses.fields(WorkerOptions)}
+    chosen = {k: v for k, v in vars(args).items() if k in names}
     if chosen["kv_cache_dtype"] == "auto":
         chosen["kv_cache_dtype"] = None
     return serve(WorkerOptions(**chosen))
-
-
-_OPTION_NAMES: frozenset[Any] = frozenset(
-    {
-        "model", "host", "port", "role", "pool", "served_model_name",
-        "max_num_batched_tokens", "max_num_seqs", "no_chunked_prefill", "num_kv_blocks",
-        "kv_cache_memory", "block_size", "no_prefix_caching", "max_model_len", "dtype",
-        "device", "seed", "threads", "log_level", "kv_cache_dtype", "kv_transfer",
-        "transfer_failure_policy", "handoff_timeout", "kv_transfer_host",
-    }
-)  # fmt: skip

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ from typing import Any, Protocol, TypeVar
 
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.workers.process import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 RBAC = ROOT / "deploy" / "operator" / "rbac.yaml"
@@ -83,14 +84,6 @@ def operator_kubeconfig(cluster: Cluster, path: Path) -> Path:
     path.write_text(yaml.safe_dump(config))
     path.chmod(0o600)
     return path
-
-
-def free_port() -> int:
-    """A TCP port on loopback nobody listens on (now)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class OperatorProcess:

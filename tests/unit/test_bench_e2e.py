@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -16,6 +15,7 @@ from pdserve.workers.bench.config import BenchConfig
 from pdserve.workers.bench.fake_server import FakeServerSpec, start
 from pdserve.workers.bench.metrics import SLO
 from pdserve.workers.bench.runner import arun_benchmark
+from pdserve.workers.process import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -111,13 +111,6 @@ async def test_concurrency_limit_holds_requests_back(tmp_path: Path) -> None:
     assert all(r.ok for r in records)
     for earlier, later in pairwise(records):
         assert (later.sent_at or 0.0) >= (earlier.chunk_times[-1])
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 async def test_unreachable_server() -> None:
