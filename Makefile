@@ -1,35 +1,37 @@
 # pdserve: `make demo` and `make test` do all set-up on a fresh machine.
-# The virtual environment lives in a cache outside the checkout, keyed by the
-# dependency list, so a second run (or a second checkout) reuses it.
+# This checkout's .venv is synced from the committed uv.lock (uv comes from PyPI when
+# the machine lacks it); cluster binaries, Helm and the rest are built or fetched into
+# caches outside the checkout, keyed by version, so the second run is fast.
 
 SHELL := /bin/bash
 PYTHON ?= python3
+UV_VERSION := 0.13.9
 CACHE_DIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/pdserve
-VENV_KEY := $(shell $(PYTHON) scripts/venv-key.py)
-VENV_DIR := $(CACHE_DIR)/venv-$(VENV_KEY)
-VENV := .venv
-BIN := $(VENV)/bin
+BIN := .venv/bin
 PY := $(BIN)/python
 DEMO_MODEL := $(CACHE_DIR)/models/tiny-llama
 PYTEST_ARGS ?=
+CODE := cli operator workers tests
 
-.PHONY: venv demo test lint typecheck unit e2e bench crd cluster clean
+.PHONY: venv lock demo test lint typecheck unit e2e bench crd clean
 
-# Dependencies are installed once per key; the editable install of this checkout
-# (a strict link tree that mypy can read) is redone whenever the checkout moves or
-# gains a module. Cheap when nothing changed, so it runs every time.
+# Cheap when nothing changed (a fraction of a second), so every target runs it.
 venv:
-	@scripts/ensure-venv.sh "$(PYTHON)" "$(VENV_DIR)" "$(VENV)"
+	@scripts/sync-venv.sh $(UV_VERSION) $(PYTHON)
+
+# After changing a dependency in any pyproject.toml.
+lock:
+	@$$(scripts/ensure-uv.sh $(UV_VERSION) $(PYTHON)) lock --python $(PYTHON)
 
 demo: venv
-	$(PY) -m pdserve demo --model-dir "$(DEMO_MODEL)"
+	$(BIN)/pdserve demo --model-dir "$(DEMO_MODEL)"
 
 lint: venv
-	$(BIN)/ruff check cli operator workers tests
-	$(BIN)/ruff format --check cli operator workers tests
+	$(BIN)/ruff check $(CODE)
+	$(BIN)/ruff format --check $(CODE)
 
 typecheck: venv
-	$(BIN)/mypy -p pdserve
+	$(BIN)/mypy -p pdserve.cli -p pdserve.operator -p pdserve.workers -p pdserve.devcluster
 
 # Unit and integration tests: real worker processes, no Kubernetes.
 unit: venv
@@ -46,10 +48,11 @@ bench: venv
 	$(BIN)/pytest tests/bench -m slow -s $(PYTEST_ARGS)
 
 crd: venv
-	$(PY) -m pdserve crd -o crds/servingpool.yaml
+	$(BIN)/pdserve crd -o crds/servingpool.yaml
 
+# Leaves .venv and the caches: `rm -rf .venv` removes this checkout's environment.
 clean:
-	rm -rf build .mypy_cache .pytest_cache .ruff_cache
+	rm -rf build out .mypy_cache .pytest_cache .ruff_cache
 
 # Feature-specific targets (the local cluster, ...) live in mk/.
 -include mk/*.mk

@@ -9,4 +9,4 @@ cluster-bin:
 	@scripts/build-cluster.sh
 
 cluster: venv cluster-bin
-	$(PY) -m pdserve.operator.devcluster
+	$(PY) -m pdserve.devcluster

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.demo import DEFAULT_MODEL_DIR, ensure_tiny_model
+from pdserve.cli.demo import DEFAULT_MODEL_DIR, ensure_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -7,13 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support.results import publish
 
 from pdserve.workers.bench.config import BenchConfig
 from pdserve.workers.bench.metrics import SLO, BenchMetrics, GroupMetrics
 from pdserve.workers.bench.runner import run_benchmark
 from pdserve.workers.engine.config import ModelConfig
-from pdserve.workers.process import running_worker
+from pdserve.workers.server.process import running_worker
+from support.results import publish
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.results import publish
 
 from pdserve.workers.engine.config import EngineConfig, SchedulerConfig
 from pdserve.workers.engine.engine import LLMEngine
 from pdserve.workers.engine.sampling import SamplingParams
+from support.results import publish
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 import torch
-from support.pd import complete, pd_workers
-from support.results import publish
-from support.worker import metric
 
 from pdserve.workers.engine.checkpoint import TinyModelSpec, write_tiny_checkpoint
 from pdserve.workers.engine.config import ModelConfig
+from support.pd import complete, pd_workers
+from support.results import publish
+from support.worker import metric
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 

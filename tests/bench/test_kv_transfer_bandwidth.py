@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from support.kv_agents import AgentProcess, CacheSpec, agent_process
 from support.results import publish
 

@@ -26,6 +26,10 @@ from typing import Any
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.devcluster import DevCluster
+from pdserve.devcluster.nodes import gpu_node, node_schedulable
+from pdserve.operator import api
 from support.cluster import binaries_or_skip
 from support.operator import (
     OPERATOR_ACCOUNT,
@@ -36,10 +40,6 @@ from support.operator import (
     wait_until,
 )
 from support.results import publish
-
-from pdserve.operator import api
-from pdserve.operator.devcluster import DevCluster
-from pdserve.operator.devcluster.nodes import gpu_node, node_schedulable
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.timeout(1800)]
 

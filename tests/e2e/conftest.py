@@ -1,4 +1,4 @@
-"""End-to-end tests against a real local control plane (see pdserve.operator.devcluster).
+"""End-to-end tests against a real local control plane (see pdserve.devcluster).
 
 Every test in this folder is marked `cluster`. The session's first test starts the
 cluster (building its binaries once if they are not cached: tens of minutes);
@@ -11,9 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.cluster import binaries_or_skip
 
-from pdserve.operator.devcluster import DevCluster
+from pdserve.devcluster import DevCluster
+from support.cluster import binaries_or_skip
 
 HERE = Path(__file__).parent
 

@@ -14,9 +14,9 @@ from typing import Any, Protocol
 
 import pytest
 import yaml
-from support.pools import EXAMPLES, INVALID_CASES, ROOT, example, merged
 
 from pdserve.operator import api, render
+from support.pools import EXAMPLES, INVALID_CASES, ROOT, example, merged
 
 pytestmark = pytest.mark.cluster
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.operator.devcluster import DevCluster
+from pdserve.devcluster import DevCluster
 
 K8S_VERSION = "v1.36.3"
 

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from pdserve.operator import api, drift, render
 from support.operator import (
     POOL_LABEL,
     Cluster,
@@ -24,8 +26,6 @@ from support.operator import (
     operator_kubeconfig,
     wait_until,
 )
-
-from pdserve.operator import api, drift, render
 
 pytestmark = pytest.mark.cluster
 

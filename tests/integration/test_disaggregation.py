@@ -14,12 +14,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 import torch
+
+from pdserve.workers.engine.sampling import SamplingParams
+from pdserve.workers.faults import Fault
+from pdserve.workers.server.process import ServerProcess, start_worker
 from support.engine import make_engine, run_to_completion
 from support.pd import PDPair, complete, pd_workers, token_ids
 from support.worker import metric
-
-from pdserve.workers.engine.sampling import SamplingParams
-from pdserve.workers.process import WorkerProcess, start_worker
 
 BACKENDS = ["nixl", "torch"]
 BLOCK = 16
@@ -56,7 +57,11 @@ def long_prompt(small_model_dir: Path) -> tuple[list[int], list[int]]:
     return prompt, outputs[0]
 
 
-SLOW_PREFILL = ["--max-num-batched-tokens", "4"]
+# The prefill worker stalls after computing the prompt, holding its blocks, before it
+# writes them: a hand-off is certainly under way while the stall lasts, however fast
+# the machine is.
+def stall_before_write(seconds: float) -> dict[str, Fault]:
+    return {"prefill.before_write": Fault(delay_s=seconds)}
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -69,7 +74,7 @@ def pair(
         yield workers
 
 
-def kv_usage(worker: WorkerProcess) -> float:
+def kv_usage(worker: ServerProcess) -> float:
     return metric(worker, "pdserve_kv_cache_usage_ratio")
 
 
@@ -83,7 +88,7 @@ def wait_for(condition: object, timeout_s: float = 15.0) -> bool:
 
 
 async def request_while_killing(
-    victim: WorkerProcess, decode: WorkerProcess, prefill: WorkerProcess, prompt: list[int]
+    victim: ServerProcess, decode: ServerProcess, prefill: ServerProcess, prompt: list[int]
 ) -> tuple[bool, tuple[int, dict[str, object]] | aiohttp.ClientError]:
     """Send a hand-off, kill `victim` while the prefill is under way; whether the
     prefill was under way at the kill, and the answer (or the client's error)."""
@@ -189,8 +194,9 @@ def test_prefill_killed_mid_handoff(
         logs = tmp_path / policy
         logs.mkdir()
         with pd_workers(
-            small_model_dir, logs, backend, prefill_args=SLOW_PREFILL, decode_args=decode_args
-        ) as workers:
+            small_model_dir, logs, backend, decode_args=decode_args,
+            prefill_faults=stall_before_write(60),
+        ) as workers:  # fmt: skip
             decode, prefill = workers.decode[0], workers.prefill[0]
             started = time.monotonic()
             under_way, result = asyncio.run(request_while_killing(prefill, decode, prefill, prompt))
@@ -211,8 +217,12 @@ def test_decode_killed_after_reserving(
     backend: str, small_model_dir: Path, tmp_path: Path, long_prompt: tuple[list[int], list[int]]
 ) -> None:
     prompt, _ = long_prompt
-    prefill_args = [*SLOW_PREFILL, "--handoff-timeout", "10"]
-    with pd_workers(small_model_dir, tmp_path, backend, prefill_args=prefill_args) as workers:
+    # The prefill worker finds its peer gone when the stall ends and frees its blocks.
+    prefill_args = ["--handoff-timeout", "10"]
+    with pd_workers(
+        small_model_dir, tmp_path, backend, prefill_args=prefill_args,
+        prefill_faults=stall_before_write(3),
+    ) as workers:  # fmt: skip
         decode, prefill = workers.decode[0], workers.prefill[0]
         under_way, result = asyncio.run(request_while_killing(decode, decode, prefill, prompt))
         assert under_way
@@ -225,10 +235,12 @@ def test_lease_that_expires_frees_both_sides(
     small_model_dir: Path, tmp_path: Path, long_prompt: tuple[list[int], list[int]]
 ) -> None:
     prompt, _ = long_prompt
+    # The prefill worker stalls longer than the decode worker's lease.
     short_lease = ["--handoff-timeout", "0.25", "--transfer-failure-policy", "fail"]
     with pd_workers(
-        small_model_dir, tmp_path, "nixl", prefill_args=SLOW_PREFILL, decode_args=short_lease
-    ) as workers:
+        small_model_dir, tmp_path, "nixl", decode_args=short_lease,
+        prefill_faults=stall_before_write(2),
+    ) as workers:  # fmt: skip
         decode, prefill = workers.decode[0], workers.prefill[0]
 
         async def one() -> tuple[int, dict[str, object]]:
@@ -293,7 +305,7 @@ def test_mismatched_configuration_is_refused_at_connect(
         for worker in [prefill, *decodes]:
             worker.wait_ready()
 
-        async def one(decode: WorkerProcess) -> tuple[int, dict[str, object]]:
+        async def one(decode: ServerProcess) -> tuple[int, dict[str, object]]:
             async with aiohttp.ClientSession() as session:
                 return await complete(session, decode.url, [5] * 40, prefill.url)
 

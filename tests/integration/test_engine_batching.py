@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from support.engine import GREEDY, make_engine, run_to_completion
 
 from pdserve.workers.engine.sampling import SamplingParams
+from support.engine import GREEDY, make_engine, run_to_completion
 
 
 def random_prompts(count: int, seed: int, low: int = 5, high: int = 400) -> list[list[int]]:

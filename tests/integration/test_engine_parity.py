@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.engine import GREEDY, make_engine, run_to_completion
 from transformers import AutoModelForCausalLM
 
 from pdserve.workers.engine.engine import LLMEngine
 from pdserve.workers.engine.sampling import SamplingParams
+from support.engine import GREEDY, make_engine, run_to_completion
 
 # float32 on both sides; differences come only from summation order.
 LOGIT_ATOL = 2e-4

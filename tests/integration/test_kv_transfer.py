@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 import torch
-from support.kv_agents import AgentCallError, AgentProcess, CacheSpec, agent_process
 
 from pdserve.workers.kv_transfer.blocks import runs
 from pdserve.workers.kv_transfer.layout import segments
+from support.kv_agents import AgentCallError, AgentProcess, CacheSpec, agent_process
 
 BACKENDS = ["nixl", "torch"]
 DECODE_SPEC = CacheSpec(num_blocks=24)

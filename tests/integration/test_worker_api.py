@@ -11,11 +11,11 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
-from support.engine import make_engine, run_to_completion
-from support.worker import WorkerProcess, metric, running_worker
 
 from pdserve.workers.engine.sampling import SamplingParams
 from pdserve.workers.engine.tokenizer import Tokenizer
+from support.engine import make_engine, run_to_completion
+from support.worker import ServerProcess, metric, running_worker
 
 MAX_MODEL_LEN = 1024
 KV_BLOCKS = 48  # 768 tokens of KV cache: less than the context, so both limits can be hit
@@ -24,7 +24,7 @@ KV_BLOCKS = 48  # 768 tokens of KV cache: less than the context, so both limits 
 @pytest.fixture(scope="module")
 def worker(
     small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[WorkerProcess]:
+) -> Iterator[ServerProcess]:
     args = ("--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", str(KV_BLOCKS),
             "--max-num-batched-tokens", "64", "--served-model-name", "small")  # fmt: skip
     with running_worker(small_model_dir, tmp_path_factory.mktemp("logs"), *args) as process:
@@ -32,7 +32,7 @@ def worker(
 
 
 @pytest.fixture(scope="module")
-def client(worker: WorkerProcess) -> openai.OpenAI:
+def client(worker: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{worker.url}/v1", api_key="unused", max_retries=0)
 
 
@@ -126,20 +126,20 @@ def test_stop_string_cuts_the_output(client: openai.OpenAI) -> None:
     ],
 )
 def test_bad_requests_get_4xx_with_a_reason(
-    worker: WorkerProcess, body: dict[str, object], reason: str
+    worker: ServerProcess, body: dict[str, object], reason: str
 ) -> None:
     status, answer = asyncio.run(post(worker.url, "/v1/completions", json.dumps(body).encode()))
     assert 400 <= status < 500
     assert reason in answer["error"]["message"]
 
 
-def test_malformed_json_gets_400(worker: WorkerProcess) -> None:
+def test_malformed_json_gets_400(worker: ServerProcess) -> None:
     status, answer = asyncio.run(post(worker.url, "/v1/completions", b'{"prompt": "unterminated'))
     assert status == 400 and "malformed JSON" in answer["error"]["message"]
 
 
 def test_rejected_requests_leave_nothing_behind(
-    worker: WorkerProcess, client: openai.OpenAI
+    worker: ServerProcess, client: openai.OpenAI
 ) -> None:
     asyncio.run(
         post(
@@ -153,7 +153,7 @@ def test_rejected_requests_leave_nothing_behind(
     assert ok.choices[0].text is not None
 
 
-def test_client_disconnect_aborts_the_request(worker: WorkerProcess) -> None:
+def test_client_disconnect_aborts_the_request(worker: ServerProcess) -> None:
     aborted_before = metric(worker, "pdserve_requests_total", finish_reason="abort")
 
     async def read_a_little_then_leave() -> None:
@@ -183,11 +183,11 @@ def test_client_disconnect_aborts_the_request(worker: WorkerProcess) -> None:
     assert kv_usage(worker) == 0.0
 
 
-def kv_usage(worker: WorkerProcess) -> float:
+def kv_usage(worker: ServerProcess) -> float:
     return metric(worker, "pdserve_kv_cache_usage_ratio")
 
 
-def test_metrics_count_what_was_served(worker: WorkerProcess, client: openai.OpenAI) -> None:
+def test_metrics_count_what_was_served(worker: ServerProcess, client: openai.OpenAI) -> None:
     before = metric(worker, "pdserve_time_to_first_token_seconds_count")
     client.completions.create(
         model="small", prompt="count me", max_tokens=3, extra_body={"ignore_eos": True}

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from pdserve.operator.devcluster.binaries import BinariesError, ensure_binaries
+from pdserve.devcluster.binaries import BinariesError, ensure_binaries
 
 
 def binaries_or_skip() -> None:

@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -18,9 +17,9 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.workers.process import free_port
+from pdserve.cli.main import pdserve_command
+from support import prom
 
 ROOT = Path(__file__).resolve().parents[2]
 RBAC = ROOT / "deploy" / "operator" / "rbac.yaml"
@@ -87,14 +86,13 @@ def operator_kubeconfig(cluster: Cluster, path: Path) -> Path:
 
 
 class OperatorProcess:
-    """`python -m pdserve operator` in a child process, with its /metrics."""
+    """`pdserve operator` in a child process, with its /metrics."""
 
     def __init__(self, kubeconfig: Path, log: Path, namespaces: Sequence[str] = ()) -> None:
         self.kubeconfig = kubeconfig
         self.log = log
         self.namespaces = tuple(namespaces)
-        self.port = free_port()
-        self.health_port = free_port()
+        self.port = 0
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -106,21 +104,36 @@ class OperatorProcess:
     def start(self, timeout: float = 60.0) -> OperatorProcess:
         """Start the operator and wait until it serves /metrics."""
         scope = [arg for ns in self.namespaces for arg in ("--namespace", ns)] or ["-A"]
-        command = [sys.executable, "-m", "pdserve", "operator", *scope]
-        command += ["--kubeconfig", str(self.kubeconfig), "--metrics-host", "127.0.0.1"]
-        command += ["--metrics-port", str(self.port), "--health-port", str(self.health_port)]
+        port_file = self.log.with_suffix(".port")
+        port_file.unlink(missing_ok=True)
+        command = pdserve_command("operator", *scope, "--kubeconfig", str(self.kubeconfig))
+        command += ["--metrics-host", "127.0.0.1", "--metrics-port", "0"]
+        command += ["--port-file", str(port_file)]
+        self.port = 0
         env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
         with self.log.open("ab") as log:
             self._process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.log.parent
             )
+        wait_until(lambda: self._listening(port_file), timeout, "the operator's port file")
         wait_until(self._serving, timeout, f"operator /metrics on port {self.port}")
         return self
 
-    def _serving(self) -> bool:
+    def _listening(self, port_file: Path) -> bool:
+        self._check_alive()
+        try:
+            self.port = int(port_file.read_text())
+        except (FileNotFoundError, ValueError):
+            return False
+        return True
+
+    def _check_alive(self) -> None:
         assert self._process is not None
         if self._process.poll() is not None:
             raise AssertionError(f"operator exited ({self._process.returncode}):\n{self.tail()}")
+
+    def _serving(self) -> bool:
+        self._check_alive()
         try:
             self.metrics()
         except OSError:
@@ -143,38 +156,24 @@ class OperatorProcess:
     def restart(self) -> OperatorProcess:
         """Stop, then start a fresh process (a new metrics port too)."""
         self.stop()
-        self.port, self.health_port = free_port(), free_port()
         return self.start()
 
     def healthy(self) -> bool:
-        """Whether kopf's liveness probe (/healthz) answers 200."""
-        url = f"http://127.0.0.1:{self.health_port}/healthz"
+        """Whether the liveness probe (/healthz) answers 200."""
+        url = f"http://127.0.0.1:{self.port}/healthz"
         try:
             with urllib.request.urlopen(url, timeout=5) as response:
                 return int(response.status) == 200
         except OSError:
             return False
 
-    def metrics(self) -> dict[str, float]:
-        """The operator's samples, keyed `name{label="value",...}` (labels sorted)."""
-        url = f"http://127.0.0.1:{self.port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as response:
-            text = response.read().decode()
-        samples: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-        return samples
+    def metrics(self) -> list[tuple[str, dict[str, str], float]]:
+        """The operator's samples."""
+        return prom.scrape(f"http://127.0.0.1:{self.port}/metrics")
 
-    def total(self, prefix: str, **labels: str) -> float:
-        """The sum of samples whose name starts with `prefix` and that carry `labels`."""
-        wanted = [f'{k}="{v}"' for k, v in labels.items()]
-        return sum(
-            value
-            for key, value in self.metrics().items()
-            if key.split("{")[0] == prefix and all(w in key for w in wanted)
-        )
+    def total(self, name: str, **labels: str) -> float:
+        """The sum of the samples named `name` that carry `labels`."""
+        return prom.total(f"http://127.0.0.1:{self.port}/metrics", name, **labels)
 
     def peak_rss_bytes(self) -> int:
         """The process's peak resident memory (VmHWM in /proc)."""

@@ -11,16 +11,17 @@ from typing import Any
 
 import aiohttp
 
+from pdserve.workers.faults import Fault, environment
 from pdserve.workers.handoff.protocol import PREFILL_URL_HEADER
-from pdserve.workers.process import WorkerProcess, start_worker
+from pdserve.workers.server.process import ServerProcess, start_worker
 
 
 @dataclass
 class PDPair:
     """Prefill workers and decode workers of one backend."""
 
-    prefill: list[WorkerProcess]
-    decode: list[WorkerProcess]
+    prefill: list[ServerProcess]
+    decode: list[ServerProcess]
 
 
 @contextmanager
@@ -32,19 +33,23 @@ def pd_workers(
     decodes: int = 1,
     prefill_args: Sequence[str] = (),
     decode_args: Sequence[str] = (),
+    prefill_faults: dict[str, Fault] | None = None,
 ) -> Iterator[PDPair]:
     """Start prefill and decode workers (one torch thread each) on loopback, all at
-    once, and stop them all at the end."""
+    once, and stop them all at the end. `prefill_faults` are injected into the
+    prefill workers (see `pdserve.workers.faults`)."""
     common = ["--threads", "1", "--kv-transfer", backend, "--served-model-name", "small"]
     started = PDPair([], [])
     try:
-        for role, count, extra, into in (
-            ("prefill", prefills, prefill_args, started.prefill),
-            ("decode", decodes, decode_args, started.decode),
+        prefill_env = environment(prefill_faults) if prefill_faults else None
+        for role, count, extra, env, into in (
+            ("prefill", prefills, prefill_args, prefill_env, started.prefill),
+            ("decode", decodes, decode_args, None, started.decode),
         ):
             for index in range(count):
                 log = log_dir / f"{backend}-{role}-{index}.log"
-                into.append(start_worker(model_dir, log, [*common, "--role", role, *extra]))
+                args = [*common, "--role", role, *extra]
+                into.append(start_worker(model_dir, log, args, env=env))
         for worker in started.prefill + started.decode:
             worker.wait_ready()
         yield started

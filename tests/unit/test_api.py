@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
-from support.pools import INVALID_CASES, example, merged
 
 from pdserve.operator import api
+from support.pools import INVALID_CASES, example, merged
 
 CASES = INVALID_CASES
 

@@ -17,10 +17,10 @@ import pytest
 import yaml
 from cryptography import x509
 
-from pdserve.operator.devcluster.certs import make_pki
-from pdserve.operator.devcluster.kwok_stages import write_stages
-from pdserve.operator.devcluster.nodes import gpu_node, node_schedulable
-from pdserve.operator.devcluster.processes import ManagedProcess
+from pdserve.devcluster.certs import make_pki
+from pdserve.devcluster.kwok_stages import write_stages
+from pdserve.devcluster.nodes import gpu_node, node_schedulable
+from pdserve.devcluster.processes import ManagedProcess
 
 
 def test_client_certificate_authenticates_to_the_serving_certificate(tmp_path: Path) -> None:
@@ -109,7 +109,7 @@ def test_children_die_when_the_owner_is_killed(tmp_path: Path) -> None:
         """
         import sys, time
         from pathlib import Path
-        from pdserve.operator.devcluster.processes import ManagedProcess
+        from pdserve.devcluster.processes import ManagedProcess
         child = ManagedProcess("sleeper", ["sleep", "300"], Path(sys.argv[1]))
         child.start()
         print(child.pid, flush=True)

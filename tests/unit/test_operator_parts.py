@@ -9,7 +9,7 @@ import kopf
 import pytest
 import yaml
 
-from pdserve.cli import build_parser
+from pdserve.cli.main import build_parser
 from pdserve.operator import api, handlers, kube, render
 
 ROOT = Path(__file__).resolve().parents[2]

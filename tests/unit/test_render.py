@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,6 @@ import pytest
 import yaml
 
 from pdserve.operator import api, render
-from pdserve.operator.quantity import parse_quantity, to_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "deploy" / "examples"
@@ -295,21 +295,23 @@ def test_router_endpoint() -> None:
 
 @pytest.mark.parametrize(
     ("quantity", "value"),
-    [("4Gi", 4 * 2**30), ("1500M", 1_500_000_000), ("2e3", 2000), (512, 512), ("1.5Ki", 1536)],
+    [("4Gi", 4 * 2**30), ("1500M", 1_500_000_000), ("2e3", 2000), (512, 512), ("100m", 1)],
 )
-def test_quantities(quantity: int | str, value: int) -> None:
-    assert to_bytes(quantity) == value
-
-
-def test_bad_quantity() -> None:
-    with pytest.raises(ValueError, match="not a Kubernetes quantity"):
-        parse_quantity("lots")
-    assert to_bytes("100m") == 1  # rounded up, as Kubernetes does for bytes
+def test_kv_cache_memory_reaches_the_worker_in_bytes(quantity: int | str, value: int) -> None:
+    # Kubernetes quantities become whole bytes, rounded up as Kubernetes does.
+    p = pool("tiny-colocated")
+    engine = p.spec.decode.engine.model_copy(
+        update={"num_kv_blocks": None, "kv_cache_memory": quantity}
+    )
+    spec = p.spec.model_copy(update={"decode": p.spec.decode.model_copy(update={"engine": engine})})
+    args = render.worker_args("tiny", spec, "decode", host="0.0.0.0", port=8000)
+    assert flag(args, "--kv-cache-memory") == str(value)
+    assert "--num-kv-blocks" not in args
 
 
 def test_colocated_worker_args_parse_with_the_worker_command() -> None:
     # The rendered command line must be one `pdserve worker` accepts.
-    from pdserve.workers import server_cli
+    from pdserve.workers.server import cli as server_cli
 
     parser = argparse.ArgumentParser()
     server_cli.register(parser.add_subparsers())
@@ -319,3 +321,12 @@ def test_colocated_worker_args_parse_with_the_worker_command() -> None:
     )
     assert parsed.role == "both" and parsed.pool == "tiny"
     assert parsed.max_num_batched_tokens == 256 and parsed.num_kv_blocks == 512
+
+
+def test_the_worker_and_the_crd_default_to_the_same_hand_off() -> None:
+    from pdserve.workers.server.options import WorkerOptions
+
+    defaults = {field.name: field.default for field in dataclasses.fields(WorkerOptions)}
+    spec = api.KvTransferSpec()
+    assert defaults["kv_transfer"] == spec.backend == "nixl"
+    assert defaults["transfer_failure_policy"] == spec.failure_policy

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.workers.text_stream import TextStream
+from pdserve.workers.server.text_stream import TextStream
 
 
 class CharDetokenizer:

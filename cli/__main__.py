@@ -1,6 +1,0 @@
-"""`python -m pdserve`."""
-
-from pdserve.cli import main
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""pdserve control plane: the ServingPool API, rendering, the kopf operator."""

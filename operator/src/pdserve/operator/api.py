@@ -1,0 +1,686 @@
+"""The `ServingPool` API (group pdserve.dev, version v1alpha1).
+
+These pydantic models are the single source of truth: crds/servingpool.yaml is
+generated from them (`pdserve crd`), and every cross-field rule is written twice, as
+a CEL rule the API server runs and as a pydantic check, with one message, so a pool
+refused by the cluster is refused in the same words by `pdserve local`.
+
+Python uses snake_case; manifests use camelCase (the alias of every field).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Annotated, Any, Literal, NamedTuple
+
+from kubernetes.utils import parse_quantity
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
+
+GROUP = "pdserve.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "ServingPool"
+PLURAL = "servingpools"
+SINGULAR = "servingpool"
+SHORT_NAMES = ("sp",)
+
+# The longest name derived from a pool is "<pool>-prefill" (a Service name: a
+# DNS-1035 label of at most 63 characters); 50 leaves room for later suffixes.
+MAX_POOL_NAME = 50
+GPU_RESOURCE = "nvidia.com/gpu"
+
+Role = Literal["prefill", "decode"]
+WorkerRole = Literal["prefill", "decode", "both"]
+Dtype = Literal["float32", "float16", "bfloat16"]
+KvCacheDtype = Literal["auto", "float32", "float16", "bfloat16"]
+TransferBackend = Literal["nixl", "torch"]
+FailurePolicy = Literal["recompute", "fail"]
+RoutingMode = Literal["colocated", "disaggregated"]
+PullPolicy = Literal["Always", "IfNotPresent", "Never"]
+ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer"]
+Phase = Literal["Pending", "Progressing", "Ready", "Degraded", "Failed"]
+ConditionType = Literal["Ready", "Progressing", "Degraded"]
+ConditionStatus = Literal["True", "False", "Unknown"]
+
+# Kubernetes' resource.Quantity, without a sign (no resource is negative).
+QUANTITY_PATTERN = (
+    r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+
+
+def _check_quantity(value: int | str) -> int | str:
+    if isinstance(value, str) and (len(value) > 64 or not re.fullmatch(QUANTITY_PATTERN, value)):
+        raise PydanticCustomError(
+            "quantity",
+            "'{value}' should match a Kubernetes quantity such as 4Gi or 500m",
+            {"value": value},
+        )
+    return value
+
+
+def quantity_value(quantity: int | str) -> Decimal:
+    """The number a Kubernetes quantity stands for ("4Gi" -> 4294967296)."""
+    value: Decimal = parse_quantity(quantity)  # type: ignore[no-untyped-call]
+    return value
+
+
+Quantity = Annotated[
+    int | str,
+    AfterValidator(_check_quantity),
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": QUANTITY_PATTERN,
+            "x-kubernetes-int-or-string": True,
+        }
+    ),
+]
+
+# Bounded strings and maps keep the API server's CEL cost estimate low.
+ShortStr = Annotated[str, StringConstraints(min_length=1, max_length=253)]
+LabelValue = Annotated[str, StringConstraints(max_length=63)]
+LabelMap = Annotated[dict[ShortStr, LabelValue], Field(max_length=32)]
+QuantityMap = Annotated[dict[ShortStr, Quantity], Field(max_length=16)]
+DNS_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+
+
+class Rule(NamedTuple):
+    """A cross-field rule: a CEL expression for the API server and its message.
+
+    The pydantic validators raise the same message, so both sides read alike.
+    """
+
+    expr: str
+    message: str
+    field_path: str | None = None
+
+    def schema(self) -> dict[str, str]:
+        """The rule as one entry of `x-kubernetes-validations`."""
+        entry = {"rule": self.expr, "message": self.message}
+        if self.field_path is not None:
+            entry["fieldPath"] = self.field_path
+        return entry
+
+
+def cel(*rules: Rule) -> dict[str, Any]:
+    """JSON-schema extras attaching CEL rules to a model or field."""
+    return {"x-kubernetes-validations": [rule.schema() for rule in rules]}
+
+
+def refuse(rule: Rule) -> PydanticCustomError:
+    """The pydantic error for a broken rule (no "Value error," prefix)."""
+    return PydanticCustomError("servingpool_rule", rule.message)
+
+
+NAME_RULE = Rule(
+    f"size(self.metadata.name) <= {MAX_POOL_NAME} && self.metadata.name.matches('{DNS_LABEL}')",
+    f"metadata.name must start with a lowercase letter, hold only lowercase letters, "
+    f"digits and '-', and be at most {MAX_POOL_NAME} characters (it prefixes Service names)",
+)
+DISAGGREGATED_NEEDS_PREFILL = Rule(
+    "!has(self.routing) || !has(self.routing.buckets)"
+    " || !self.routing.buckets.exists(b, b.mode == 'disaggregated') || has(self.prefill)",
+    "a disaggregated bucket in routing.buckets needs a prefill pool: set spec.prefill",
+    ".routing.buckets",
+)
+AUTOSCALING_NEEDS_SLO = Rule(
+    "!has(self.autoscaling) || !has(self.autoscaling.enabled) || !self.autoscaling.enabled"
+    " || has(self.slo)",
+    "autoscaling.enabled needs latency targets: set spec.slo",
+    ".autoscaling.enabled",
+)
+ONLY_LAST_BUCKET_UNBOUNDED = Rule(
+    "self.all(b, has(b.maxInputTokens)) || (!has(self[size(self) - 1].maxInputTokens)"
+    " && size(self.filter(b, !has(b.maxInputTokens))) == 1)",
+    "only the last bucket may omit maxInputTokens",
+)
+BUCKETS_ASCENDING = Rule(
+    "self.map(b, has(b.maxInputTokens), b.maxInputTokens).isSorted()"
+    " && self.all(b, !has(b.maxInputTokens) || self.exists_one(c,"
+    " has(c.maxInputTokens) && c.maxInputTokens == b.maxInputTokens))",
+    "maxInputTokens must be strictly ascending",
+)
+KV_SIZE_ONCE = Rule(
+    "!(has(self.numKvBlocks) && has(self.kvCacheMemory))",
+    "set numKvBlocks or kvCacheMemory, not both",
+)
+BATCH_HOLDS_SEQS = Rule(
+    "!has(self.maxNumBatchedTokens) || !has(self.maxNumSeqs)"
+    " || self.maxNumBatchedTokens >= self.maxNumSeqs",
+    "maxNumBatchedTokens must be at least maxNumSeqs (each running sequence needs "
+    "a token every step)",
+    ".maxNumBatchedTokens",
+)
+GPUS_BY_FIELD = Rule(
+    "!has(self.resources)"
+    f" || ((!has(self.resources.limits) || !('{GPU_RESOURCE}' in self.resources.limits))"
+    f" && (!has(self.resources.requests) || !('{GPU_RESOURCE}' in self.resources.requests)))",
+    f"request GPUs with gpus, not with {GPU_RESOURCE} in resources",
+    ".resources",
+)
+MIN_NOT_ABOVE_MAX = Rule(
+    "!has(self.minReplicas) || !has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
+    "minReplicas must not exceed maxReplicas",
+    ".minReplicas",
+)
+ENV_VALUE_ONCE = Rule(
+    "!(has(self.value) && has(self.valueFrom))",
+    "set value or valueFrom, not both",
+)
+ENV_SOURCE_ONE = Rule(
+    "has(self.secretKeyRef) != has(self.configMapKeyRef)",
+    "valueFrom needs exactly one of secretKeyRef or configMapKeyRef",
+)
+EXISTS_TAKES_NO_VALUE = Rule(
+    "!has(self.operator) || self.operator != 'Exists' || !has(self.value)",
+    "a toleration with operator Exists takes no value",
+)
+
+
+class ApiModel(BaseModel):
+    """Base of every API object: immutable, camelCase in manifests, strict keys."""
+
+    model_config = ConfigDict(
+        frozen=True, alias_generator=to_camel, populate_by_name=True, extra="forbid"
+    )
+
+
+# --- spec ----------------------------------------------------------------------------
+
+
+class ModelSpec(ApiModel):
+    """The model every worker of the pool serves (shared by prefill and decode)."""
+
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$")] = Field(
+        max_length=256, description="Model name that clients send in requests."
+    )
+    path: str = Field(
+        min_length=1,
+        max_length=1024,
+        description="Checkpoint directory inside the container, or a URI the worker can "
+        "fetch (hf://org/name).",
+    )
+    dtype: Dtype = Field(default="bfloat16", description="Weight and activation dtype.")
+    max_model_len: int | None = Field(
+        default=None, ge=1, le=1 << 22, description="Context length (default: the checkpoint's)."
+    )
+    claim_name: ShortStr | None = Field(
+        default=None, description="PersistentVolumeClaim holding the model, mounted read-only."
+    )
+    mount_path: str = Field(
+        default="/models", min_length=1, max_length=1024, description="Where claimName is mounted."
+    )
+
+
+class KvCacheSpec(ApiModel):
+    """KV cache layout; prefill and decode must agree on it to exchange blocks."""
+
+    block_size: int = Field(default=16, ge=1, le=1024, description="Tokens per KV cache block.")
+    dtype: KvCacheDtype = Field(default="auto", description="KV cache dtype (auto: the model's).")
+
+
+class EngineSettings(ApiModel):
+    """Engine settings of one role's workers."""
+
+    model_config = ConfigDict(json_schema_extra=cel(KV_SIZE_ONCE, BATCH_HOLDS_SEQS))
+
+    max_num_batched_tokens: int = Field(
+        default=2048, ge=1, le=1 << 20, description="Token budget of one engine step (chunk size)."
+    )
+    max_num_seqs: int = Field(default=64, ge=1, le=4096, description="Most running sequences.")
+    num_kv_blocks: int | None = Field(default=None, ge=1, le=1 << 24, description="KV blocks.")
+    kv_cache_memory: Quantity | None = Field(
+        default=None, description="KV cache size in bytes, e.g. 4Gi (instead of numKvBlocks)."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineSettings:
+        if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
+            raise refuse(KV_SIZE_ONCE)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise refuse(BATCH_HOLDS_SEQS)
+        return self
+
+
+class ResourceRequirements(ApiModel):
+    """Compute resources of one container (GPUs go in `gpus`)."""
+
+    requests: QuantityMap = Field(default_factory=dict)
+    limits: QuantityMap = Field(default_factory=dict)
+
+
+class Toleration(ApiModel):
+    """A Kubernetes toleration."""
+
+    model_config = ConfigDict(json_schema_extra=cel(EXISTS_TAKES_NO_VALUE))
+
+    key: ShortStr | None = None
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: LabelValue | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> Toleration:
+        if self.operator == "Exists" and self.value is not None:
+            raise refuse(EXISTS_TAKES_NO_VALUE)
+        return self
+
+
+class KeyRef(ApiModel):
+    """A key of a Secret or ConfigMap."""
+
+    name: ShortStr
+    key: ShortStr
+    optional: bool | None = None
+
+
+class EnvVarSource(ApiModel):
+    """Where an environment variable's value comes from."""
+
+    model_config = ConfigDict(json_schema_extra=cel(ENV_SOURCE_ONE))
+
+    secret_key_ref: KeyRef | None = None
+    config_map_key_ref: KeyRef | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> EnvVarSource:
+        if (self.secret_key_ref is None) == (self.config_map_key_ref is None):
+            raise refuse(ENV_SOURCE_ONE)
+        return self
+
+
+class EnvVar(ApiModel):
+    """An environment variable of a container."""
+
+    model_config = ConfigDict(json_schema_extra=cel(ENV_VALUE_ONCE))
+
+    name: Annotated[str, StringConstraints(pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")] = Field(
+        max_length=256
+    )
+    value: str | None = Field(default=None, max_length=32768)
+    value_from: EnvVarSource | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> EnvVar:
+        if self.value is not None and self.value_from is not None:
+            raise refuse(ENV_VALUE_ONCE)
+        return self
+
+
+class Placement(ApiModel):
+    """Pod settings shared by worker pools and the router."""
+
+    resources: ResourceRequirements = ResourceRequirements()
+    node_selector: LabelMap = Field(default_factory=dict)
+    tolerations: tuple[Toleration, ...] = Field(default=(), max_length=32)
+    env: tuple[EnvVar, ...] = Field(default=(), max_length=64)
+
+
+class WorkerPool(Placement):
+    """One role's workers (prefill or decode)."""
+
+    model_config = ConfigDict(json_schema_extra=cel(GPUS_BY_FIELD))
+
+    replicas: int = Field(default=1, ge=0, le=1000, description="Workers (0: none of this role).")
+    gpus: int = Field(default=0, ge=0, le=16, description=f"GPUs ({GPU_RESOURCE}) per worker.")
+    engine: EngineSettings = EngineSettings()
+
+    @model_validator(mode="after")
+    def _check(self) -> WorkerPool:
+        if GPU_RESOURCE in self.resources.limits or GPU_RESOURCE in self.resources.requests:
+            raise refuse(GPUS_BY_FIELD)
+        return self
+
+
+class RouterSpec(Placement):
+    """The router: the pool's OpenAI-compatible front door."""
+
+    replicas: int = Field(default=1, ge=0, le=100)
+    service_type: ServiceType = "ClusterIP"
+
+
+class KvTransferSpec(ApiModel):
+    """How prefill workers hand KV caches to decode workers."""
+
+    backend: TransferBackend = Field(
+        default="nixl", description="nixl (UCX) or torch (gloo on CPU, NCCL on GPU)."
+    )
+    failure_policy: FailurePolicy = Field(
+        default="recompute",
+        description="On a failed transfer: recompute the prompt on decode, or fail the request.",
+    )
+
+
+class Bucket(ApiModel):
+    """Prompts of at most maxInputTokens tokens take this bucket's path."""
+
+    max_input_tokens: int | None = Field(
+        default=None, ge=1, le=1 << 22, description="Upper bound (inclusive); absent: no bound."
+    )
+    mode: RoutingMode = Field(description="colocated: decode prefills; disaggregated: P -> D.")
+
+
+class RoutingSpec(ApiModel):
+    """Length buckets: a prompt takes the first bucket that holds it."""
+
+    buckets: tuple[Bucket, ...] = Field(
+        default=(Bucket(mode="colocated"),),
+        min_length=1,
+        max_length=8,
+        json_schema_extra=cel(ONLY_LAST_BUCKET_UNBOUNDED, BUCKETS_ASCENDING),
+    )
+
+    @field_validator("buckets")
+    @classmethod
+    def _check_buckets(cls, buckets: tuple[Bucket, ...]) -> tuple[Bucket, ...]:
+        if any(b.max_input_tokens is None for b in buckets[:-1]):
+            raise refuse(ONLY_LAST_BUCKET_UNBOUNDED)
+        bounds = [b.max_input_tokens for b in buckets if b.max_input_tokens is not None]
+        if any(low >= high for low, high in itertools.pairwise(bounds)):
+            raise refuse(BUCKETS_ASCENDING)
+        return buckets
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether any bucket sends prompts through a prefill worker."""
+        return any(b.mode == "disaggregated" for b in self.buckets)
+
+
+class LatencyTarget(ApiModel):
+    """A latency objective: the given percentile stays under `seconds`."""
+
+    seconds: float = Field(gt=0, le=3600)
+    percentile: float = Field(default=95.0, gt=0, le=100)
+
+
+class SloSpec(ApiModel):
+    """Latency targets (TTFT: time to first token; ITL: gap between tokens)."""
+
+    ttft: LatencyTarget | None = None
+    itl: LatencyTarget | None = None
+
+
+class RoleScaling(ApiModel):
+    """Replica bounds of one role."""
+
+    model_config = ConfigDict(json_schema_extra=cel(MIN_NOT_ABOVE_MAX))
+
+    min_replicas: int = Field(default=1, ge=0, le=1000)
+    max_replicas: int = Field(default=4, ge=0, le=1000)
+
+    @model_validator(mode="after")
+    def _check(self) -> RoleScaling:
+        if self.min_replicas > self.max_replicas:
+            raise refuse(MIN_NOT_ABOVE_MAX)
+        return self
+
+
+class ScalingPolicy(ApiModel):
+    """How fast and on what the autoscaler acts."""
+
+    prometheus_url: str | None = Field(default=None, max_length=2048)
+    interval_seconds: int = Field(default=30, ge=5, le=3600)
+    scale_up_stabilization_seconds: int = Field(default=0, ge=0, le=3600)
+    scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=3600)
+    cooldown_seconds: int = Field(default=60, ge=0, le=3600)
+    max_scale_up_step: int = Field(default=2, ge=1, le=100)
+    max_scale_down_step: int = Field(default=1, ge=1, le=100)
+    kv_cache_usage_high: float = Field(default=0.85, gt=0, le=1)
+
+
+class AutoscalingSpec(ApiModel):
+    """SLO-driven scaling of each role, within its bounds."""
+
+    enabled: bool = False
+    prefill: RoleScaling = RoleScaling()
+    decode: RoleScaling = RoleScaling()
+    policy: ScalingPolicy = ScalingPolicy()
+
+
+class ServiceMonitorSpec(ApiModel):
+    """A Prometheus Operator ServiceMonitor for the pool's metrics."""
+
+    enabled: bool = False
+    interval: str = Field(default="15s", pattern=r"^[0-9]+(ms|s|m|h)$", max_length=16)
+    labels: LabelMap = Field(default_factory=dict)
+
+
+class MonitoringSpec(ApiModel):
+    """Monitoring objects rendered with the pool."""
+
+    service_monitor: ServiceMonitorSpec = ServiceMonitorSpec()
+
+
+class ServingPoolSpec(ApiModel):
+    """A model served by prefill and decode workers behind a router."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel(DISAGGREGATED_NEEDS_PREFILL, AUTOSCALING_NEEDS_SLO)
+    )
+
+    model: ModelSpec
+    image: str = Field(min_length=1, max_length=512, description="pdserve container image.")
+    image_pull_policy: PullPolicy = "IfNotPresent"
+    kv_cache: KvCacheSpec = KvCacheSpec()
+    prefill: WorkerPool | None = Field(
+        default=None, description="Prefill workers; needed by disaggregated buckets only."
+    )
+    decode: WorkerPool = WorkerPool()
+    kv_transfer: KvTransferSpec = KvTransferSpec()
+    routing: RoutingSpec = RoutingSpec()
+    router: RouterSpec = RouterSpec()
+    slo: SloSpec | None = None
+    autoscaling: AutoscalingSpec = AutoscalingSpec()
+    monitoring: MonitoringSpec = MonitoringSpec()
+
+    # Fields are validated in order: prefill and slo are in info.data when routing and
+    # autoscaling are checked (absent if they were themselves invalid).
+    @field_validator("routing")
+    @classmethod
+    def _check_routing(cls, routing: RoutingSpec, info: ValidationInfo) -> RoutingSpec:
+        if routing.disaggregated and "prefill" in info.data and info.data["prefill"] is None:
+            raise refuse(DISAGGREGATED_NEEDS_PREFILL)
+        return routing
+
+    @field_validator("autoscaling")
+    @classmethod
+    def _check_autoscaling(
+        cls, autoscaling: AutoscalingSpec, info: ValidationInfo
+    ) -> AutoscalingSpec:
+        if autoscaling.enabled and "slo" in info.data and info.data["slo"] is None:
+            raise refuse(AUTOSCALING_NEEDS_SLO)
+        return autoscaling
+
+    def worker_role(self, role: Role) -> WorkerRole:
+        """The `--role` a pool's workers run: decode prefills too unless prefill exists."""
+        if role == "decode" and self.prefill is None:
+            return "both"
+        return role
+
+    def pool(self, role: Role) -> WorkerPool | None:
+        """The worker pool of a role (None: the pool has no such role)."""
+        return self.prefill if role == "prefill" else self.decode
+
+
+# --- status --------------------------------------------------------------------------
+
+
+class Condition(ApiModel):
+    """One aspect of the pool's state (as metav1.Condition)."""
+
+    type: ConditionType
+    status: ConditionStatus
+    reason: str = Field(
+        min_length=1, max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
+    )
+    message: str = Field(default="", max_length=32768)
+    last_transition_time: datetime
+    observed_generation: int | None = Field(default=None, ge=0)
+
+
+class RoleStatus(ApiModel):
+    """Replica counts of one role; `summary` is "ready/desired" for kubectl get."""
+
+    desired_replicas: int = Field(default=0, ge=0)
+    ready_replicas: int = Field(default=0, ge=0)
+    summary: str = Field(default="", max_length=32)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_summary(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and not data.get("summary"):
+            desired = data.get("desired_replicas", data.get("desiredReplicas", 0))
+            ready = data.get("ready_replicas", data.get("readyReplicas", 0))
+            return {**data, "summary": f"{ready}/{desired}"}
+        return data
+
+
+class ServingPoolStatus(ApiModel):
+    """What the operator observed and did."""
+
+    observed_generation: int | None = Field(default=None, ge=0)
+    phase: Phase | None = None
+    conditions: tuple[Condition, ...] = Field(
+        default=(),
+        max_length=8,
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["type"],
+        },
+    )
+    prefill: RoleStatus | None = None
+    decode: RoleStatus | None = None
+    router: RoleStatus | None = None
+    router_endpoint: str | None = Field(default=None, max_length=1024)
+
+    def condition(self, type_: ConditionType) -> Condition | None:
+        """The condition of a type, if set."""
+        return next((c for c in self.conditions if c.type == type_), None)
+
+
+def with_condition(
+    conditions: Sequence[Condition],
+    type_: ConditionType,
+    status: ConditionStatus,
+    reason: str,
+    message: str = "",
+    *,
+    generation: int | None = None,
+    now: datetime | None = None,
+) -> tuple[Condition, ...]:
+    """Conditions with one set; lastTransitionTime moves only when the status changes."""
+    previous = next((c for c in conditions if c.type == type_), None)
+    if previous is not None and previous.status == status:
+        when = previous.last_transition_time
+    else:
+        when = (now or datetime.now(UTC)).replace(microsecond=0)
+    new = Condition(
+        type=type_,
+        status=status,
+        reason=reason,
+        message=message,
+        last_transition_time=when,
+        observed_generation=generation,
+    )
+    if previous is None:
+        return (*conditions, new)
+    return tuple(new if c.type == type_ else c for c in conditions)
+
+
+# --- the whole object ----------------------------------------------------------------
+
+
+class PoolMetadata(BaseModel):
+    """The metadata fields pdserve reads (others are kept by Kubernetes, ignored here)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    name: str
+    namespace: str = Field(default="default", max_length=63)
+    uid: str | None = None
+    generation: int | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        if len(name) > MAX_POOL_NAME or not re.fullmatch(DNS_LABEL, name):
+            raise refuse(NAME_RULE)
+        return name
+
+
+class ServingPool(ApiModel):
+    """A `ServingPool` manifest."""
+
+    api_version: Literal["pdserve.dev/v1alpha1"] = "pdserve.dev/v1alpha1"
+    kind: Literal["ServingPool"] = "ServingPool"
+    metadata: PoolMetadata
+    spec: ServingPoolSpec
+    status: ServingPoolStatus | None = None
+
+
+class InvalidPoolError(ValueError):
+    """A manifest that breaks the API; `errors` name each field ("spec.decode.replicas: ...")."""
+
+    def __init__(self, errors: Sequence[str]) -> None:
+        self.errors = tuple(errors)
+        super().__init__("invalid ServingPool:\n  " + "\n  ".join(self.errors))
+
+
+def field_path(loc: Sequence[str | int]) -> str:
+    """A pydantic error location as a manifest path: spec.routing.buckets[1].mode."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else part)
+    return path
+
+
+def describe_errors(exc: ValidationError, prefix: str = "") -> tuple[str, ...]:
+    """One line per error, each starting with the field it is about."""
+    lines = []
+    for error in exc.errors(include_url=False):
+        loc = (prefix, *error["loc"]) if prefix else error["loc"]
+        lines.append(f"{field_path(loc) or '<root>'}: {error['msg']}")
+    return tuple(lines)
+
+
+def parse_pool(manifest: Mapping[str, Any]) -> ServingPool:
+    """Validate a whole manifest; raises InvalidPoolError naming every bad field."""
+    try:
+        # Manifests are camelCase only: the API server would drop a snake_case key.
+        return ServingPool.model_validate(manifest, by_name=False)
+    except ValidationError as exc:
+        raise InvalidPoolError(describe_errors(exc)) from None
+
+
+def parse_spec(spec: Mapping[str, Any]) -> ServingPoolSpec:
+    """Validate a spec (as the operator receives it); raises InvalidPoolError."""
+    try:
+        return ServingPoolSpec.model_validate(spec, by_name=False)
+    except ValidationError as exc:
+        raise InvalidPoolError(describe_errors(exc, "spec")) from None
+
+
+def dump(model: BaseModel) -> dict[str, Any]:
+    """A model as manifest data: camelCase keys, unset optional fields left out."""
+    return model.model_dump(mode="json", by_alias=True, exclude_none=True)

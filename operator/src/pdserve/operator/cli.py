@@ -1,0 +1,72 @@
+"""`pdserve` subcommands of the control plane."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.cli.options import add_options, option, options_from, port_number
+
+
+@dataclass(frozen=True)
+class OperatorOptions:
+    """The settings of `pdserve operator`."""
+
+    namespace: tuple[str, ...] = option(
+        repeat=True, short="-n", exclusive="scope", metavar="NS",
+        help="watch this namespace (repeatable; default: all namespaces)",
+    )  # fmt: skip
+    all_namespaces: bool = option(
+        False, short="-A", exclusive="scope", help="watch every namespace (the default)"
+    )
+    kubeconfig: Path | None = option(
+        None, parse=Path, help="kubeconfig file (default: $KUBECONFIG, then in-cluster)"
+    )
+    metrics_host: str = option("0.0.0.0", help="address /metrics, /healthz and /readyz listen on")
+    metrics_port: int = option(
+        8080, parse=port_number, help="port of /metrics, /healthz and /readyz (0: any free port)"
+    )
+    port_file: Path | None = option(
+        None, parse=Path, metavar="PATH", help="once listening, write the port here"
+    )
+    verbose: bool = option(False, short="-v", help="debug logging")
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the control-plane subcommands (`crd`, `operator`)."""
+    parser = subparsers.add_parser(
+        "crd",
+        help="print the ServingPool CustomResourceDefinition",
+        description="Generate the ServingPool CRD (crds/servingpool.yaml) from the API model.",
+    )
+    parser.add_argument(
+        "-o", "--output", type=Path, help="write to this file instead of standard output"
+    )
+    parser.set_defaults(handler=_crd)
+    parser = subparsers.add_parser(
+        "operator",
+        help="run the ServingPool operator",
+        description="Turn ServingPools into Deployments, Services and the rest, and keep "
+        "them so (kopf; server-side apply; status and Events on each pool).",
+    )
+    add_options(parser, OperatorOptions)
+    parser.set_defaults(handler=_operator)
+
+
+def _crd(args: argparse.Namespace) -> int:
+    from pdserve.operator.crd import crd_yaml
+
+    text = crd_yaml()
+    if args.output is None:
+        sys.stdout.write(text)
+    else:
+        args.output.write_text(text)
+    return 0
+
+
+def _operator(args: argparse.Namespace) -> int:
+    from pdserve.operator.main import run
+
+    return run(options_from(args, OperatorOptions))

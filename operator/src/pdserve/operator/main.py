@@ -1,0 +1,58 @@
+"""`pdserve operator`: run the ServingPool operator in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+
+import kopf
+from aiohttp import web
+
+from pdserve.cli.ports import announce_port
+from pdserve.operator import metrics
+from pdserve.operator.cli import OperatorOptions
+
+
+class _QuietWatchHandlers(logging.Filter):
+    """Drops kopf's line per watch event ("Handler 'child_event' succeeded."): one per
+    event on every child would drown what matters."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        quiet = record.levelno <= logging.INFO and record.getMessage().startswith(
+            ("Handler 'child_event'", "Handler 'pool_event'")
+        )
+        return not quiet
+
+
+def run(options: OperatorOptions) -> int:
+    """Run the operator until interrupted: every namespace unless some are given.
+
+    /metrics, /healthz and /readyz are served on metrics_host:metrics_port.
+    """
+    logging.basicConfig(
+        level=logging.DEBUG if options.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("kopf.objects").addFilter(_QuietWatchHandlers())
+    importlib.import_module("pdserve.operator.handlers")  # registers the handlers with kopf
+    asyncio.run(_operate(options))
+    return 0
+
+
+async def _operate(options: OperatorOptions) -> None:
+    runner = web.AppRunner(metrics.app(), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, options.metrics_host, options.metrics_port).start()
+    if options.port_file is not None:
+        announce_port(options.port_file, int(runner.addresses[0][1]))
+    try:
+        await kopf.operator(
+            registry=kopf.get_default_registry(),
+            clusterwide=not options.namespace,
+            namespaces=list(options.namespace),
+            standalone=True,  # no peering: one operator per cluster (or per namespace set)
+            memo=kopf.Memo(kubeconfig=options.kubeconfig),
+        )
+    finally:
+        await runner.cleanup()

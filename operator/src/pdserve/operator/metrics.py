@@ -1,0 +1,60 @@
+"""The operator's own Prometheus metrics (how often and how fast it reconciles).
+
+Label sets stay small: `trigger` is what started a reconcile (create, update, resume,
+child: an owned object changed), `reason` a short error class, `verb` and `resource`
+the operator's API requests.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+
+RECONCILES = Counter(
+    "pdserve_operator_reconciles_total",
+    "ServingPool reconciles, by what started them.",
+    ["trigger"],
+)
+RECONCILE_ERRORS = Counter(
+    "pdserve_operator_reconcile_errors_total",
+    "Reconciles that failed, by what started them and why.",
+    ["trigger", "reason"],
+)
+RECONCILE_DURATION = Histogram(
+    "pdserve_operator_reconcile_duration_seconds",
+    "Time to reconcile one ServingPool (render, apply, prune, status).",
+    ["trigger"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+)
+OBJECT_CHANGES = Counter(
+    "pdserve_operator_object_changes_total",
+    "Child objects the operator created, updated or deleted, by kind.",
+    ["kind", "action"],
+)
+WATCH_EVENTS = Counter(
+    "pdserve_operator_watch_events_total",
+    "Watch events on pools' child objects that the operator looked at, by kind.",
+    ["kind"],
+)
+API_REQUESTS = Counter(
+    "pdserve_operator_api_requests_total",
+    "Requests the operator's reconciler sent to the API server (kopf's watches aside).",
+    ["verb", "resource"],
+)
+
+
+def app() -> web.Application:
+    """The operator's HTTP endpoints: /metrics, and /healthz and /readyz for the
+    kubelet's probes (they answer while the operator's event loop runs)."""
+
+    async def prometheus(_: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def ok(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    application = web.Application()
+    application.router.add_get("/metrics", prometheus)
+    application.router.add_get("/healthz", ok)
+    application.router.add_get("/readyz", ok)
+    return application

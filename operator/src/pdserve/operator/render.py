@@ -1,0 +1,477 @@
+"""Pure rendering: a ServingPool spec -> the Kubernetes objects it stands for.
+
+Nothing here does I/O; the handlers apply the result (server-side apply) and the
+local backend reuses the command lines. Every object is a plain dict, built in a
+fixed order, so the same spec always renders the same bytes.
+
+Objects, in apply order (a role with 0 replicas, or without a pool, has none):
+  ConfigMap       <pool>-routing    routing.json, read by the router
+  ServiceAccount  <pool>-router     + Role/RoleBinding to watch EndpointSlices
+  Service         <pool>-prefill    headless: worker discovery
+  Service         <pool>-decode     headless: worker discovery
+  Service         <pool>-router     the pool's front door
+  Deployment      <pool>-prefill, <pool>-decode, <pool>-router
+  PodDisruptionBudget (maxUnavailable 1) per Deployment
+  ServiceMonitor  <pool>            when spec.monitoring.serviceMonitor.enabled
+
+routing.json (the router's `--config`):
+  {"pool": str, "model": {"name": str, "path": str},
+   "buckets": [{"maxInputTokens": int | null, "mode": "colocated" | "disaggregated"}],
+   "kvTransfer": {"failurePolicy": "recompute" | "fail"},
+   "discovery": {"kind": "kubernetes", "namespace": str, "port": int,
+                 "services": {"decode": str, "prefill": str (only with a prefill pool)}}}
+A prompt takes the first bucket whose maxInputTokens holds it (null: no bound).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pdserve.operator import api
+
+Obj = dict[str, Any]
+Component = Literal["prefill", "decode", "router"]
+
+PORT = 8000
+CONFIG_DIR = "/etc/pdserve"
+ROUTING_FILE = "routing.json"
+ROUTING_HASH_ANNOTATION = "pdserve.dev/routing-hash"
+POOL_LABEL = "pdserve.dev/pool"
+MANAGER = "pdserve-operator"
+RUN_AS = 1000
+ROLES: tuple[api.Role, ...] = ("prefill", "decode")
+
+
+# --- names and labels ------------------------------------------------------------------
+
+
+def object_name(pool: str, component: Component | Literal["routing"]) -> str:
+    """The name of a pool's object: <pool>-prefill, <pool>-decode, <pool>-router, ..."""
+    return f"{pool}-{component}"
+
+
+def selector_labels(pool: str, component: Component) -> dict[str, str]:
+    """The labels a component's selector matches (immutable once a Deployment exists)."""
+    return {
+        "app.kubernetes.io/name": "pdserve",
+        "app.kubernetes.io/instance": pool,
+        "app.kubernetes.io/component": component,
+    }
+
+
+def labels(pool: str, component: Component | None = None) -> dict[str, str]:
+    """The labels every object of a pool carries (with its component, if any)."""
+    base = {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": pool}
+    if component is not None:
+        base = selector_labels(pool, component)
+    return {**base, "app.kubernetes.io/managed-by": MANAGER, POOL_LABEL: pool}
+
+
+def _meta(name: str, namespace: str, object_labels: Mapping[str, str]) -> Obj:
+    return {"name": name, "namespace": namespace, "labels": dict(object_labels)}
+
+
+def router_endpoint(pool: str, namespace: str) -> str:
+    """The URL clients use inside the cluster (status.routerEndpoint)."""
+    return f"http://{object_name(pool, 'router')}.{namespace}.svc:{PORT}"
+
+
+def owner_reference(metadata: Mapping[str, Any]) -> Obj:
+    """The ownerReference that makes an object belong to the pool (garbage collection)."""
+    return {
+        "apiVersion": api.API_VERSION,
+        "kind": api.KIND,
+        "name": metadata["name"],
+        "uid": metadata["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def with_owner(obj: Obj, metadata: Mapping[str, Any]) -> Obj:
+    """A copy of a rendered object owned by the pool with this metadata."""
+    meta = {**obj["metadata"], "ownerReferences": [owner_reference(metadata)]}
+    return {**obj, "metadata": meta}
+
+
+# --- command lines ---------------------------------------------------------------------
+
+
+def worker_args(
+    pool: str, spec: api.ServingPoolSpec, role: api.Role, *, host: str, port: int
+) -> list[str]:
+    """`pdserve worker ...` arguments of a role's workers (without the program name)."""
+    workers = spec.pool(role)
+    assert workers is not None, f"no {role} pool"
+    worker_role = spec.worker_role(role)
+    model, engine, cache = spec.model, workers.engine, spec.kv_cache
+    args = ["worker", "--role", worker_role, "--pool", pool, "--model", model.path]
+    args += ["--served-model-name", model.name, "--host", host, "--port", str(port)]
+    args += ["--dtype", model.dtype, "--device", "cuda" if workers.gpus else "cpu"]
+    if model.max_model_len is not None:
+        args += ["--max-model-len", str(model.max_model_len)]
+    args += ["--block-size", str(cache.block_size)]
+    if cache.dtype != "auto":
+        args += ["--kv-cache-dtype", cache.dtype]
+    args += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
+    args += ["--max-num-seqs", str(engine.max_num_seqs)]
+    if engine.num_kv_blocks is not None:
+        args += ["--num-kv-blocks", str(engine.num_kv_blocks)]
+    if engine.kv_cache_memory is not None:
+        args += ["--kv-cache-memory", str(math.ceil(api.quantity_value(engine.kv_cache_memory)))]
+    if worker_role != "both":
+        args += ["--kv-transfer", spec.kv_transfer.backend]
+        args += ["--transfer-failure-policy", spec.kv_transfer.failure_policy]
+    return args
+
+
+def router_args(config_path: str, *, host: str, port: int) -> list[str]:
+    """`pdserve router ...` arguments (without the program name)."""
+    return ["router", "--config", config_path, "--host", host, "--port", str(port)]
+
+
+def routing_table(
+    pool: str,
+    namespace: str,
+    spec: api.ServingPoolSpec,
+    discovery: Mapping[str, Any] | None = None,
+) -> Obj:
+    """The router's configuration (see the module docstring for its format).
+
+    Discovery defaults to the pool's headless Services; the local backend passes its
+    own (e.g. static URLs). Replica counts are not part of it: scaling a role leaves
+    the router alone.
+    """
+    if discovery is None:
+        services = {"decode": object_name(pool, "decode")}
+        if spec.prefill is not None:
+            services["prefill"] = object_name(pool, "prefill")
+        discovery = {
+            "kind": "kubernetes",
+            "namespace": namespace,
+            "port": PORT,
+            "services": services,
+        }
+    return {
+        "pool": pool,
+        "model": {"name": spec.model.name, "path": spec.model.path},
+        "buckets": [
+            {"maxInputTokens": b.max_input_tokens, "mode": b.mode} for b in spec.routing.buckets
+        ],
+        "kvTransfer": {"failurePolicy": spec.kv_transfer.failure_policy},
+        "discovery": dict(discovery),
+    }
+
+
+def routing_json(table: Mapping[str, Any]) -> str:
+    """The routing table as the bytes stored in the ConfigMap (stable key order)."""
+    return json.dumps(table, indent=2, sort_keys=True) + "\n"
+
+
+# --- pods ------------------------------------------------------------------------------
+
+
+def _probe(path: str, period: int, failures: int, timeout: int) -> Obj:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": timeout,
+    }
+
+
+def _probes() -> Obj:
+    # Startup allows 10 minutes for loading a model before liveness may restart it.
+    return {
+        "startupProbe": _probe("/health", 5, 120, 5),
+        "livenessProbe": _probe("/health", 10, 3, 5),
+        "readinessProbe": _probe("/ready", 5, 3, 2),
+    }
+
+
+def _resources(placement: api.Placement, gpus: int = 0) -> Obj:
+    requests = dict(sorted(placement.resources.requests.items()))
+    limits = dict(sorted(placement.resources.limits.items()))
+    if gpus:
+        limits[api.GPU_RESOURCE] = gpus  # extended resources: requests default to limits
+    out: Obj = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _env(placement: api.Placement) -> list[Obj]:
+    """The pod's identity (for KV transfer agent names) and the user's variables."""
+    user = [api.dump(var) for var in placement.env]
+    taken = {var["name"] for var in user}
+
+    def field(path: str) -> Obj:
+        return {"fieldRef": {"fieldPath": path}}
+
+    builtin: list[Obj] = [
+        {"name": "POD_NAME", "valueFrom": field("metadata.name")},
+        {"name": "POD_NAMESPACE", "valueFrom": field("metadata.namespace")},
+        {"name": "POD_IP", "valueFrom": field("status.podIP")},
+    ]
+    return [var for var in builtin if var["name"] not in taken] + user
+
+
+def _model_volume(spec: api.ServingPoolSpec) -> tuple[list[Obj], list[Obj]]:
+    """The model's PVC as (volumes, volumeMounts); empty without claimName."""
+    if spec.model.claim_name is None:
+        return [], []
+    volume = {
+        "name": "model",
+        "persistentVolumeClaim": {"claimName": spec.model.claim_name, "readOnly": True},
+    }
+    return [volume], [{"name": "model", "mountPath": spec.model.mount_path, "readOnly": True}]
+
+
+def _container(
+    name: str,
+    spec: api.ServingPoolSpec,
+    args: list[str],
+    env: list[Obj],
+    resources: Obj,
+    mounts: list[Obj],
+) -> Obj:
+    container: Obj = {
+        "name": name,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["pdserve"],
+        "args": args,
+        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "env": env,
+        **_probes(),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": mounts,
+    }
+    if resources:
+        container["resources"] = resources
+    return container
+
+
+def _pod_spec(placement: api.Placement, container: Obj, volumes: list[Obj]) -> Obj:
+    pod: Obj = {
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS,
+            "runAsGroup": RUN_AS,
+            "fsGroup": RUN_AS,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "terminationGracePeriodSeconds": 60,  # lets streams in flight finish
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if placement.node_selector:
+        pod["nodeSelector"] = dict(sorted(placement.node_selector.items()))
+    if placement.tolerations:
+        pod["tolerations"] = [api.dump(t) for t in placement.tolerations]
+    return pod
+
+
+def _deployment(
+    pool: str, namespace: str, component: Component, replicas: int, pod: Obj, annotations: Obj
+) -> Obj:
+    template_meta: Obj = {"labels": labels(pool, component)}
+    template_meta["annotations"] = {
+        "kubectl.kubernetes.io/default-container": component,
+        **annotations,
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(object_name(pool, component), namespace, labels(pool, component)),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector_labels(pool, component)},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "template": {"metadata": template_meta, "spec": pod},
+        },
+    }
+
+
+def worker_deployment(
+    pool: str, namespace: str, spec: api.ServingPoolSpec, role: api.Role, replicas: int
+) -> Obj:
+    """The Deployment of one role's workers."""
+    workers = spec.pool(role)
+    assert workers is not None, f"no {role} pool"
+    model_volumes, model_mounts = _model_volume(spec)
+    volumes = [
+        {"name": "shm", "emptyDir": {"medium": "Memory"}},  # torch and UCX use /dev/shm
+        {"name": "tmp", "emptyDir": {}},
+        *model_volumes,
+    ]
+    mounts = [
+        {"name": "shm", "mountPath": "/dev/shm"},
+        {"name": "tmp", "mountPath": "/tmp"},
+        *model_mounts,
+    ]
+    args = worker_args(pool, spec, role, host="0.0.0.0", port=PORT)
+    env = _env(workers)
+    container = _container(role, spec, args, env, _resources(workers, workers.gpus), mounts)
+    pod = _pod_spec(workers, container, volumes)
+    pod["automountServiceAccountToken"] = False  # workers never call the API server
+    return _deployment(pool, namespace, role, replicas, pod, {})
+
+
+def router_deployment(pool: str, namespace: str, spec: api.ServingPoolSpec, table: Obj) -> Obj:
+    """The router's Deployment; a routing change rolls it through a hash annotation."""
+    model_volumes, model_mounts = _model_volume(spec)
+    config = {"name": "routing", "configMap": {"name": object_name(pool, "routing")}}
+    volumes = [config, *model_volumes]
+    mounts = [{"name": "routing", "mountPath": CONFIG_DIR, "readOnly": True}, *model_mounts]
+    args = router_args(f"{CONFIG_DIR}/{ROUTING_FILE}", host="0.0.0.0", port=PORT)
+    env = _env(spec.router)
+    container = _container("router", spec, args, env, _resources(spec.router), mounts)
+    pod = _pod_spec(spec.router, container, volumes)
+    pod["serviceAccountName"] = object_name(pool, "router")
+    digest = hashlib.sha256(routing_json(table).encode()).hexdigest()[:16]
+    annotations = {ROUTING_HASH_ANNOTATION: digest}
+    return _deployment(pool, namespace, "router", spec.router.replicas, pod, annotations)
+
+
+# --- services and the rest ---------------------------------------------------------------
+
+
+def service(pool: str, namespace: str, component: Component, spec: api.ServingPoolSpec) -> Obj:
+    """Workers get a headless Service (one DNS record and endpoint per pod); the router
+    a normal one of the type the spec asks for."""
+    body: Obj = {
+        "selector": selector_labels(pool, component),
+        "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}],
+    }
+    if component == "router":
+        body = {"type": spec.router.service_type, **body}
+    else:
+        body = {"clusterIP": "None", "publishNotReadyAddresses": False, **body}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(object_name(pool, component), namespace, labels(pool, component)),
+        "spec": body,
+    }
+
+
+def pod_disruption_budget(pool: str, namespace: str, component: Component) -> Obj:
+    """At most one pod of a component evicted at a time."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(object_name(pool, component), namespace, labels(pool, component)),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(pool, component)},
+        },
+    }
+
+
+def routing_config_map(pool: str, namespace: str, table: Obj) -> Obj:
+    """The ConfigMap holding routing.json."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(object_name(pool, "routing"), namespace, labels(pool, "router")),
+        "data": {ROUTING_FILE: routing_json(table)},
+    }
+
+
+def router_access(pool: str, namespace: str) -> list[Obj]:
+    """ServiceAccount, Role and RoleBinding letting the router watch EndpointSlices."""
+    name = object_name(pool, "router")
+    meta = _meta(name, namespace, labels(pool, "router"))
+    rule = {
+        "apiGroups": ["discovery.k8s.io"],
+        "resources": ["endpointslices"],
+        "verbs": ["get", "list", "watch"],
+    }
+    rbac = "rbac.authorization.k8s.io"
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
+        {"apiVersion": f"{rbac}/v1", "kind": "Role", "metadata": meta, "rules": [rule]},
+        {
+            "apiVersion": f"{rbac}/v1",
+            "kind": "RoleBinding",
+            "metadata": meta,
+            "roleRef": {"apiGroup": rbac, "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+        },
+    ]
+
+
+def service_monitor(pool: str, namespace: str, spec: api.ServingPoolSpec) -> Obj:
+    """A ServiceMonitor scraping /metrics of every Service of the pool."""
+    monitor = spec.monitoring.service_monitor
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": _meta(
+            pool, namespace, {**dict(sorted(monitor.labels.items())), **labels(pool)}
+        ),
+        "spec": {
+            "selector": {
+                "matchLabels": {
+                    "app.kubernetes.io/name": "pdserve",
+                    "app.kubernetes.io/instance": pool,
+                }
+            },
+            "namespaceSelector": {"matchNames": [namespace]},
+            "endpoints": [{"port": "http", "path": "/metrics", "interval": monitor.interval}],
+        },
+    }
+
+
+# --- the whole pool --------------------------------------------------------------------
+
+
+def desired_replicas(
+    spec: api.ServingPoolSpec, overrides: Mapping[api.Role, int] | None = None
+) -> dict[Component, int]:
+    """Replicas per component: the spec's, or the autoscaler's where it decided."""
+    counts: dict[Component, int] = {}
+    for role in ROLES:
+        workers = spec.pool(role)
+        counts[role] = 0 if workers is None else (overrides or {}).get(role, workers.replicas)
+    counts["router"] = spec.router.replicas
+    return counts
+
+
+def render(
+    pool: str,
+    namespace: str,
+    spec: api.ServingPoolSpec,
+    replicas: Mapping[api.Role, int] | None = None,
+) -> list[Obj]:
+    """Every object of a pool, in apply order. `replicas` overrides the spec's counts
+    (the autoscaler's decisions); a component with 0 replicas renders nothing."""
+    counts = desired_replicas(spec, replicas)
+    roles = [role for role in ROLES if counts[role] > 0]
+    with_router = counts["router"] > 0
+    table = routing_table(pool, namespace, spec)
+    objects: list[Obj] = []
+    if with_router:
+        objects += [routing_config_map(pool, namespace, table), *router_access(pool, namespace)]
+    components: list[Component] = [*roles, "router"] if with_router else [*roles]
+    objects += [service(pool, namespace, c, spec) for c in components]
+    objects += [worker_deployment(pool, namespace, spec, r, counts[r]) for r in roles]
+    if with_router:
+        objects.append(router_deployment(pool, namespace, spec, table))
+    objects += [pod_disruption_budget(pool, namespace, c) for c in components]
+    if spec.monitoring.service_monitor.enabled:
+        objects.append(service_monitor(pool, namespace, spec))
+    return objects

@@ -1,2 +1,0 @@
-"""The P/D hand-off between a decode worker and a prefill worker (see DESIGN.md):
-the wire format, the prefill side's endpoints, and the decode side's driver."""

@@ -1,0 +1,104 @@
+"""Errors answered over HTTP in OpenAI's error shape, and the one place that turns
+them, and anything else a handler raises, into answers. The worker's OpenAI
+endpoints, the hand-off's `/pd/*` endpoints and the router all use it.
+
+A handler raises `APIError(status, message, ...)`; `error_middleware` answers it.
+aiohttp's own errors (no such route, wrong method, body too large) get the same
+shape, and an unexpected exception is logged with its traceback and answered 500
+without one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+from pydantic import BaseModel, ValidationError
+
+log = logging.getLogger(__name__)
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+class APIError(Exception):
+    """An error answered with `status` and an OpenAI-style body. `kind` is the body's
+    `type` (invalid_request_error, server_error, ...), `code` a short machine-readable
+    cause (default: the status)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.code = code
+        self.headers = headers or {}
+
+
+def error_body(message: str, kind: str, code: str | int | None) -> dict[str, Any]:
+    """OpenAI's error body."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def error_response(error: APIError) -> web.Response:
+    """The answer for `error`."""
+    body = error_body(str(error), error.kind, error.code or error.status)
+    return web.json_response(body, status=error.status, headers=error.headers)
+
+
+def error_middleware(on_error: Callable[[int], None] | None = None) -> Middleware:
+    """The middleware that answers every error in OpenAI's shape; `on_error` is told
+    each error's status (for metrics)."""
+
+    @web.middleware
+    async def answer_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except APIError as error:
+            answer = error_response(error)
+        except web.HTTPException as error:
+            if error.status < 400:
+                raise
+            kind = "invalid_request_error" if error.status < 500 else "server_error"
+            answer = error_response(APIError(error.status, error.reason, kind))
+        except Exception:
+            log.exception("unexpected error in %s %s", request.method, request.path)
+            answer = error_response(APIError(500, "internal server error", "server_error"))
+        if on_error is not None:
+            on_error(answer.status)
+        return answer
+
+    return answer_errors
+
+
+def validation_message(error: ValidationError) -> str:
+    """One line naming each invalid field and why."""
+    parts = []
+    for item in error.errors():
+        field = ".".join(str(piece) for piece in item["loc"]) or "body"
+        parts.append(f"{field}: {item['msg']}")
+    return "; ".join(parts)
+
+
+async def read_body(request: web.Request, model: type[Body], what: str = "request") -> Body:
+    """The request's JSON body validated as `model`; a 400 naming the problem when it is
+    not JSON, not an object, or not valid."""
+    try:
+        raw: Any = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise APIError(400, f"malformed JSON body: {error}") from error
+    if not isinstance(raw, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as error:
+        raise APIError(400, f"invalid {what}: {validation_message(error)}") from error

@@ -1,0 +1,74 @@
+"""Fault injection: named points in the data path where a test makes a worker stall or
+fail on purpose, so a race is reproduced by construction instead of by timing.
+
+Off unless the environment variable PDSERVE_FAULTS holds a JSON object that maps a
+point's name to what happens there, e.g.
+`{"prefill.before_write": {"delay_s": 2.0}}` or `{"engine.step": {"error": "boom"}}`.
+Each point is named where it is called; `POINTS` lists them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import time
+from dataclasses import dataclass
+
+ENV = "PDSERVE_FAULTS"
+
+POINTS = frozenset({"prefill.before_write"})
+
+
+class InjectedFault(RuntimeError):
+    """Raised at a point configured with an `error`."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What happens at one point: a stall, then optionally an error."""
+
+    delay_s: float = 0.0
+    error: str | None = None
+
+
+@functools.cache
+def configured() -> dict[str, Fault]:
+    """The faults of this process, read once from the environment."""
+    raw = os.environ.get(ENV)
+    if not raw:
+        return {}
+    faults = {name: Fault(**spec) for name, spec in json.loads(raw).items()}
+    unknown = set(faults) - POINTS
+    if unknown:
+        raise ValueError(f"{ENV}: unknown fault points {sorted(unknown)}; known: {sorted(POINTS)}")
+    return faults
+
+
+async def point(name: str) -> None:
+    """An injection point on the event loop."""
+    fault = configured().get(name)
+    if fault is None:
+        return
+    if fault.delay_s:
+        await asyncio.sleep(fault.delay_s)
+    if fault.error is not None:
+        raise InjectedFault(fault.error)
+
+
+def blocking_point(name: str) -> None:
+    """An injection point on a thread of its own."""
+    fault = configured().get(name)
+    if fault is None:
+        return
+    if fault.delay_s:
+        time.sleep(fault.delay_s)
+    if fault.error is not None:
+        raise InjectedFault(fault.error)
+
+
+def environment(faults: dict[str, Fault]) -> dict[str, str]:
+    """The environment that configures `faults` in a child process."""
+    spec = {name: {k: v for k, v in vars(fault).items() if v} for name, fault in faults.items()}
+    return {ENV: json.dumps(spec)}

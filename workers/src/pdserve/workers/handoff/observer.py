@@ -1,0 +1,21 @@
+"""What the hand-off reports as it goes: the worker's metrics implement this, so the
+hand-off does not depend on the server that hosts it."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from pdserve.workers.kv_transfer.base import TransferStats
+
+
+class HandoffObserver(Protocol):
+    """Receives the outcome of each hand-off."""
+
+    def observe_transfer(self, stats: TransferStats) -> None:
+        """A KV transfer finished."""
+
+    def observe_transfer_failure(self, reason: str) -> None:
+        """A hand-off failed; `reason` is one of the codes in `handoff.errors`."""
+
+    def observe_kv_wait(self, seconds: float) -> None:
+        """Decode side: how long a request waited for its KV."""

@@ -1,0 +1,114 @@
+"""The settings of `pdserve worker`, each declared once: the dataclass field is the
+flag, its default and its help (see `pdserve.cli.options`)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.cli.options import option, port_number, positive_float, positive_int
+
+ROLES = ("both", "prefill", "decode")
+# The same default as the ServingPool's `spec.kvTransfer.backend`.
+DEFAULT_KV_TRANSFER = "nixl"
+KV_TRANSFER_BACKENDS = ("nixl", "torch")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+_ENGINE = "engine"
+_KV = "KV cache"
+_HANDOFF = "P/D hand-off (roles prefill and decode)"
+
+
+def parse_bytes(text: str) -> int:
+    """`512MiB`, `2G`, `1000000` -> bytes."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GB, 1000000)")
+    number, unit = float(match.group(1)), (match.group(2) or "").upper()
+    binary = "I" in unit
+    base = unit[:1] if unit not in ("", "B") else unit
+    factor = 1024 ** "KMGT".index(base[0]) * 1024 if binary else _UNITS[base]
+    return int(number * factor)
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """The settings of `pdserve worker`."""
+
+    model: Path = option(parse=Path, help="Hugging Face model directory")
+    host: str = option("127.0.0.1", help="address to listen on")
+    port: int = option(8000, parse=port_number, help="port to listen on (0: any free port)")
+    port_file: Path | None = option(
+        None, parse=Path, metavar="PATH",
+        help="once listening, write the port here (for --port 0)",
+    )  # fmt: skip
+    role: str = option(
+        "both", choices=ROLES,
+        help="both: serve requests alone; decode: also take prompts prefilled by a prefill "
+        "worker; prefill: only prefill for decode workers",
+    )  # fmt: skip
+    pool: str = option("local", help="pool name for metric labels")
+    served_model_name: str | None = option(
+        None, help="model id in the API (default: the model directory's name)"
+    )
+    max_num_batched_tokens: int = option(
+        512, parse=positive_int, group=_ENGINE,
+        help="token budget of one engine step: decodes first, prefill chunks fill the rest; "
+        "smaller gives smoother inter-token latency and a slower first token",
+    )  # fmt: skip
+    max_num_seqs: int = option(
+        64, parse=positive_int, group=_ENGINE, help="most requests in the running batch"
+    )
+    no_chunked_prefill: bool = option(
+        False, group=_ENGINE, help="prefill each prompt in one step (a baseline; ITL suffers)"
+    )
+    max_model_len: int | None = option(
+        None, parse=positive_int, group=_ENGINE,
+        help="longest prompt plus output, in tokens (default: the model's context)",
+    )  # fmt: skip
+    dtype: str | None = option(
+        None, choices=("float32", "float16", "bfloat16"), group=_ENGINE,
+        help="weights' dtype (default: the checkpoint's, float32 on CPU for half types)",
+    )  # fmt: skip
+    device: str = option("cpu", group=_ENGINE, help="cpu, cuda or cuda:N")
+    seed: int = option(0, group=_ENGINE, help="seed of requests that give none")
+    threads: int | None = option(
+        None, parse=positive_int, group=_ENGINE, help="torch CPU threads (default on CPU: 1)"
+    )
+    num_kv_blocks: int | None = option(
+        None, parse=positive_int, group=_KV, exclusive="kv-size",
+        help="KV cache size in blocks (default: from --kv-cache-memory or the device)",
+    )  # fmt: skip
+    kv_cache_memory: int | None = option(
+        None, parse=parse_bytes, metavar="BYTES", group=_KV, exclusive="kv-size",
+        help="KV cache size in bytes, e.g. 512MiB or 2GB",
+    )  # fmt: skip
+    block_size: int = option(16, parse=positive_int, group=_KV, help="tokens per KV block")
+    no_prefix_caching: bool = option(
+        False, group=_KV, help="do not share KV blocks between requests with a common prefix"
+    )
+    kv_cache_dtype: str = option(
+        "auto", choices=("auto", "float32", "float16", "bfloat16"), group=_KV,
+        help="KV cache dtype (auto: the weights' dtype)",
+    )  # fmt: skip
+    kv_transfer: str = option(
+        DEFAULT_KV_TRANSFER, choices=KV_TRANSFER_BACKENDS, group=_HANDOFF,
+        help="KV transfer backend: nixl (UCX) or torch (gloo on CPU, NCCL on GPU)",
+    )  # fmt: skip
+    transfer_failure_policy: str = option(
+        "recompute", choices=("recompute", "fail"), group=_HANDOFF,
+        help="decode: on a failed hand-off, prefill here (recompute) or end the request",
+    )  # fmt: skip
+    handoff_timeout: float = option(
+        30.0, parse=positive_float, metavar="SECONDS", group=_HANDOFF,
+        help="lease on KV blocks held for a hand-off; a hand-off not done by then fails",
+    )  # fmt: skip
+    kv_transfer_host: str | None = option(
+        None, group=_HANDOFF,
+        help="address peers reach this worker's transfer agent at (default: --host)",
+    )  # fmt: skip
+    log_level: str = option("info", choices=("debug", "info", "warning", "error"), help="log level")

@@ -1,0 +1,153 @@
+"""Assembling and running a worker: engine, tokenizer, metrics and HTTP server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import uuid
+
+from aiohttp import web
+
+from pdserve.cli.ports import announce_port
+from pdserve.cli.version import installed_parts
+from pdserve.workers.engine.async_engine import AsyncEngine
+from pdserve.workers.engine.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    SchedulerConfig,
+)
+from pdserve.workers.engine.engine import LLMEngine
+from pdserve.workers.engine.sampling import SamplingParams
+from pdserve.workers.engine.tokenizer import Tokenizer
+from pdserve.workers.handoff.decode import DecodeHandoff
+from pdserve.workers.handoff.prefill import PrefillService
+from pdserve.workers.kv_transfer.layout import KVLayout
+from pdserve.workers.server.app import WorkerInfo, WorkerServer
+from pdserve.workers.server.metrics import WorkerMetrics
+from pdserve.workers.server.options import WorkerOptions
+from pdserve.workers.server.process import listening_port
+
+log = logging.getLogger("pdserve.worker")
+
+
+def engine_config(options: WorkerOptions) -> EngineConfig:
+    """The engine's configuration from the worker's options."""
+    return EngineConfig(
+        model_dir=options.model,
+        device=options.device,
+        dtype=options.dtype,
+        kv_cache_dtype=None if options.kv_cache_dtype == "auto" else options.kv_cache_dtype,
+        max_model_len=options.max_model_len,
+        handoff_lease_s=options.handoff_timeout,
+        seed=options.seed,
+        cache=CacheConfig(
+            block_size=options.block_size,
+            num_blocks=options.num_kv_blocks,
+            memory_bytes=options.kv_cache_memory,
+            enable_prefix_caching=not options.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=options.max_num_batched_tokens,
+            max_num_seqs=options.max_num_seqs,
+            enable_chunked_prefill=not options.no_chunked_prefill,
+        ),
+    )
+
+
+def build_server(options: WorkerOptions) -> WorkerServer:
+    """Load the model and tokenizer and assemble the server (not yet listening)."""
+    import torch
+
+    # One thread by default on CPU: a worker shares the cores with the router, other
+    # workers and clients, and OpenMP threads that spin while others hold the cores
+    # make every step many times slower. Give --threads to use more.
+    if options.threads or options.device == "cpu":
+        torch.set_num_threads(options.threads or 1)
+    engine = LLMEngine(engine_config(options))
+    tokenizer = Tokenizer.from_dir(options.model)
+    metrics = WorkerMetrics(options.pool, options.role)
+    async_engine = AsyncEngine(engine, observers=[metrics])
+    info = WorkerInfo(
+        model_name=options.served_model_name or options.model.resolve().name,
+        role=options.role,
+        max_model_len=engine.max_model_len,
+    )
+    handoff, prefill = _handoff_sides(options, async_engine, metrics, info.model_name)
+    return WorkerServer(async_engine, tokenizer, metrics, info, handoff, prefill)
+
+
+def _handoff_sides(
+    options: WorkerOptions, engine: AsyncEngine, metrics: WorkerMetrics, model_name: str
+) -> tuple[DecodeHandoff | None, PrefillService | None]:
+    """The P/D hand-off side this worker's role plays, with its transfer agent."""
+    if options.role == "both":
+        return None, None
+    # Imported here: a transfer backend (NIXL, UCX) loads only where it is used.
+    from pdserve.workers.kv_transfer.factory import create_agent
+
+    kv_cache = engine.engine.runner.kv_cache
+    agent = create_agent(
+        options.kv_transfer,
+        f"{options.role}-{uuid.uuid4().hex[:12]}",
+        kv_cache,
+        KVLayout.of(kv_cache, model=model_name),
+        host=options.kv_transfer_host or options.host,
+    )
+    if options.role == "prefill":
+        return None, PrefillService(engine, agent, metrics, options.handoff_timeout)
+    handoff = DecodeHandoff(
+        engine, agent, metrics, options.transfer_failure_policy, options.handoff_timeout
+    )
+    return handoff, None
+
+
+async def warm_up(server: WorkerServer) -> None:
+    """Run one short request so the first real one does not pay for lazy set-up."""
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    prompt = list(range(1, min(server.info.max_model_len - 2, 32) + 1))
+    async for _ in server.engine.generate(prompt, params, request_id="warm-up"):
+        pass
+
+
+async def run_server(server: WorkerServer, options: WorkerOptions) -> None:
+    """Serve until SIGINT/SIGTERM, then stop the engine."""
+    server.engine.start()
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, options.host, options.port)
+    await site.start()
+    port = listening_port(runner)
+    if options.port_file is not None:
+        announce_port(options.port_file, port)
+    await warm_up(server)
+    server.ready = True
+    log.info("worker ready on http://%s:%d (model %s)", options.host, port, server.info.model_name)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    server.ready = False
+    await runner.cleanup()
+    if server.handoff is not None:
+        await server.handoff.close()
+    server.engine.stop()
+
+
+def serve(options: WorkerOptions) -> int:
+    """`pdserve worker`: returns the exit code."""
+    logging.basicConfig(
+        level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    for name, part in installed_parts().items():
+        log.info("%s %s from %s", name, part["version"], part["path"])
+    try:
+        server = build_server(options)
+    except (ConfigError, OSError, ValueError) as error:
+        print(f"pdserve worker: {error}", file=sys.stderr)
+        return 2
+    asyncio.run(run_server(server, options))
+    return 0
