@@ -10,16 +10,16 @@ import json
 import os
 import signal
 import subprocess
-import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import yaml
 
 from pdserve.cli.main import pdserve_command
 from support import prom
+from support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 RBAC = ROOT / "deploy" / "operator" / "rbac.yaml"
@@ -27,8 +27,6 @@ CRDS = ROOT / "crds"
 OPERATOR_NAMESPACE = "pdserve-system"
 OPERATOR_ACCOUNT = "pdserve-operator"
 POOL_LABEL = "pdserve.dev/pool"
-
-T = TypeVar("T")
 
 
 class Cluster(Protocol):
@@ -40,18 +38,6 @@ class Cluster(Protocol):
     def kubectl(
         self, *args: str, check: bool = True, input: str | None = None
     ) -> subprocess.CompletedProcess[str]: ...
-
-
-def wait_until(check: Callable[[], T], timeout: float, what: str, interval: float = 0.25) -> T:
-    """Poll `check` until it returns something truthy; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
 
 
 def install_crd(cluster: Cluster) -> None:

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from pdserve.workers.faults import Fault, environment
 from pdserve.workers.server import process
 from pdserve.workers.server.process import ServerProcess
 from support.prom import total
@@ -19,8 +20,12 @@ def metric(worker: ServerProcess, name: str, **labels: str) -> float:
 
 
 @contextmanager
-def running_worker(model_dir: Path, log_dir: Path, *args: str) -> Iterator[ServerProcess]:
-    """A ready worker (one torch thread, so tests can run beside each other)."""
+def running_worker(
+    model_dir: Path, log_dir: Path, *args: str, faults: dict[str, Fault | list[Fault]] | None = None
+) -> Iterator[ServerProcess]:
+    """A ready worker (one torch thread, so tests can run beside each other), with
+    `faults` injected (see `pdserve.workers.faults`)."""
     log_path = log_dir / "worker.log"
-    with process.running_worker(model_dir, log_path, ["--threads", "1", *args]) as worker:
+    env = environment(faults) if faults else None
+    with process.running_worker(model_dir, log_path, ["--threads", "1", *args], env) as worker:
         yield worker

@@ -51,6 +51,19 @@ def test_stop_string_can_be_included() -> None:
 
 def test_flush_releases_held_text_at_the_end() -> None:
     stream = TextStream(CharDetokenizer(), ("STOP",))
-    feed(stream, "abST")
+    pieces = feed(stream, "abST")
     assert stream.flush() == "ST"
-    assert stream.text == "abST"
+    assert "".join(pieces) + "ST" == "abST"
+
+
+def test_a_stop_string_split_over_many_tokens_after_a_long_text() -> None:
+    stream = TextStream(CharDetokenizer(), ("<|end|>", "xyz"))
+    pieces = feed(stream, "a" * 5000 + "<|en" + "d|> ignored")
+    assert "".join(pieces) == "a" * 5000
+    assert stream.stopped and stream.flush() == ""
+
+
+def test_stop_strings_count_once_min_tokens_are_out() -> None:
+    stream = TextStream(CharDetokenizer(), ("x",), min_tokens=3)
+    assert "".join(feed(stream, "axbxc")) == "axb"
+    assert stream.stopped

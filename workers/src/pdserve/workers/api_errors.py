@@ -10,6 +10,7 @@ without one.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Callable
@@ -55,27 +56,27 @@ def error_response(error: APIError) -> web.Response:
     return web.json_response(body, status=error.status, headers=error.headers)
 
 
-def error_middleware(on_error: Callable[[int], None] | None = None) -> Middleware:
+def error_middleware(on_error: Callable[[APIError], None] | None = None) -> Middleware:
     """The middleware that answers every error in OpenAI's shape; `on_error` is told
-    each error's status (for metrics)."""
+    of each one (for metrics)."""
 
     @web.middleware
     async def answer_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
         except APIError as error:
-            answer = error_response(error)
+            failure = error
         except web.HTTPException as error:
             if error.status < 400:
                 raise
             kind = "invalid_request_error" if error.status < 500 else "server_error"
-            answer = error_response(APIError(error.status, error.reason, kind))
+            failure = APIError(error.status, error.reason, kind)
         except Exception:
             log.exception("unexpected error in %s %s", request.method, request.path)
-            answer = error_response(APIError(500, "internal server error", "server_error"))
+            failure = APIError(500, "internal server error", "server_error")
         if on_error is not None:
-            on_error(answer.status)
-        return answer
+            on_error(failure)
+        return error_response(failure)
 
     return answer_errors
 
@@ -89,16 +90,42 @@ def validation_message(error: ValidationError) -> str:
     return "; ".join(parts)
 
 
+# Bodies larger than this are parsed on a thread, so the event loop (and the probes
+# it answers) keeps running while a large prompt is decoded.
+_PARSE_INLINE_BYTES = 64 * 1024
+
+
 async def read_body(request: web.Request, model: type[Body], what: str = "request") -> Body:
     """The request's JSON body validated as `model`; a 400 naming the problem when it is
-    not JSON, not an object, or not valid."""
-    try:
-        raw: Any = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise APIError(400, f"malformed JSON body: {error}") from error
+    not UTF-8 JSON, not an object, or not valid. (A body over the application's
+    `client_max_size` is a 413, from aiohttp.)"""
+    charset = request.charset
+    if charset is not None and charset.lower().replace("-", "") != "utf8":
+        raise APIError(400, f"unsupported charset {charset!r}: JSON bodies must be UTF-8")
+    data = await request.read()
+    if len(data) > _PARSE_INLINE_BYTES:
+        raw = await asyncio.to_thread(parse_json, data)
+    else:
+        raw = parse_json(data)
     if not isinstance(raw, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
         return model.model_validate(raw)
     except ValidationError as error:
         raise APIError(400, f"invalid {what}: {validation_message(error)}") from error
+
+
+def parse_json(data: bytes) -> Any:
+    """JSON from UTF-8 bytes; a 400 for anything that is not JSON in valid Unicode
+    (malformed, nested too deep for the parser, or holding a lone surrogate escape
+    such as "\\ud800", which no UTF-8 text can carry)."""
+    try:
+        raw = json.loads(data.decode("utf-8"))
+        json.dumps(raw, ensure_ascii=False).encode("utf-8")
+    except (UnicodeDecodeError, UnicodeEncodeError) as error:
+        raise APIError(400, f"the body is not valid Unicode: {error.reason}") from error
+    except json.JSONDecodeError as error:
+        raise APIError(400, f"malformed JSON body: {error}") from error
+    except RecursionError as error:
+        raise APIError(400, "the JSON body is nested too deeply") from error
+    return raw

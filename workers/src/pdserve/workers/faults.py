@@ -4,7 +4,10 @@ fail on purpose, so a race is reproduced by construction instead of by timing.
 Off unless the environment variable PDSERVE_FAULTS holds a JSON object that maps a
 point's name to what happens there, e.g.
 `{"prefill.before_write": {"delay_s": 2.0}}` or `{"engine.step": {"error": "boom"}}`.
-Each point is named where it is called; `POINTS` lists them.
+A fault with `when` set to a path acts only while that file exists, so a test decides
+the moment it strikes; a point may carry a list of faults, applied in order (e.g. a
+stall on every step, and an error once a file appears). Each point is named where it
+is called; `POINTS` lists them.
 """
 
 from __future__ import annotations
@@ -18,7 +21,12 @@ from dataclasses import dataclass
 
 ENV = "PDSERVE_FAULTS"
 
-POINTS = frozenset({"prefill.before_write"})
+POINTS = frozenset(
+    {
+        "prefill.before_write",  # prefill side: prompt computed, blocks held, not yet sent
+        "engine.step",  # the engine thread, before each step
+    }
+)
 
 
 class InjectedFault(RuntimeError):
@@ -31,15 +39,23 @@ class Fault:
 
     delay_s: float = 0.0
     error: str | None = None
+    when: str | None = None  # a path: the fault acts only while this file exists
+
+    def active(self) -> bool:
+        """Whether the fault acts now."""
+        return self.when is None or os.path.exists(self.when)
 
 
 @functools.cache
-def configured() -> dict[str, Fault]:
+def configured() -> dict[str, tuple[Fault, ...]]:
     """The faults of this process, read once from the environment."""
     raw = os.environ.get(ENV)
     if not raw:
         return {}
-    faults = {name: Fault(**spec) for name, spec in json.loads(raw).items()}
+    faults = {
+        name: tuple(Fault(**item) for item in (spec if isinstance(spec, list) else [spec]))
+        for name, spec in json.loads(raw).items()
+    }
     unknown = set(faults) - POINTS
     if unknown:
         raise ValueError(f"{ENV}: unknown fault points {sorted(unknown)}; known: {sorted(POINTS)}")
@@ -48,27 +64,34 @@ def configured() -> dict[str, Fault]:
 
 async def point(name: str) -> None:
     """An injection point on the event loop."""
-    fault = configured().get(name)
-    if fault is None:
-        return
-    if fault.delay_s:
-        await asyncio.sleep(fault.delay_s)
-    if fault.error is not None:
-        raise InjectedFault(fault.error)
+    for fault in configured().get(name, ()):
+        if not fault.active():
+            continue
+        if fault.delay_s:
+            await asyncio.sleep(fault.delay_s)
+        if fault.error is not None:
+            raise InjectedFault(fault.error)
 
 
 def blocking_point(name: str) -> None:
     """An injection point on a thread of its own."""
-    fault = configured().get(name)
-    if fault is None:
-        return
-    if fault.delay_s:
-        time.sleep(fault.delay_s)
-    if fault.error is not None:
-        raise InjectedFault(fault.error)
+    for fault in configured().get(name, ()):
+        if not fault.active():
+            continue
+        if fault.delay_s:
+            time.sleep(fault.delay_s)
+        if fault.error is not None:
+            raise InjectedFault(fault.error)
 
 
-def environment(faults: dict[str, Fault]) -> dict[str, str]:
+def environment(faults: dict[str, Fault | list[Fault]]) -> dict[str, str]:
     """The environment that configures `faults` in a child process."""
-    spec = {name: {k: v for k, v in vars(fault).items() if v} for name, fault in faults.items()}
+
+    def plain(fault: Fault) -> dict[str, object]:
+        return {key: value for key, value in vars(fault).items() if value}
+
+    spec = {
+        name: [plain(f) for f in value] if isinstance(value, list) else plain(value)
+        for name, value in faults.items()
+    }
     return {ENV: json.dumps(spec)}

@@ -19,6 +19,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from pdserve.workers import faults
 from pdserve.workers.engine.engine import LLMEngine, StepResult
 from pdserve.workers.engine.sampling import SamplingParams
 from pdserve.workers.engine.stats import RequestOutput
@@ -36,6 +37,10 @@ class EngineObserver(Protocol):
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped on an error; no request can be served."""
+
+
+class QueueTimeoutError(RuntimeError):
+    """A request waited longer than the queue's deadline for its first step."""
 
 
 Sink = Callable[[RequestOutput | BaseException], None]
@@ -64,15 +69,25 @@ class _Call:
 class AsyncEngine:
     """Serves requests from coroutines with an LLMEngine on a background thread."""
 
-    def __init__(self, engine: LLMEngine, observers: Sequence[EngineObserver] = ()) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        observers: Sequence[EngineObserver] = (),
+        queue_timeout_s: float | None = None,
+    ) -> None:
         self.engine = engine
         self.observers = list(observers)
+        self.queue_timeout_s = queue_timeout_s
         self._commands: queue.SimpleQueue[_Admit | _Abort | _Call | None] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._error: BaseException | None = None
         self._stopping = False
+        # Commands are posted and, once the loop died, refused under this lock, so none
+        # is left unanswered.
+        self._post_lock = threading.Lock()
+        self._pending_admits = 0
 
     def start(self) -> None:
         """Start the step loop."""
@@ -89,6 +104,11 @@ class AsyncEngine:
     def healthy(self) -> bool:
         """False once the step loop died."""
         return self._error is None and self._thread.is_alive()
+
+    @property
+    def num_queued(self) -> int:
+        """Requests posted and not yet given their first step: the admission queue."""
+        return self._pending_admits + len(self.engine.scheduler.waiting)
 
     async def generate(
         self,
@@ -112,8 +132,6 @@ class AsyncEngine:
     async def stream(self, request_id: str, admit: Admit) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of a request that `admit` puts into the engine (on the engine
         thread), until it finishes. Leaving the iteration early aborts it."""
-        if self._error is not None:
-            raise EngineDeadError(f"the engine stopped: {self._error}")
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
@@ -135,8 +153,6 @@ class AsyncEngine:
 
     async def call(self, function: Callable[[LLMEngine], Result]) -> Result:
         """Run `function(engine)` on the engine thread; its result or exception."""
-        if self._error is not None:
-            raise EngineDeadError(f"the engine stopped: {self._error}")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Result] = loop.create_future()
 
@@ -159,8 +175,16 @@ class AsyncEngine:
         self._post(_Abort(request_id))
 
     def _post(self, command: _Admit | _Abort | _Call) -> None:
-        self._commands.put(command)
-        self._wake.set()
+        """Queue a command for the engine thread, or answer it at once if the loop died."""
+        with self._post_lock:
+            if self._error is None:
+                if isinstance(command, _Admit):
+                    self._pending_admits += 1
+                self._commands.put(command)
+                self._wake.set()
+                return
+            error = self._error
+        _refuse(command, error)
 
     # -- the engine thread -----------------------------------------------------
 
@@ -168,19 +192,46 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 changed = self._drain_commands() + self.engine.expire_leases()
+                changed += self._expire_queued()
                 if changed and not self.engine.has_unfinished():
                     self._deliver(self.engine.snapshot())  # e.g. an abort freed blocks
                 if not self.engine.has_unfinished():
                     self._wake.wait(timeout=self._idle_wait())
                     self._wake.clear()
                     continue
+                faults.blocking_point("engine.step")
                 self._deliver(self.engine.step())
         except BaseException as error:  # the loop must report, not vanish
             log.exception("engine step loop failed")
+            self._die(error)
+
+    def _die(self, error: BaseException) -> None:
+        """Answer every request and every queued command with the engine's death."""
+        with self._post_lock:
             self._error = error
-            for sink in self._sinks.values():
-                sink(EngineDeadError(f"the engine stopped: {error}"))
-            self._sinks.clear()
+        for sink in self._sinks.values():
+            sink(EngineDeadError(f"the engine stopped: {error}"))
+        self._sinks.clear()
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command is not None:
+                _refuse(command, error)
+
+    def _expire_queued(self) -> int:
+        """Fail requests that waited past the queue's deadline; how many did."""
+        if self.queue_timeout_s is None:
+            return 0
+        expired = self.engine.expire_queued(self.queue_timeout_s)
+        for request_id in expired:
+            sink = self._sinks.pop(request_id, None)
+            if sink is not None:
+                sink(QueueTimeoutError(
+                    f"the request waited more than {self.queue_timeout_s:g}s in the queue"
+                ))  # fmt: skip
+        return len(expired)
 
     def _idle_wait(self) -> float:
         """Seconds to sleep while idle: until the next lease deadline, at most 1 s."""
@@ -202,6 +253,8 @@ class AsyncEngine:
                 return applied
             applied += 1
             if isinstance(command, _Admit):
+                with self._post_lock:
+                    self._pending_admits -= 1
                 self._admit(command)
             elif isinstance(command, _Call):
                 self._call(command)
@@ -245,3 +298,12 @@ class AsyncEngine:
                 observer.on_step(result)
             except Exception:  # metrics must never stop serving
                 log.exception("engine observer failed")
+
+
+def _refuse(command: _Admit | _Abort | _Call, error: BaseException) -> None:
+    """Answer a command the dead engine will never run."""
+    dead = EngineDeadError(f"the engine stopped: {error}")
+    if isinstance(command, _Admit):
+        command.sink(dead)
+    elif isinstance(command, _Call):
+        command.done(None, dead)

@@ -62,6 +62,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= token < vocab for token in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        if any(not 0 <= token < vocab for token in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})")
         max_tokens = params.max_tokens if params.max_tokens is not None else 1
         total = num_prompt + max_tokens
         if num_prompt >= self.max_model_len or total > self.max_model_len:
@@ -99,7 +101,10 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
         if params.max_tokens is None:
-            params = replace(params, max_tokens=self.max_model_len - len(prompt_token_ids))
+            # Up to the context, and never more than the KV cache holds: a request
+            # larger than the cache would preempt itself forever.
+            limit = min(self.max_model_len, self.num_blocks * self.block_size)
+            params = replace(params, max_tokens=limit - len(prompt_token_ids))
         request = Request(request_id, list(prompt_token_ids), params)
         self._requests[request_id] = request
         return request
@@ -186,6 +191,20 @@ class LLMEngine:
             self.scheduler.finish(request, FinishReason.ABORT)
         self._forget(request)
         return self._output(request, (), time.monotonic())
+
+    def expire_queued(self, max_wait_s: float) -> list[str]:
+        """End the requests that have waited more than `max_wait_s` for their first
+        step (a preempted request has had one); their ids."""
+        now = time.monotonic()
+        expired = [
+            request
+            for request in self.scheduler.waiting
+            if request.first_scheduled_time is None and now - request.arrival_time > max_wait_s
+        ]
+        for request in expired:
+            self.scheduler.finish(request, FinishReason.ABORT)
+            self._forget(request)
+        return [request.request_id for request in expired]
 
     def has_unfinished(self) -> bool:
         """Whether any request waits or runs (leases are not work: they wait)."""

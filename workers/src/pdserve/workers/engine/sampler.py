@@ -23,11 +23,13 @@ class Sampler:
         tokens = logits.argmax(dim=-1).tolist()
         for row, request in enumerate(requests):
             params = request.params
+            # Never written in place: the logits may be an inference-mode tensor.
+            row_logits = logits[row]
             if request.num_tokens - request.num_prompt_tokens < params.min_tokens:
-                logits[row] = self._suppress_stops(logits[row], request)
-                tokens[row] = int(logits[row].argmax())
+                row_logits = self._suppress_stops(row_logits, request)
+                tokens[row] = int(row_logits.argmax())
             if not params.greedy:
-                tokens[row] = self._sample_row(logits[row], request)
+                tokens[row] = self._sample_row(row_logits, request)
         return [int(token) for token in tokens]
 
     def forget(self, request_id: str) -> None:
@@ -59,10 +61,11 @@ class Sampler:
     def _suppress_stops(self, row: torch.Tensor, request: Request) -> torch.Tensor:
         """Hide end-of-sequence and stop tokens until min_tokens are out."""
         banned = sorted(set(request.params.stop_token_ids) | self.eos_token_ids)
-        if banned:
-            row = row.clone()
-            row[torch.tensor(banned, device=row.device)] = float("-inf")
-        return row
+        if not banned:
+            return row
+        mask = torch.zeros_like(row, dtype=torch.bool)
+        mask[torch.tensor(banned, device=row.device)] = True
+        return row.masked_fill(mask, float("-inf"))
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -46,7 +46,6 @@ class SamplingParams:
                 "min_tokens must not exceed max_tokens",
             ),
             (all(self.stop), "stop strings must not be empty"),
-            (len(self.stop) <= 16, "at most 16 stop strings"),
             (self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)"),
         ]
         for ok, message in checks:

@@ -10,6 +10,7 @@ from itertools import pairwise
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pdserve.workers.api_errors import APIError
 from pdserve.workers.engine.engine import StepResult
 from pdserve.workers.kv_transfer.base import TransferStats
 
@@ -69,8 +70,11 @@ class WorkerMetrics:
             (*names, "finish_reason"), registry=reg,
         )  # fmt: skip
         self.rejected = Counter(
-            "pdserve_requests_rejected_total", "Requests refused with a 4xx.",
-            names, registry=reg,
+            "pdserve_requests_rejected_total",
+            "Requests answered with an error status, by reason: invalid, not_found, "
+            "too_large, queue_full (429), queue_timeout, engine_stopped, handoff_failed, "
+            "internal.",
+            (*names, "reason"), registry=reg,
         )  # fmt: skip
         self.prompt_tokens = Counter(
             "pdserve_prompt_tokens_total", "Prompt tokens of ended requests.", names, registry=reg
@@ -215,6 +219,28 @@ class WorkerMetrics:
         """Decode side: how long a request waited for its KV."""
         self.kv_wait.labels(**self._labels).observe(seconds)
 
-    def observe_rejected(self) -> None:
-        """Count a request refused with a 4xx."""
-        self.rejected.labels(**self._labels).inc()
+    def observe_error(self, error: APIError) -> None:
+        """Count a request answered with an error status."""
+        self.rejected.labels(**self._labels, reason=rejection_reason(error)).inc()
+
+
+def rejection_reason(error: APIError) -> str:
+    """The `reason` label of an error answer: a small fixed set, whatever the error."""
+    if error.code in _REASONS:
+        return _REASONS[str(error.code)]
+    if error.status == 404:
+        return "not_found"
+    if error.status == 413:
+        return "too_large"
+    if 400 <= error.status < 500:
+        return "invalid"
+    if error.status == 502:
+        return "handoff_failed"
+    return "internal"
+
+
+_REASONS = {
+    "queue_full": "queue_full",
+    "queue_timeout": "queue_timeout",
+    "engine_stopped": "engine_stopped",
+}

@@ -21,6 +21,7 @@ _UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 _ENGINE = "engine"
 _KV = "KV cache"
 _HANDOFF = "P/D hand-off (roles prefill and decode)"
+_LIMITS = "limits (past them a request gets a 4xx or 5xx with the reason)"
 
 
 def parse_bytes(text: str) -> int:
@@ -110,5 +111,26 @@ class WorkerOptions:
     kv_transfer_host: str | None = option(
         None, group=_HANDOFF,
         help="address peers reach this worker's transfer agent at (default: --host)",
+    )  # fmt: skip
+    max_body_size: int = option(
+        8 * 1024 * 1024, parse=parse_bytes, metavar="BYTES", group=_LIMITS,
+        help="largest request body, e.g. 8MiB (larger: 413)",
+    )  # fmt: skip
+    max_stop_strings: int = option(
+        16, parse=positive_int, group=_LIMITS, help="most stop strings per request (400)"
+    )
+    max_stop_length: int = option(
+        256, parse=positive_int, group=_LIMITS, help="longest stop string, in characters (400)"
+    )
+    max_stop_token_ids: int = option(
+        256, parse=positive_int, group=_LIMITS, help="most stop_token_ids per request (400)"
+    )
+    max_queued_requests: int = option(
+        1024, parse=positive_int, group=_LIMITS,
+        help="requests waiting for their first engine step; past this, new ones get 429",
+    )  # fmt: skip
+    queue_timeout: float = option(
+        60.0, parse=positive_float, metavar="SECONDS", group=_LIMITS,
+        help="a request still waiting for its first engine step after this long gets 503",
     )  # fmt: skip
     log_level: str = option("info", choices=("debug", "info", "warning", "error"), help="log level")

@@ -129,10 +129,13 @@ def start_worker(
 
 @contextmanager
 def running_worker(
-    model_dir: Path, log_path: Path, args: Sequence[str] = ()
+    model_dir: Path,
+    log_path: Path,
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[ServerProcess]:
     """A ready worker for the duration of a `with` block."""
-    worker = start_worker(model_dir, log_path, args)
+    worker = start_worker(model_dir, log_path, args, env=env)
     try:
         worker.wait_ready()
         yield worker

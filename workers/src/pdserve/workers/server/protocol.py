@@ -1,14 +1,21 @@
-"""The OpenAI-compatible request bodies a worker accepts, and their translation into
-engine sampling parameters. Unsupported features are refused with a reason rather
-than silently ignored."""
+"""The OpenAI-compatible request bodies a worker (and the router) accepts, and their
+translation into engine sampling parameters. Each body is validated once, here, by its
+model: a wrong type or value is a 400 naming the field. Unsupported features are
+refused with a reason rather than silently ignored; unknown fields are ignored, as
+OpenAI's and vLLM's servers do."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pdserve.workers.engine.sampling import InvalidRequestError, SamplingParams
+
+# JSON numbers beyond these bounds are no one's sampling parameter; refusing them in the
+# model keeps absurd values out of the engine.
+_INT64 = 2**63 - 1
+TokenId = Annotated[int, Field(ge=0, le=_INT64)]
 
 
 class StreamOptions(BaseModel):
@@ -23,18 +30,18 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1, le=_INT64)
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1, le=_INT64)
+    seed: int | None = Field(default=None, ge=0, le=_INT64)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    n: int = 1
+    min_tokens: int = Field(default=0, ge=0, le=_INT64)
+    n: int = Field(default=1, ge=1)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: Any = None
@@ -72,9 +79,9 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     """POST /v1/completions."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     echo: bool = False
-    max_tokens: int | None = 16  # OpenAI's default for completions
+    max_tokens: int | None = Field(default=16, ge=1, le=_INT64)  # OpenAI's default
 
     @field_validator("prompt")
     @classmethod
@@ -91,19 +98,27 @@ class CompletionRequest(_Common):
             raise InvalidRequestError("echo is not supported")
 
 
+class TextPart(BaseModel):
+    """A text part of a message's content."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     """One message of a conversation."""
 
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
 
     def text(self) -> str:
         """The message's text (text parts of a multi-part content joined)."""
         if isinstance(self.content, list):
-            parts = [part.get("text", "") for part in self.content if part.get("type") == "text"]
-            return "".join(parts)
+            return "".join(part.text for part in self.content)
         return self.content or ""
 
 
@@ -111,7 +126,7 @@ class ChatCompletionRequest(_Common):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=_INT64)
 
     def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         if self.max_tokens is None and self.max_completion_tokens is not None:

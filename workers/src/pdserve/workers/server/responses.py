@@ -12,7 +12,7 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.workers.api_errors import APIError
-from pdserve.workers.engine.async_engine import EngineDeadError
+from pdserve.workers.engine.async_engine import EngineDeadError, QueueTimeoutError
 from pdserve.workers.engine.sampling import InvalidRequestError, SamplingParams
 from pdserve.workers.engine.stats import RequestOutput
 from pdserve.workers.handoff.errors import HandoffError
@@ -91,7 +91,9 @@ async def first_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
             502, f"prefill hand-off failed: {error}", "server_error", error.code
         ) from error
     except EngineDeadError as error:
-        raise APIError(503, str(error), "server_error") from error
+        raise APIError(503, str(error), "server_error", "engine_stopped") from error
+    except QueueTimeoutError as error:
+        raise APIError(503, str(error), "server_error", "queue_timeout") from error
     except InvalidRequestError as error:
         raise APIError(400, str(error)) from error
 

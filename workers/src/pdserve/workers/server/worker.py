@@ -25,10 +25,12 @@ from pdserve.workers.engine.tokenizer import Tokenizer
 from pdserve.workers.handoff.decode import DecodeHandoff
 from pdserve.workers.handoff.prefill import PrefillService
 from pdserve.workers.kv_transfer.layout import KVLayout
-from pdserve.workers.server.app import WorkerInfo, WorkerServer
+from pdserve.workers.server.app import WorkerServer
+from pdserve.workers.server.limits import Admission, RequestLimits
 from pdserve.workers.server.metrics import WorkerMetrics
 from pdserve.workers.server.options import WorkerOptions
 from pdserve.workers.server.process import listening_port
+from pdserve.workers.server.serving import OpenAIServing, ServedModel
 
 log = logging.getLogger("pdserve.worker")
 
@@ -69,14 +71,21 @@ def build_server(options: WorkerOptions) -> WorkerServer:
     engine = LLMEngine(engine_config(options))
     tokenizer = Tokenizer.from_dir(options.model)
     metrics = WorkerMetrics(options.pool, options.role)
-    async_engine = AsyncEngine(engine, observers=[metrics])
-    info = WorkerInfo(
-        model_name=options.served_model_name or options.model.resolve().name,
+    async_engine = AsyncEngine(engine, [metrics], queue_timeout_s=options.queue_timeout)
+    model = ServedModel(
+        name=options.served_model_name or options.model.resolve().name,
         role=options.role,
         max_model_len=engine.max_model_len,
     )
-    handoff, prefill = _handoff_sides(options, async_engine, metrics, info.model_name)
-    return WorkerServer(async_engine, tokenizer, metrics, info, handoff, prefill)
+    handoff, prefill = _handoff_sides(options, async_engine, metrics, model.name)
+    limits = RequestLimits(
+        max_stop_strings=options.max_stop_strings,
+        max_stop_length=options.max_stop_length,
+        max_stop_token_ids=options.max_stop_token_ids,
+    )
+    admission = Admission(options.max_queued_requests, lambda: async_engine.num_queued)
+    serving = OpenAIServing(async_engine, tokenizer, metrics, model, limits, admission, handoff)
+    return WorkerServer(serving, options.max_body_size, prefill)
 
 
 def _handoff_sides(
@@ -107,7 +116,7 @@ def _handoff_sides(
 async def warm_up(server: WorkerServer) -> None:
     """Run one short request so the first real one does not pay for lazy set-up."""
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    prompt = list(range(1, min(server.info.max_model_len - 2, 32) + 1))
+    prompt = list(range(1, min(server.model.max_model_len - 2, 32) + 1))
     async for _ in server.engine.generate(prompt, params, request_id="warm-up"):
         pass
 
@@ -124,7 +133,7 @@ async def run_server(server: WorkerServer, options: WorkerOptions) -> None:
         announce_port(options.port_file, port)
     await warm_up(server)
     server.ready = True
-    log.info("worker ready on http://%s:%d (model %s)", options.host, port, server.info.model_name)
+    log.info("worker ready on http://%s:%d (model %s)", options.host, port, server.model.name)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,0 +1,201 @@
+"""Property-based fuzzing of a real worker: requests generated from the worker's own
+/openapi.json (hypothesis-jsonschema), and mutations of them (any field replaced by any
+JSON value, broken bodies), across both endpoints, streamed and not.
+
+The property: no request gets a 5xx; the worker's probes keep answering while it
+runs; afterwards its KV cache is empty and it holds no more threads or open files
+than before."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis_jsonschema import from_schema
+
+from support.waiting import wait_until
+from support.worker import ServerProcess, metric, running_worker
+
+REQUESTS = 10_000
+BATCH = 25  # requests per generated example, sent concurrently
+MAX_TOKENS = 6  # generated requests are cut to this, so the run stays short
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+
+pytestmark = pytest.mark.timeout(1800)
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=8,
+)
+
+
+@pytest.fixture(scope="module")
+def worker(
+    small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    args = ("--served-model-name", "small", "--max-model-len", "512", "--max-num-seqs", "32")
+    with running_worker(small_model_dir, tmp_path_factory.mktemp("logs"), *args) as process:
+        yield process
+
+
+def request_schemas(url: str) -> dict[str, dict[str, Any]]:
+    """Each endpoint's request body schema, self-contained, from /openapi.json."""
+    with urllib.request.urlopen(f"{url}/openapi.json", timeout=10) as answer:
+        spec = json.load(answer)
+    components = spec["components"]["schemas"]
+    schemas = {}
+    for path in ENDPOINTS:
+        ref = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        name = ref["schema"]["$ref"].rsplit("/", 1)[1]
+        schema = json.loads(
+            json.dumps(components[name]).replace("#/components/schemas/", "#/$defs/")
+        )
+        schema["$defs"] = json.loads(
+            json.dumps(components).replace("#/components/schemas/", "#/$defs/")
+        )
+        schemas[path] = schema
+    return schemas
+
+
+def requests(schemas: dict[str, dict[str, Any]]) -> st.SearchStrategy[tuple[str, bytes]]:
+    """(path, body): valid bodies, mutated bodies and broken bytes."""
+
+    def valid(path: str) -> st.SearchStrategy[tuple[str, dict[str, Any]]]:
+        return st.tuples(st.just(path), from_schema(schemas[path]))
+
+    bodies = st.one_of(*(valid(path) for path in ENDPOINTS))
+
+    @st.composite
+    def mutated(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+        path, body = draw(bodies)
+        if body and draw(st.booleans()):
+            key = draw(st.sampled_from(sorted(body)))
+            body[key] = draw(JSON)
+        else:
+            body[draw(st.sampled_from(["max_tokens", "stop", "messages", "prompt", "n"]))] = draw(
+                JSON
+            )
+        return path, body
+
+    def encoded(item: tuple[str, dict[str, Any]], stream: bool) -> tuple[str, bytes]:
+        path, body = item
+        for key in ("max_tokens", "max_completion_tokens"):
+            if isinstance(body.get(key), int) and body[key] > MAX_TOKENS:
+                body[key] = MAX_TOKENS
+        if isinstance(body, dict) and "stream" not in body:
+            body["stream"] = stream
+        return path, json.dumps(body).encode()
+
+    garbage = st.tuples(st.sampled_from(ENDPOINTS), st.binary(max_size=64))
+    return st.one_of(
+        st.builds(encoded, bodies, st.booleans()),
+        st.builds(encoded, mutated(), st.booleans()),
+        garbage,
+    )
+
+
+class Prober:
+    """Asks /health every 20 ms on a thread of its own, recording each latency."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.latencies: list[float] = []
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Prober:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            started = time.perf_counter()
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=10) as answer:
+                    ok = answer.status == 200
+            except OSError:
+                ok = False
+            self.latencies.append(time.perf_counter() - started)
+            self.failures += not ok
+
+    def p99_ms(self) -> float:
+        return 1000 * statistics.quantiles(self.latencies, n=100)[98]
+
+
+def process_resources(pid: int) -> tuple[int, int]:
+    """(threads, open files) of a process."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    threads = int(
+        next(line.split()[1] for line in status.splitlines() if line.startswith("Threads"))
+    )
+    return threads, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_fuzzed_requests_never_get_a_5xx(worker: ServerProcess) -> None:
+    schemas = request_schemas(worker.url)
+    statuses: Counter[int] = Counter()
+    failures: list[tuple[int, bytes, str]] = []
+    before = process_resources(worker.process.pid)
+
+    async def send_all(batch: list[tuple[str, bytes]]) -> None:
+        headers = {"Content-Type": "application/json"}
+        async with aiohttp.ClientSession() as session:
+
+            async def one(path: str, data: bytes) -> None:
+                async with session.post(f"{worker.url}{path}", data=data, headers=headers) as r:
+                    text = await r.text()
+                    statuses[r.status] += 1
+                    # A stream that started and then broke is a server failure too.
+                    if r.status >= 500 or (r.status == 200 and 'data: {"error"' in text):
+                        failures.append((r.status, data, text[:300]))
+
+            await asyncio.gather(*(one(path, data) for path, data in batch))
+
+    @settings(
+        max_examples=REQUESTS // BATCH + 20,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(st.lists(requests(schemas), min_size=BATCH, max_size=BATCH))
+    def fuzz(batch: list[tuple[str, bytes]]) -> None:
+        asyncio.run(send_all(batch))
+        assert not failures, failures[:3]
+
+    with Prober(worker.url) as prober:
+        fuzz()
+    sent = sum(statuses.values())
+    print(f"fuzz: {sent} requests, statuses {dict(sorted(statuses.items()))}")
+    print(f"/health during the run: P99 {prober.p99_ms():.1f} ms over {len(prober.latencies)}")
+    assert sent >= REQUESTS
+    assert not [status for status in statuses if status >= 500]
+    assert statuses[200] > sent // 10  # the generator reaches the engine, not only the parser
+    assert prober.failures == 0
+    wait_until(lambda: metric(worker, "pdserve_kv_cache_usage_ratio") == 0.0, 60, "an empty cache")
+    threads, files = wait_until(
+        lambda: (now := process_resources(worker.process.pid))[1] <= before[1] + 4 and now,
+        60,
+        f"open files back to {before[1]}",
+    )
+    print(f"threads {before[0]} -> {threads}, open files {before[1]} -> {files}")
+    assert threads <= before[0] + 2
