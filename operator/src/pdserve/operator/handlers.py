@@ -190,7 +190,8 @@ async def reconcile_pool(
 def pool_event(
     type: str | None, uid: str, namespace: str | None, name: str, memo: Any, **_: Any
 ) -> None:
-    """Forget a deleted pool; start the resync loop once there is a pool to keep."""
+    """Forget a deleted pool; start the resync loop once there is a pool to keep (a
+    retry scheduled for a pool before its first event here waits for that)."""
     if "resync" not in memo:
         return
     if type == "DELETED":

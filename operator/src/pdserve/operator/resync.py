@@ -96,7 +96,6 @@ class Resync:
         self._gone.discard(key)
         if key not in self._retries:
             self._schedule(key, 0)
-        self.start()
 
     def forget(self, key: PoolKey) -> None:
         """Drop a deleted pool: its pending retry, and any reconcile under way."""
