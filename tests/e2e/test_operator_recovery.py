@@ -33,6 +33,7 @@ from support.pool_cluster import (
     children,
     condition,
     event_reasons,
+    events,
     get_pool,
     pool_manifest,
     resource_versions,
@@ -149,6 +150,15 @@ def test_a_refused_repair_is_retried_until_it_succeeds_without_a_spec_change(
     assert pool["metadata"]["generation"] == generation
     assert ("ConfigMap", "retried-routing") in children(cluster, namespace, "retried")
     assert operator.total("pdserve_operator_reconciles_total", trigger="retry") >= 2
+    # The retry says what it did, as every reconcile does.
+    wait_until(
+        lambda: (
+            ("Applied", "created ConfigMap retried-routing")
+            in events(cluster, namespace, "retried")
+        ),
+        WAIT,
+        "an Event for the recreated ConfigMap",
+    )
 
 
 def test_deleting_a_pool_leaves_no_state_in_the_operator(

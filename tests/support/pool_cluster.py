@@ -119,12 +119,17 @@ def condition(pool: dict[str, Any], type_: str) -> dict[str, Any]:
     return found[0]
 
 
-def event_reasons(cluster: Cluster, namespace: str, name: str) -> list[str]:
-    events = get_json(
+def events(cluster: Cluster, namespace: str, name: str) -> list[tuple[str, str]]:
+    """(reason, message) of the pool's Events."""
+    listed = get_json(
         cluster, "events", "-n", namespace,
         "--field-selector", f"involvedObject.kind=ServingPool,involvedObject.name={name}",
     )  # fmt: skip
-    return [e["reason"] for e in events["items"]]
+    return [(e["reason"], e.get("message", "")) for e in listed["items"]]
+
+
+def event_reasons(cluster: Cluster, namespace: str, name: str) -> list[str]:
+    return [reason for reason, _ in events(cluster, namespace, name)]
 
 
 def make_namespace(cluster: Cluster, prefix: str) -> str:

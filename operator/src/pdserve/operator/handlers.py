@@ -187,7 +187,7 @@ async def reconcile_pool(
 
 
 @kopf.on.event(*POOL)
-def pool_event(
+async def pool_event(
     type: str | None, uid: str, namespace: str | None, name: str, memo: Any, **_: Any
 ) -> None:
     """Forget a deleted pool; start the resync loop once there is a pool to keep (a

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,7 +71,8 @@ class Resync:
         self._clock = clock
         self._next_resync = clock() + interval
         self._retries: dict[PoolKey, _Retry] = {}
-        # Pools deleted since the current pass read them: not to be reconciled again.
+        # Pools deleted while a pass runs: it must not reconcile (and so remember) them.
+        self._busy = False
         self._gone: set[PoolKey] = set()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -98,9 +99,21 @@ class Resync:
             self._schedule(key, 0)
 
     def forget(self, key: PoolKey) -> None:
-        """Drop a deleted pool: its pending retry, and any reconcile under way."""
+        """Drop a deleted pool: its pending retry, and its turn in a pass under way."""
         self._retries.pop(key, None)
-        self._gone.add(key)
+        if self._busy:
+            self._gone.add(key)
+
+    @contextlib.contextmanager
+    def _pass(self) -> Iterator[None]:
+        """A pass over some pools: what is deleted meanwhile is skipped, or forgotten
+        again once its reconcile ends; nothing of it is kept after the pass."""
+        self._busy = True
+        try:
+            yield
+        finally:
+            self._busy = False
+            self._gone.clear()
 
     def pending(self) -> int:
         """How many pools wait for a retry."""
@@ -131,34 +144,41 @@ class Resync:
     async def retry_due(self) -> None:
         """Run the retries that are due, each from a fresh read of its pool."""
         now = self._clock()
-        for key in [key for key, retry in self._retries.items() if retry.due <= now]:
-            attempt = self._retries.pop(key).attempt
-            try:
-                pool, children = await self._read_pool(key)
-            except ApiError as error:
-                log.warning("%s/%s: cannot read the pool to retry: %s", *key, error)
+        due = [key for key, retry in self._retries.items() if retry.due <= now]
+        with self._pass():
+            for key in due:
+                retry = self._retries.pop(key, None)
+                if retry is not None:  # else deleted meanwhile
+                    await self._retry(key, retry.attempt)
+
+    async def _retry(self, key: PoolKey, attempt: int) -> None:
+        try:
+            pool, children = await self._read_pool(key)
+        except ApiError as error:
+            log.warning("%s/%s: cannot read the pool to retry: %s", *key, error)
+            if key not in self._gone:
                 self._schedule(key, attempt + 1)
-                continue
-            if pool is not None:
-                await self._attempt(key, pool, children, "retry", attempt + 1)
+            return
+        if pool is not None:
+            await self._attempt(key, pool, children, "retry", attempt + 1)
 
     async def resync(self) -> None:
         """Reconcile every pool with what the API server holds now; forget pools gone."""
         known, waiting = self._reconciler.tracked(), set(self._retries)
-        self._gone.clear()
-        try:
-            pools, children = await self._read_all()
-        except ApiError as error:
-            log.warning("resync: cannot list the pools and their children: %s", error)
-            return
-        for uid in known - {pool["metadata"]["uid"] for pool in pools}:
-            self._reconciler.forget(uid)
-        for key in waiting - {pool_key(pool) for pool in pools}:
-            self._retries.pop(key, None)
-        for pool in pools:
-            key = pool_key(pool)
-            failures = self._retries[key].attempt + 1 if key in self._retries else 0
-            await self._attempt(key, pool, children.get(key, []), "resync", failures)
+        with self._pass():
+            try:
+                pools, children = await self._read_all()
+            except ApiError as error:
+                log.warning("resync: cannot list the pools and their children: %s", error)
+                return
+            for uid in known - {pool["metadata"]["uid"] for pool in pools}:
+                self._reconciler.forget(uid)
+            for key in waiting - {pool_key(pool) for pool in pools}:
+                self._retries.pop(key, None)
+            for pool in pools:
+                key = pool_key(pool)
+                failures = self._retries[key].attempt + 1 if key in self._retries else 0
+                await self._attempt(key, pool, children.get(key, []), "resync", failures)
 
     async def _attempt(
         self, key: PoolKey, pool: Obj, children: list[Obj], trigger: str, failures: int
