@@ -215,7 +215,9 @@ def test_resync_puts_back_what_no_watch_reports_and_writes_nothing_otherwise(
     )
     with running(process) as operator:
         apply_pool(cluster, namespace, pool_manifest("resynced", **MONITORED))
-        wait_ready(cluster, namespace, "resynced")
+        pool = wait_ready(cluster, namespace, "resynced")
+        # The loop needs no finalizer: a pool never waits for the operator to be deleted.
+        assert not pool["metadata"].get("finalizers")
         before = settled_versions(cluster, namespace, "resynced")
         monitor = get_json(cluster, "servicemonitor", "resynced", "-n", namespace)
         written = writes(operator)

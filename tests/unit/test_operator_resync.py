@@ -109,6 +109,15 @@ def operator(pool: Obj | None = None) -> tuple[FakeApi, Reconciler, Resync, Cloc
     return api, reconciler, loop, clock
 
 
+async def refused_create(api: FakeApi, reconciler: Reconciler, loop: Resync) -> None:
+    """The pool created with its routing ConfigMap refused, and a retry scheduled (as
+    the handlers do when a write is refused)."""
+    api.refused.add(ROUTING)
+    with pytest.raises(ApiError):
+        await reconciler.reconcile(api.pool or {}, [], trigger="create")
+    loop.retry(KEY)
+
+
 def test_backoff_doubles_from_one_second_up_to_five_minutes() -> None:
     assert [backoff(n) for n in range(5)] == [1.0, 2.0, 4.0, 8.0, 16.0]
     assert backoff(9) == RETRY_MAX_SECONDS == 300.0
@@ -117,10 +126,7 @@ def test_backoff_doubles_from_one_second_up_to_five_minutes() -> None:
 
 async def test_a_refused_write_is_retried_with_backoff_until_it_succeeds() -> None:
     api, reconciler, loop, clock = operator()
-    api.refused.add(ROUTING)
-    with pytest.raises(ApiError):
-        await reconciler.reconcile(api.pool or {}, [], trigger="create")
-    loop.retry(KEY)  # as the handlers do when a repair is refused
+    await refused_create(api, reconciler, loop)
 
     attempts = []
     for _ in range(80):  # 8 s in steps of 0.1 s
@@ -139,10 +145,7 @@ async def test_a_refused_write_is_retried_with_backoff_until_it_succeeds() -> No
 
 async def test_a_pool_deleted_during_its_retry_leaves_nothing_behind() -> None:
     api, reconciler, loop, clock = operator()
-    api.refused.add(ROUTING)
-    with pytest.raises(ApiError):
-        await reconciler.reconcile(api.pool or {}, [], trigger="create")
-    loop.retry(KEY)
+    await refused_create(api, reconciler, loop)
     clock.now = 1.0
     api.hold = asyncio.Event()
     retrying = asyncio.create_task(loop.retry_due())
@@ -191,10 +194,7 @@ async def test_resync_writes_nothing_when_nothing_drifted_and_puts_back_what_did
 
 async def test_resync_forgets_pools_that_no_longer_exist() -> None:
     api, reconciler, loop, _ = operator()
-    api.refused.add(ROUTING)
-    with pytest.raises(ApiError):
-        await reconciler.reconcile(api.pool or {}, [], trigger="create")
-    loop.retry(KEY)
+    await refused_create(api, reconciler, loop)
     assert reconciler.tracked() == {"pool-uid"} and loop.pending() == 1
 
     api.pool = None  # deleted while the operator's watch was down
