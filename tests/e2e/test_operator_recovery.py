@@ -171,7 +171,11 @@ def test_deleting_a_pool_leaves_no_state_in_the_operator(
     with refused(cluster, namespace, "dropped-routing"):
         cluster.kubectl("delete", "configmap", "dropped-routing", "-n", namespace)
         wait_until(lambda: degraded(cluster, namespace, "dropped"), WAIT, "Degraded")
-        assert operator.total("pdserve_operator_retries_pending") == 1
+        wait_until(
+            lambda: operator.total("pdserve_operator_retries_pending") == 1,
+            WAIT,
+            "a retry to wait (the gauge leaves out one under way)",
+        )
 
         # Deleted while its repair waits for a retry.
         cluster.kubectl("delete", "servingpool", "dropped", "-n", namespace, "--wait=true")
