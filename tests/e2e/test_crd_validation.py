@@ -70,7 +70,7 @@ def test_examples_are_accepted_and_defaulted(crd_ready: Cluster) -> None:
     assert "Warning" not in applied.stderr, applied.stderr
     tiny = get_pool(crd_ready, "tiny")["spec"]
     # Defaults come from the schema: the stored object is complete.
-    assert tiny["kvTransfer"] == {"backend": "torch", "failurePolicy": "recompute"}
+    assert tiny["kvTransfer"] == {"backend": "nixl", "failurePolicy": "recompute"}
     assert tiny["kvCache"] == {"blockSize": 16, "dtype": "auto"}
     assert tiny["router"]["replicas"] == 1
     assert tiny["autoscaling"]["policy"]["intervalSeconds"] == 30

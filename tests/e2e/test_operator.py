@@ -9,144 +9,34 @@ kube-controller-manager runs Deployments and garbage collection.
 from __future__ import annotations
 
 import json
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pdserve.operator import api, drift, render
-from support.operator import (
-    POOL_LABEL,
-    Cluster,
-    OperatorProcess,
-    get_json,
-    install_crd,
-    operator_kubeconfig,
-    wait_until,
+from support.operator import POOL_LABEL, Cluster, OperatorProcess, get_json, running, wait_until
+from support.pool_cluster import (
+    CHILD_KINDS,
+    MONITORED,
+    WAIT,
+    Key,
+    apply_pool,
+    children,
+    condition,
+    event_reasons,
+    get_pool,
+    make_namespace,
+    patch_pool,
+    pool_manifest,
+    resource_versions,
+    settled_versions,
+    versions,
+    wait_ready,
+    writes,
 )
 
 pytestmark = pytest.mark.cluster
-
-CHILD_KINDS = (
-    "deployments,services,configmaps,poddisruptionbudgets,serviceaccounts,roles,rolebindings"
-)
-# Kinds whose status a controller keeps writing: their spec changes bump `generation`.
-GENERATION_KINDS = {"Deployment", "PodDisruptionBudget"}
-WAIT = 60.0
-WRITE_VERBS = ("apply", "patch", "delete")
-
-Key = tuple[str, str]
-
-
-def pool_manifest(name: str, **spec: Any) -> dict[str, Any]:
-    """A small CPU pool (decode prefills itself, a router in front); `spec` overrides."""
-    base: dict[str, Any] = {
-        "model": {"name": "tiny-llama", "path": "/models/tiny-llama", "dtype": "float32"},
-        "image": "pdserve:0.1.0",
-        "decode": {
-            "replicas": 2,
-            "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}},
-            "engine": {"maxNumBatchedTokens": 256, "maxNumSeqs": 16},
-        },
-    }
-    base.update(spec)
-    return {
-        "apiVersion": api.API_VERSION,
-        "kind": api.KIND,
-        "metadata": {"name": name},
-        "spec": base,
-    }
-
-
-# --- cluster access --------------------------------------------------------------------
-
-
-def apply_pool(cluster: Cluster, namespace: str, manifest: dict[str, Any]) -> None:
-    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
-
-
-def patch_pool(cluster: Cluster, namespace: str, name: str, spec: dict[str, Any]) -> int:
-    """Merge `spec` into the pool's spec; the new generation."""
-    out = cluster.kubectl(
-        "patch", "servingpool", name, "-n", namespace, "--type=merge",
-        "-p", json.dumps({"spec": spec}), "-o", "json",
-    ).stdout  # fmt: skip
-    generation: int = json.loads(out)["metadata"]["generation"]
-    return generation
-
-
-def get_pool(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
-    pool: dict[str, Any] = get_json(cluster, "servingpool", name, "-n", namespace)
-    return pool
-
-
-def children(cluster: Cluster, namespace: str, pool: str) -> dict[Key, dict[str, Any]]:
-    """The pool's child objects, by (kind, name)."""
-    listed = get_json(cluster, CHILD_KINDS, "-n", namespace, "-l", f"{POOL_LABEL}={pool}")
-    return {(o["kind"], o["metadata"]["name"]): o for o in listed["items"]}
-
-
-def versions(cluster: Cluster, namespace: str, pool: str) -> dict[Key, tuple[str, str]]:
-    """(uid, version) of each child: `generation` where controllers write status (a
-    spec change bumps it), else resourceVersion."""
-    out = {}
-    for key, obj in children(cluster, namespace, pool).items():
-        meta = obj["metadata"]
-        version = meta["generation"] if key[0] in GENERATION_KINDS else meta["resourceVersion"]
-        out[key] = (meta["uid"], str(version))
-    return out
-
-
-def resource_versions(cluster: Cluster, namespace: str, pool: str) -> dict[Key, str]:
-    """resourceVersion of the pool and of every child (any write at all changes one)."""
-    out = {
-        k: o["metadata"]["resourceVersion"] for k, o in children(cluster, namespace, pool).items()
-    }
-    out[("ServingPool", pool)] = get_pool(cluster, namespace, pool)["metadata"]["resourceVersion"]
-    return out
-
-
-def settled_versions(cluster: Cluster, namespace: str, pool: str) -> dict[Key, str]:
-    """resourceVersions once two reads in a row agree (controllers have caught up)."""
-    previous: dict[str, dict[Key, str]] = {"last": {}}
-
-    def stable() -> dict[Key, str] | None:
-        now = resource_versions(cluster, namespace, pool)
-        same = now == previous["last"]
-        previous["last"] = now
-        return now if same else None
-
-    return wait_until(stable, WAIT, "resourceVersions to settle", interval=1.0)
-
-
-def wait_ready(cluster: Cluster, namespace: str, name: str, generation: int = 1) -> dict[str, Any]:
-    """The pool once its status says Ready for `generation`."""
-
-    def ready() -> dict[str, Any] | None:
-        pool = get_pool(cluster, namespace, name)
-        status = pool.get("status", {})
-        done = status.get("observedGeneration") == generation and status.get("phase") == "Ready"
-        return pool if done else None
-
-    return wait_until(
-        ready, WAIT, f"ServingPool {namespace}/{name} Ready at generation {generation}"
-    )
-
-
-def condition(pool: dict[str, Any], type_: str) -> dict[str, Any]:
-    found = [c for c in pool["status"]["conditions"] if c["type"] == type_]
-    assert found, f"no {type_} condition in {pool['status']}"
-    return found[0]
-
-
-def event_reasons(cluster: Cluster, namespace: str, name: str) -> list[str]:
-    events = get_json(
-        cluster, "events", "-n", namespace,
-        "--field-selector", f"involvedObject.kind=ServingPool,involvedObject.name={name}",
-    )  # fmt: skip
-    return [e["reason"] for e in events["items"]]
 
 
 def columns(table: str) -> list[dict[str, str]]:
@@ -167,40 +57,6 @@ def container(deployment: dict[str, Any]) -> dict[str, Any]:
 
 def flag(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
-
-
-# --- fixtures ------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def kubeconfig(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The CRD installed, and a kubeconfig for the operator's own ServiceAccount."""
-    install_crd(cluster)
-    return operator_kubeconfig(cluster, tmp_path_factory.mktemp("operator") / "kubeconfig")
-
-
-def make_namespace(cluster: Cluster, prefix: str) -> str:
-    name = f"{prefix}-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("create", "namespace", name)
-    return name
-
-
-@pytest.fixture
-def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
-    """A fresh namespace for one test, deleted (in the background) afterwards."""
-    prefix = request.node.name.removeprefix("test_").replace("_", "-")[:40].rstrip("-")
-    name = make_namespace(cluster, prefix)
-    yield name
-    cluster.kubectl("delete", "namespace", name, "--wait=false")
-
-
-@pytest.fixture
-def operator(kubeconfig: Path, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
-    """The operator, watching the test's namespace only."""
-    process = OperatorProcess(kubeconfig, tmp_path / "operator.log", [namespace]).start()
-    yield process
-    process.stop()
-    print(f"--- operator log ---\n{process.tail(80)}")
 
 
 # --- tests ---------------------------------------------------------------------------------
@@ -340,8 +196,7 @@ def test_restart_and_noop_resync_change_nothing(
         "the restarted operator to resume the pool",
     )
     assert resource_versions(cluster, namespace, "quiet") == before
-    writes = [operator.total("pdserve_operator_api_requests_total", verb=v) for v in WRITE_VERBS]
-    assert writes == [0, 0, 0]
+    assert writes(operator) == [0, 0, 0]
 
     # An edit of a field the operator does not own is seen, left alone, and costs no write.
     seen = operator.total("pdserve_operator_watch_events_total", kind="Deployment")
@@ -355,8 +210,7 @@ def test_restart_and_noop_resync_change_nothing(
     )
     deployment = get_json(cluster, "deployment", "quiet-decode", "-n", namespace)
     assert deployment["metadata"]["annotations"]["example.com/note"] == "hi"
-    writes = [operator.total("pdserve_operator_api_requests_total", verb=v) for v in WRITE_VERBS]
-    assert writes == [0, 0, 0]
+    assert writes(operator) == [0, 0, 0]
 
 
 def test_hand_edits_are_put_back_and_deleted_children_recreated(
@@ -524,37 +378,6 @@ def test_an_object_in_the_way_degrades_the_pool_until_it_goes(
     assert condition(pool, "Degraded")["status"] == "False"
 
 
-SERVICE_MONITOR_CRD = {
-    "apiVersion": "apiextensions.k8s.io/v1",
-    "kind": "CustomResourceDefinition",
-    "metadata": {"name": "servicemonitors.monitoring.coreos.com"},
-    "spec": {
-        "group": "monitoring.coreos.com",
-        "scope": "Namespaced",
-        "names": {
-            "plural": "servicemonitors",
-            "singular": "servicemonitor",
-            "kind": "ServiceMonitor",
-            "listKind": "ServiceMonitorList",
-        },
-        "versions": [
-            {
-                "name": "v1",
-                "served": True,
-                "storage": True,
-                "schema": {
-                    "openAPIV3Schema": {
-                        "type": "object",
-                        "x-kubernetes-preserve-unknown-fields": True,
-                    }
-                },
-            }
-        ],
-    },
-}
-MONITORED = {"monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}}
-
-
 def test_service_monitor_is_skipped_without_its_crd(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
@@ -568,14 +391,9 @@ def test_service_monitor_is_skipped_without_its_crd(
 
 
 def test_service_monitor_follows_the_spec_where_the_cluster_serves_them(
-    cluster: Cluster, kubeconfig: Path, namespace: str, tmp_path: Path
+    cluster: Cluster, kubeconfig: Path, namespace: str, tmp_path: Path, service_monitors: None
 ) -> None:
-    crd = "crd/servicemonitors.monitoring.coreos.com"
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(SERVICE_MONITOR_CRD))
-    operator = OperatorProcess(kubeconfig, tmp_path / "operator.log", [namespace])
-    try:
-        cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", crd)
-        operator.start()
+    with running(OperatorProcess(kubeconfig, tmp_path / "operator.log", [namespace])):
         apply_pool(cluster, namespace, pool_manifest("monitored", **MONITORED))
         pool = wait_ready(cluster, namespace, "monitored")
         monitor = get_json(cluster, "servicemonitor", "monitored", "-n", namespace)
@@ -590,7 +408,3 @@ def test_service_monitor_follows_the_spec_where_the_cluster_serves_them(
             cluster, namespace, "monitored", patch_pool(cluster, namespace, "monitored", disabled)
         )
         assert get_json(cluster, "servicemonitor", "monitored", "-n", namespace) is None
-    finally:
-        operator.stop()
-        print(f"--- operator log ---\n{operator.tail(80)}")
-        cluster.kubectl("delete", crd, "--wait=true")

@@ -11,7 +11,8 @@ import os
 import signal
 import subprocess
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -26,6 +27,7 @@ RBAC = ROOT / "deploy" / "operator" / "rbac.yaml"
 CRDS = ROOT / "crds"
 OPERATOR_NAMESPACE = "pdserve-system"
 OPERATOR_ACCOUNT = "pdserve-operator"
+OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_ACCOUNT}"
 POOL_LABEL = "pdserve.dev/pool"
 
 
@@ -74,10 +76,17 @@ def operator_kubeconfig(cluster: Cluster, path: Path) -> Path:
 class OperatorProcess:
     """`pdserve operator` in a child process, with its /metrics."""
 
-    def __init__(self, kubeconfig: Path, log: Path, namespaces: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        kubeconfig: Path,
+        log: Path,
+        namespaces: Sequence[str] = (),
+        options: Sequence[str] = (),
+    ) -> None:
         self.kubeconfig = kubeconfig
         self.log = log
         self.namespaces = tuple(namespaces)
+        self.options = tuple(options)  # more flags of `pdserve operator`
         self.port = 0
         self._process: subprocess.Popen[bytes] | None = None
 
@@ -94,7 +103,7 @@ class OperatorProcess:
         port_file.unlink(missing_ok=True)
         command = pdserve_command("operator", *scope, "--kubeconfig", str(self.kubeconfig))
         command += ["--metrics-host", "127.0.0.1", "--metrics-port", "0"]
-        command += ["--port-file", str(port_file)]
+        command += ["--port-file", str(port_file), *self.options]
         self.port = 0
         env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
         with self.log.open("ab") as log:
@@ -173,6 +182,16 @@ class OperatorProcess:
         if not self.log.exists():
             return ""
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+@contextmanager
+def running(process: OperatorProcess) -> Iterator[OperatorProcess]:
+    """The operator started; stopped afterwards, with the end of its log printed."""
+    try:
+        yield process.start()
+    finally:
+        process.stop()
+        print(f"--- operator log ---\n{process.tail(80)}")
 
 
 def get_json(cluster: Cluster, *args: str) -> Any:

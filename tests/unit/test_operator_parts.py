@@ -98,5 +98,10 @@ def test_operator_command_line() -> None:
     )
     assert args.namespace == ["a", "b"] and args.metrics_port == 0
     assert build_parser().parse_args(["operator"]).namespace == []
+    assert build_parser().parse_args(["operator"]).resync_interval == 300.0
+    resync = build_parser().parse_args(["operator", "--resync-interval", "2.5"]).resync_interval
+    assert resync == 2.5
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["operator", "--resync-interval", "0"])
     with pytest.raises(SystemExit):
         build_parser().parse_args(["operator", "-A", "-n", "a"])

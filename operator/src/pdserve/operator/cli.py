@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.cli.options import add_options, option, options_from, port_number
+from pdserve.cli.options import add_options, option, options_from, port_number, positive_float
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,10 @@ class OperatorOptions:
         False, short="-A", exclusive="scope", help="watch every namespace (the default)"
     )
     kubeconfig: Path | None = option(
-        None, parse=Path, help="kubeconfig file (default: $KUBECONFIG, then in-cluster)"
-    )
+        None, parse=Path,
+        help="kubeconfig file (default: $KUBECONFIG, then ~/.kube/config, then the pod's "
+        "service account)",
+    )  # fmt: skip
     metrics_host: str = option("0.0.0.0", help="address /metrics, /healthz and /readyz listen on")
     metrics_port: int = option(
         8080, parse=port_number, help="port of /metrics, /healthz and /readyz (0: any free port)"
@@ -31,6 +33,11 @@ class OperatorOptions:
     port_file: Path | None = option(
         None, parse=Path, metavar="PATH", help="once listening, write the port here"
     )
+    resync_interval: float = option(
+        300.0, parse=positive_float, metavar="SECONDS",
+        help="reconcile every pool from a fresh read this often, catching drift the "
+        "watches missed (writes nothing when nothing drifted)",
+    )  # fmt: skip
     verbose: bool = option(False, short="-v", help="debug logging")
 
 

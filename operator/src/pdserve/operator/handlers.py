@@ -5,6 +5,8 @@
   back if needed; Deployment news refreshes the pool's status.
 - Pools and children are cached in kopf indexes (from the watches kopf keeps
   anyway), so deciding that nothing needs writing costs no request.
+- What the watches cannot bring (a refused write, drift during a watch gap) is left
+  to the background loop of resync.py: retries with backoff, and periodic resyncs.
 
 kopf keeps its bookkeeping in annotations under pdserve.dev/: the status schema
 has no room for it. Handlers return nothing for the same reason. No finalizers:
@@ -20,15 +22,16 @@ from typing import Any, cast
 import kopf
 
 from pdserve.operator import api, kube, metrics, render
-from pdserve.operator.kube import ApiError, KubeClient, load_credentials
+from pdserve.operator.cli import OperatorOptions
+from pdserve.operator.kube import ApiError, Credentials, KubeClient
 from pdserve.operator.reconcile import Reconciler
+from pdserve.operator.resync import Resync, backoff
 
 Obj = dict[str, Any]
 PoolKey = tuple[str, str]  # (namespace, pool name)
 
 POOL = (api.API_VERSION, api.PLURAL)
 HAS_POOL = {render.POOL_LABEL: kopf.PRESENT}
-RETRY_SECONDS = 15
 MAX_EVENT_MESSAGE = 1000
 
 
@@ -81,26 +84,39 @@ def reconciler(memo: Mapping[str, Any]) -> Reconciler:
     return found
 
 
+def resync(memo: Mapping[str, Any]) -> Resync:
+    """The retry and resync loop that start-up put in the operator's memo."""
+    found: Resync = memo["resync"]
+    return found
+
+
 # --- start and stop ----------------------------------------------------------------------
 
 
 @kopf.on.startup()
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    """Configure kopf and connect the reconciler to the API server."""
+    """Configure kopf; connect the reconciler to the API server (the credentials and
+    options are in the memo: main.py checked them before kopf started)."""
     configure(settings)
-    client = KubeClient(load_credentials(memo.get("kubeconfig")))
+    options: OperatorOptions = memo["options"]
+    client = KubeClient(memo["credentials"])
     try:
         monitors = await client.serves(kube.SERVICE_MONITOR)
     except BaseException:
         await client.close()
         raise
-    memo["reconciler"] = Reconciler(client, KopfRecorder(), monitors=monitors)
+    memo["reconciler"] = found = Reconciler(client, KopfRecorder(), monitors=monitors)
+    memo["resync"] = loop = Resync(
+        found, client, namespaces=options.namespace, interval=options.resync_interval
+    )
+    metrics.POOLS.set_function(lambda: len(found.tracked()))
+    metrics.RETRIES_PENDING.set_function(loop.pending)
 
 
 @kopf.on.login()
 def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:
     """kopf connects with the same credentials as the reconciler's client."""
-    credentials = load_credentials(memo.get("kubeconfig"))
+    credentials: Credentials = memo["credentials"]
     scheme, token = credentials.token()
     ca, certificate, key = credentials.files()
     return kopf.ConnectionInfo(
@@ -116,7 +132,9 @@ def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:
 
 @kopf.on.cleanup()
 async def stop(memo: kopf.Memo, **_: Any) -> None:
-    """Close the reconciler's connections."""
+    """Stop the resync loop; close the reconciler's connections."""
+    if "resync" in memo:
+        await resync(memo).close()
     if "reconciler" in memo:
         await reconciler(memo).close()
 
@@ -153,8 +171,11 @@ def _children_of(kwargs: Mapping[str, Any], key: PoolKey) -> list[Obj]:
 @kopf.on.resume(*POOL)
 @kopf.on.create(*POOL)
 @kopf.on.update(*POOL, field="spec")
-async def reconcile_pool(body: kopf.Body, reason: str, memo: Any, **kwargs: Any) -> None:
-    """Apply the pool's rendered objects, prune the rest, write its status."""
+async def reconcile_pool(
+    body: kopf.Body, reason: str, retry: int, memo: Any, **kwargs: Any
+) -> None:
+    """Apply the pool's rendered objects, prune the rest, write its status (kopf
+    retries a refused write, with backoff)."""
     pool = plain(body)
     key = (pool["metadata"]["namespace"], pool["metadata"]["name"])
     try:
@@ -162,14 +183,22 @@ async def reconcile_pool(body: kopf.Body, reason: str, memo: Any, **kwargs: Any)
     except api.InvalidPoolError as error:
         raise kopf.PermanentError("; ".join(error.errors)) from None
     except ApiError as error:
-        raise kopf.TemporaryError(str(error), delay=RETRY_SECONDS) from None
+        raise kopf.TemporaryError(str(error), delay=backoff(retry)) from None
 
 
 @kopf.on.event(*POOL)
-def pool_event(type: str | None, uid: str, memo: Any, **_: Any) -> None:
-    """Forget a deleted pool."""
-    if type == "DELETED" and "reconciler" in memo:
+async def pool_event(
+    type: str | None, uid: str, namespace: str | None, name: str, memo: Any, **_: Any
+) -> None:
+    """Forget a deleted pool; start the resync loop once there is a pool to keep (a
+    retry scheduled for a pool before its first event here waits for that)."""
+    if "resync" not in memo:
+        return
+    if type == "DELETED":
         reconciler(memo).forget(uid)
+        resync(memo).forget((namespace or "", name))
+    else:
+        resync(memo).start()
 
 
 # --- children ------------------------------------------------------------------------------
@@ -189,8 +218,12 @@ async def child_event(
     metrics.WATCH_EVENTS.labels(kind=body.get("kind", "")).inc()
     key = (namespace or "", labels[render.POOL_LABEL])
     pool = next(iter(_index(kwargs, "pools").get(key, ())), None)
-    if pool is not None:
+    if pool is None:
+        return
+    try:
         await reconciler(memo).child_changed(pool, plain(body), type, _children_of(kwargs, key))
+    except ApiError:
+        resync(memo).retry(key)  # no further event may come: retry with backoff
 
 
 for _kind in kube.WATCHED_KINDS:

@@ -1,4 +1,4 @@
-"""The operator's small Kubernetes API client: apply, delete, read, patch status.
+"""The operator's small Kubernetes API client: apply, delete, read, list, patch status.
 
 Plain HTTPS through aiohttp (kopf's own transport), so handlers never block the event
 loop. Credentials come from a kubeconfig or the pod's service account, read by the
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import ssl
 import time
 from collections.abc import Mapping
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
 
 from pdserve.operator import metrics
 
@@ -26,6 +28,7 @@ FIELD_MANAGER = "pdserve"
 HEADER_REFRESH_SECONDS = 60.0
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"  # JSON is YAML
 MERGE_CONTENT_TYPE = "application/merge-patch+json"
+LIST_PAGE = 500  # objects per list request
 
 
 @dataclass(frozen=True)
@@ -46,10 +49,17 @@ class Kind:
         """The API version within the group."""
         return self.api_version.rpartition("/")[2]
 
-    def path(self, namespace: str, name: str | None = None) -> str:
-        """The URL path of the collection in a namespace, or of one object."""
-        root = "/api/v1" if self.api_version == "v1" else f"/apis/{self.api_version}"
-        collection = f"{root}/namespaces/{namespace}/{self.plural}"
+    @property
+    def root(self) -> str:
+        """The URL path of the kind's API group version."""
+        return "/api/v1" if self.api_version == "v1" else f"/apis/{self.api_version}"
+
+    def path(self, namespace: str | None, name: str | None = None) -> str:
+        """The URL path of the collection in a namespace (every namespace: None), or of
+        one object."""
+        if namespace is None:
+            return f"{self.root}/{self.plural}"
+        collection = f"{self.root}/namespaces/{namespace}/{self.plural}"
         return collection if name is None else f"{collection}/{name}"
 
 
@@ -134,21 +144,55 @@ class Credentials:
         return dict(self._headers)
 
 
+class ConfigError(Exception):
+    """No usable cluster configuration: the message says what is wrong and the fix."""
+
+
+CONFIG_FIX = (
+    "pass --kubeconfig PATH, set $KUBECONFIG, or run the operator in a pod "
+    "(its service account is used)"
+)
+IN_CLUSTER_HOST = "KUBERNETES_SERVICE_HOST"  # set by the kubelet in every pod
+
+
 def load_credentials(kubeconfig: Path | None = None) -> Credentials:
-    """Credentials from `kubeconfig`, else $KUBECONFIG/~/.kube/config, else in-cluster."""
+    """Credentials from `kubeconfig`, else $KUBECONFIG, else ~/.kube/config, else the
+    pod's service account. ConfigError when there is none, or the one found is unusable.
+    """
     from kubernetes import client, config  # only the loader: requests go through aiohttp
 
+    source, files = _config_source(kubeconfig)
     configuration = client.Configuration()
     try:
-        config.load_kube_config(  # type: ignore[no-untyped-call]
-            config_file=str(kubeconfig) if kubeconfig else None,
-            client_configuration=configuration,
-        )
-    except config.ConfigException:
-        if kubeconfig is not None:
-            raise
-        config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-    return Credentials(configuration)
+        if files is None:
+            config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        else:
+            config.load_kube_config(  # type: ignore[no-untyped-call]
+                config_file=files, client_configuration=configuration
+            )
+        return Credentials(configuration)
+    except (config.ConfigException, OSError, ValueError, yaml.YAMLError) as error:
+        why = " ".join(str(error).split())  # YAML errors span lines
+        raise ConfigError(f"cannot use {source} ({why}): fix it, or {CONFIG_FIX}") from None
+
+
+def _config_source(kubeconfig: Path | None) -> tuple[str, str | None]:
+    """Where the configuration comes from, in words, and the kubeconfig file(s) to load
+    (None: the pod's service account). ConfigError when there is nothing to load."""
+    if kubeconfig is not None:
+        if not kubeconfig.is_file():
+            why = "not a file" if kubeconfig.exists() else "no such file"
+            raise ConfigError(f"--kubeconfig {kubeconfig}: {why}: pass a kubeconfig file")
+        return f"--kubeconfig {kubeconfig}", str(kubeconfig)
+    paths = os.environ.get("KUBECONFIG", "")
+    if paths:
+        return f"$KUBECONFIG={paths}", paths
+    default = Path.home() / ".kube" / "config"
+    if default.is_file():
+        return str(default), str(default)
+    if os.environ.get(IN_CLUSTER_HOST):
+        return "the pod's service account", None
+    raise ConfigError(f"no cluster configuration found: {CONFIG_FIX}")
 
 
 def _decode(text: str) -> Obj:
@@ -269,6 +313,29 @@ class KubeClient:
             "GET", kind.path(namespace, name), verb="get", resource=kind.plural
         )
 
+    async def list_objects(
+        self, kind: Kind, namespace: str | None, label_selector: str | None = None
+    ) -> list[Obj]:
+        """Every object of a kind in a namespace (every namespace: None), read in pages;
+        each carries its kind and apiVersion, which list answers leave out of items.
+        [] when the kind is not served."""
+        params = {"limit": str(LIST_PAGE)}
+        if label_selector:
+            params["labelSelector"] = label_selector
+        items: list[Obj] = []
+        while True:
+            answer = await self.request(
+                "GET", kind.path(namespace), verb="list", resource=kind.plural, params=params
+            )
+            if answer is None:
+                return []
+            head = {"apiVersion": kind.api_version, "kind": kind.kind}
+            items.extend({**head, **item} for item in answer.get("items", []))
+            more = answer.get("metadata", {}).get("continue")
+            if not more:
+                return items
+            params = {**params, "continue": more}
+
     async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
         """Merge `status` into the pool's status subresource (None values remove keys)."""
         await self.request(
@@ -282,8 +349,7 @@ class KubeClient:
 
     async def serves(self, kind: Kind) -> bool:
         """Whether the cluster serves a kind (its CRD may be missing)."""
-        root = "/api/v1" if kind.api_version == "v1" else f"/apis/{kind.api_version}"
-        answer = await self.request("GET", root, verb="discover", resource=kind.plural)
+        answer = await self.request("GET", kind.root, verb="discover", resource=kind.plural)
         return answer is not None and any(
             r.get("name") == kind.plural for r in answer.get("resources", [])
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import sys
 
 import kopf
 from aiohttp import web
@@ -12,6 +13,7 @@ from aiohttp import web
 from pdserve.cli.ports import announce_port
 from pdserve.operator import metrics
 from pdserve.operator.cli import OperatorOptions
+from pdserve.operator.kube import ConfigError, Credentials, load_credentials
 
 
 class _QuietWatchHandlers(logging.Filter):
@@ -28,19 +30,26 @@ class _QuietWatchHandlers(logging.Filter):
 def run(options: OperatorOptions) -> int:
     """Run the operator until interrupted: every namespace unless some are given.
 
-    /metrics, /healthz and /readyz are served on metrics_host:metrics_port.
+    /metrics, /healthz and /readyz are served on metrics_host:metrics_port. Without a
+    usable cluster configuration it returns 2 at once, saying what to fix (kopf would
+    retry its start-up forever).
     """
+    try:
+        credentials = load_credentials(options.kubeconfig)
+    except ConfigError as error:
+        print(f"pdserve operator: {error}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=logging.DEBUG if options.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("kopf.objects").addFilter(_QuietWatchHandlers())
     importlib.import_module("pdserve.operator.handlers")  # registers the handlers with kopf
-    asyncio.run(_operate(options))
+    asyncio.run(_operate(options, credentials))
     return 0
 
 
-async def _operate(options: OperatorOptions) -> None:
+async def _operate(options: OperatorOptions, credentials: Credentials) -> None:
     runner = web.AppRunner(metrics.app(), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, options.metrics_host, options.metrics_port).start()
@@ -52,7 +61,7 @@ async def _operate(options: OperatorOptions) -> None:
             clusterwide=not options.namespace,
             namespaces=list(options.namespace),
             standalone=True,  # no peering: one operator per cluster (or per namespace set)
-            memo=kopf.Memo(kubeconfig=options.kubeconfig),
+            memo=kopf.Memo(options=options, credentials=credentials),
         )
     finally:
         await runner.cleanup()

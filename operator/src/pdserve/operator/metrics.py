@@ -1,14 +1,15 @@
 """The operator's own Prometheus metrics (how often and how fast it reconciles).
 
 Label sets stay small: `trigger` is what started a reconcile (create, update, resume,
-child: an owned object changed), `reason` a short error class, `verb` and `resource`
-the operator's API requests.
+child: an owned object changed, retry: a write was refused, resync: the periodic
+resync), `reason` a short error class, `verb` and `resource` the operator's API
+requests. No label names a pool: deleting one leaves no series behind.
 """
 
 from __future__ import annotations
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 
 RECONCILES = Counter(
     "pdserve_operator_reconciles_total",
@@ -40,6 +41,15 @@ API_REQUESTS = Counter(
     "pdserve_operator_api_requests_total",
     "Requests the operator's reconciler sent to the API server (kopf's watches aside).",
     ["verb", "resource"],
+)
+
+POOLS = Gauge(
+    "pdserve_operator_pools",
+    "ServingPools the operator holds state for (a deleted pool leaves it).",
+)
+RETRIES_PENDING = Gauge(
+    "pdserve_operator_retries_pending",
+    "ServingPools waiting to be reconciled again after a refused write.",
 )
 
 

@@ -10,7 +10,6 @@ nothing. One lock per pool keeps a pool's reconciles from interleaving.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -103,12 +102,16 @@ class Reconciler:
         await self._client.close()
 
     def _state(self, pool: Mapping[str, Any]) -> _PoolState:
+        """The pool's state, made on first use. Only the entry points (reconcile,
+        child_changed) call this, once each, and pass the state down: a pool forgotten
+        while they run is then not brought back by their remaining steps."""
         return self._pools.setdefault(pool["metadata"]["uid"], _PoolState())
 
-    def _rendered(self, pool: Mapping[str, Any]) -> tuple[api.ServingPoolSpec, dict[Key, Obj]]:
+    def _rendered(
+        self, pool: Mapping[str, Any], state: _PoolState
+    ) -> tuple[api.ServingPoolSpec, dict[Key, Obj]]:
         """The pool's parsed spec and desired children (cached per generation; callers
         must not modify them). Raises api.InvalidPoolError."""
-        state = self._state(pool)
         generation = pool["metadata"].get("generation")
         if state.rendered is None or state.rendered[0] != generation or generation is None:
             spec = api.parse_spec(pool["spec"])
@@ -118,6 +121,10 @@ class Reconciler:
     def forget(self, uid: str) -> None:
         """Drop what is remembered about a deleted pool."""
         self._pools.pop(uid, None)
+
+    def tracked(self) -> frozenset[str]:
+        """The uids of the pools the reconciler holds state for."""
+        return frozenset(self._pools)
 
     async def reconcile(
         self, pool: Mapping[str, Any], children: Iterable[Obj], *, trigger: str
@@ -129,9 +136,10 @@ class Reconciler:
         """
         started = time.perf_counter()
         metrics.RECONCILES.labels(trigger=trigger).inc()
+        state = self._state(pool)
         try:
-            async with self._state(pool).lock:
-                await self._reconcile(pool, children)
+            async with state.lock:
+                await self._reconcile(pool, state, children)
         except api.InvalidPoolError:
             metrics.RECONCILE_ERRORS.labels(trigger=trigger, reason="InvalidSpec").inc()
             raise
@@ -143,11 +151,13 @@ class Reconciler:
                 time.perf_counter() - started
             )
 
-    async def _reconcile(self, pool: Mapping[str, Any], children: Iterable[Obj]) -> None:
+    async def _reconcile(
+        self, pool: Mapping[str, Any], state: _PoolState, children: Iterable[Obj]
+    ) -> None:
         try:
-            spec, desired = self._rendered(pool)
+            spec, desired = self._rendered(pool, state)
         except api.InvalidPoolError as error:
-            await self._refuse(pool, error)
+            await self._refuse(pool, state, error)
             raise
         desired = self._servable(pool, desired)
         live = {key_of(obj): obj for obj in children}
@@ -160,7 +170,7 @@ class Reconciler:
             if before is not None and drift.up_to_date(obj, before):
                 continue
             try:
-                live[key], changed = await self._apply(pool, obj, before)
+                live[key], changed = await self._apply(state, obj, before)
             except ApiError as error:
                 errors.append(error)
                 continue
@@ -175,10 +185,9 @@ class Reconciler:
                 except ApiError as error:
                     errors.append(error)
         self._report(pool, changes, "Applied")
-        state = self._state(pool)
         state.failure = failure = "; ".join(str(e) for e in errors) or None
         state.generation = pool["metadata"].get("generation")
-        await self._write_status(pool, spec, live.values())
+        await self._write_status(pool, state, spec, live.values())
         if errors:
             raise ApiError(errors[0].status, failure or "", errors[0].reason)
 
@@ -186,11 +195,16 @@ class Reconciler:
         self, pool: Mapping[str, Any], child: Obj, event: str, children: Iterable[Obj]
     ) -> None:
         """React to a watch event on one child: recreate it if deleted, put it back if
-        edited, delete it if no longer rendered; refresh the status on Deployment news."""
+        edited, delete it if no longer rendered; refresh the status on Deployment news.
+
+        Raises ApiError when the API server refuses the repair (counted, and a Warning
+        posted): the caller retries later, as no further event may come.
+        """
         if pool["metadata"].get("deletionTimestamp"):
             return
+        state = self._state(pool)
         try:
-            spec, desired = self._rendered(pool)
+            spec, desired = self._rendered(pool, state)
         except api.InvalidPoolError:
             return  # the pool's own handler reports it
         key = key_of(child)
@@ -199,33 +213,30 @@ class Reconciler:
             live.pop(key, None)
         else:
             live[key] = child
-        state = self._state(pool)
         async with state.lock:
-            if state.failure is not None and event == "DELETED":
-                # The last reconcile had a write refused: this may have cleared the way.
-                with contextlib.suppress(ApiError):
-                    metrics.RECONCILES.labels(trigger="child").inc()
-                    await self._reconcile(pool, live.values())
-                return
-            if event != "DELETED" and state.stale(child):
-                return  # the operator has written a newer version since
-            want = desired.get(key)
             try:
-                change = await self._repair(pool, want, child, event)
+                if state.failure is not None and event == "DELETED":
+                    # The last reconcile had a write refused: this may have cleared the way.
+                    metrics.RECONCILES.labels(trigger="child").inc()
+                    await self._reconcile(pool, state, live.values())
+                    return
+                if event != "DELETED" and state.stale(child):
+                    return  # the operator has written a newer version since
+                change = await self._repair(pool, state, desired.get(key), child, event)
             except ApiError as error:
                 metrics.RECONCILE_ERRORS.labels(trigger="child", reason=f"Api{error.status}").inc()
                 self._recorder.warning(pool, "RepairFailed", str(error))
-                return
+                raise
             if change is not None:
                 metrics.RECONCILES.labels(trigger="child").inc()
                 self._report(pool, [change], "Repaired")
                 if change[0] != "deleted":
                     live[key] = change[1]
             if change is not None or key[0] == kube.DEPLOYMENT.kind:
-                await self._write_status(pool, spec, live.values())
+                await self._write_status(pool, state, spec, live.values())
 
     async def _repair(
-        self, pool: Mapping[str, Any], want: Obj | None, child: Obj, event: str
+        self, pool: Mapping[str, Any], state: _PoolState, want: Obj | None, child: Obj, event: str
     ) -> tuple[str, Obj] | None:
         """The write (if any) that puts one child back; (action, object written)."""
         uid = pool["metadata"]["uid"]
@@ -238,20 +249,20 @@ class Reconciler:
             # The pool may be going too (garbage collection deletes children after it).
             if not await self._pool_exists(pool):
                 return None
-            live, _ = await self._apply(pool, want, None)
+            live, _ = await self._apply(state, want, None)
             return "recreated", live
         if drift.up_to_date(want, child):
             return None
-        live, changed = await self._apply(pool, want, child)
+        live, changed = await self._apply(state, want, child)
         return ("restored", live) if changed else None
 
     async def _apply(
-        self, pool: Mapping[str, Any], obj: Obj, before: Mapping[str, Any] | None
+        self, state: _PoolState, obj: Obj, before: Mapping[str, Any] | None
     ) -> tuple[Obj, bool]:
         """Apply one object; the live result and whether the write changed it (a write
         from a stale view may find the object already right)."""
         live = await self._client.apply(obj)
-        new_version = self._state(pool).record(live)
+        new_version = state.record(live)
         if before is not None:
             new_version = (
                 new_version
@@ -294,16 +305,18 @@ class Reconciler:
             log.info("%s/%s: %s", meta["namespace"], meta["name"], describe(changes))
             self._recorder.normal(pool, reason, describe(changes))
 
-    async def _refuse(self, pool: Mapping[str, Any], error: api.InvalidPoolError) -> None:
-        state = self._state(pool)
+    async def _refuse(
+        self, pool: Mapping[str, Any], state: _PoolState, error: api.InvalidPoolError
+    ) -> None:
         state.generation = pool["metadata"].get("generation")
-        previous = pool_status.previous_status(self._last_status(pool))
+        previous = pool_status.previous_status(self._last_status(pool, state))
         new = pool_status.invalid_status(previous, generation=state.generation, errors=error.errors)
-        await self._patch_status(pool, new)
+        await self._patch_status(pool, state, new)
 
     async def _write_status(
         self,
         pool: Mapping[str, Any],
+        state: _PoolState,
         spec: api.ServingPoolSpec,
         children: Iterable[Obj],
     ) -> None:
@@ -311,9 +324,7 @@ class Reconciler:
         deployments = {
             obj["metadata"]["name"]: obj for obj in children if obj["kind"] == kube.DEPLOYMENT.kind
         }
-        previous = pool_status.previous_status(self._last_status(pool))
-        state = self._state(pool)
-        written = state.written
+        previous = pool_status.previous_status(self._last_status(pool, state))
         # observedGeneration says what the operator has applied: a child event may
         # arrive before the reconcile of a newer spec (or, after a restart, before any).
         generation = state.generation if state.generation else previous.observed_generation
@@ -326,25 +337,27 @@ class Reconciler:
             deployments=deployments,
             written={
                 name: gen
-                for (kind, name), (gen, _) in written.items()
+                for (kind, name), (gen, _) in state.written.items()
                 if kind == kube.DEPLOYMENT.kind and gen is not None
             },
             failure=state.failure,
         )
-        await self._patch_status(pool, new)
+        await self._patch_status(pool, state, new)
 
-    def _last_status(self, pool: Mapping[str, Any]) -> Mapping[str, Any]:
-        remembered = self._state(pool).status
-        return remembered if remembered is not None else dict(pool.get("status") or {})
+    @staticmethod
+    def _last_status(pool: Mapping[str, Any], state: _PoolState) -> Mapping[str, Any]:
+        return state.status if state.status is not None else dict(pool.get("status") or {})
 
-    async def _patch_status(self, pool: Mapping[str, Any], new: api.ServingPoolStatus) -> None:
-        old = self._last_status(pool)
+    async def _patch_status(
+        self, pool: Mapping[str, Any], state: _PoolState, new: api.ServingPoolStatus
+    ) -> None:
+        old = self._last_status(pool, state)
         patch = pool_status.status_patch(old, new)
         if patch is None:
             return
         meta = pool["metadata"]
         await self._client.patch_status(meta["namespace"], meta["name"], patch)
-        self._state(pool).status = api.dump(new)
+        state.status = api.dump(new)
         self._announce(pool, pool_status.previous_status(old), new)
 
     def _announce(
