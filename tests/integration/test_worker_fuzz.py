@@ -1,6 +1,7 @@
-"""Property-based fuzzing of a real worker: requests generated from the worker's own
-/openapi.json (hypothesis-jsonschema), and mutations of them (any field replaced by any
-JSON value, broken bodies), across both endpoints, streamed and not.
+"""Property-based fuzzing of a real worker: requests generated (hypothesis) from the
+request schemas the worker publishes at /openapi.json, and mutations of them (any
+field replaced by any JSON value, broken bodies), across both endpoints, streamed and
+not.
 
 The property: no request gets a 5xx; the worker's probes keep answering while it
 runs; afterwards its KV cache is empty and it holds no more threads or open files
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import statistics
 import threading
 import time
@@ -24,13 +26,13 @@ import aiohttp
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from hypothesis_jsonschema import from_schema
 
 from support.waiting import wait_until
 from support.worker import ServerProcess, metric, running_worker
 
 REQUESTS = 10_000
-BATCH = 25  # requests per generated example, sent concurrently
+BATCH = 25  # bodies per generated example
+MUTANTS = 4  # cheap mutations sent beside each generated body
 MAX_TOKENS = 6  # generated requests are cut to this, so the run stays short
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
@@ -52,32 +54,65 @@ def worker(
         yield process
 
 
-def request_schemas(url: str) -> dict[str, dict[str, Any]]:
-    """Each endpoint's request body schema, self-contained, from /openapi.json."""
+def request_schemas(url: str) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Each endpoint's request body schema from /openapi.json, and the named schemas
+    they refer to."""
     with urllib.request.urlopen(f"{url}/openapi.json", timeout=10) as answer:
         spec = json.load(answer)
-    components = spec["components"]["schemas"]
-    schemas = {}
-    for path in ENDPOINTS:
-        ref = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]
-        name = ref["schema"]["$ref"].rsplit("/", 1)[1]
-        schema = json.loads(
-            json.dumps(components[name]).replace("#/components/schemas/", "#/$defs/")
+    schemas = {
+        path: spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        for path in ENDPOINTS
+    }
+    return schemas, spec["components"]["schemas"]
+
+
+def from_schema(schema: dict[str, Any], named: dict[str, Any]) -> st.SearchStrategy[Any]:
+    """Values that follow a JSON schema's types and bounds (the parts pydantic writes:
+    $ref, anyOf, enum/const, objects, arrays, strings, numbers, booleans, null), now
+    and then with a bound crossed."""
+    if "$ref" in schema:
+        return st.deferred(lambda: from_schema(named[schema["$ref"].rsplit("/", 1)[1]], named))
+    if "anyOf" in schema:
+        return st.one_of(*(from_schema(option, named) for option in schema["anyOf"]))
+    if "const" in schema:
+        return st.just(schema["const"])
+    if "enum" in schema:
+        return st.sampled_from(schema["enum"])
+    kind = schema.get("type")
+    if kind == "object":
+        properties = schema.get("properties", {})
+        required = set(schema.get("required", ()))
+        fields = {k: from_schema(v, named) for k, v in properties.items()}
+        return st.fixed_dictionaries(
+            {k: v for k, v in fields.items() if k in required},
+            optional={k: v for k, v in fields.items() if k not in required},
         )
-        schema["$defs"] = json.loads(
-            json.dumps(components).replace("#/components/schemas/", "#/$defs/")
-        )
-        schemas[path] = schema
-    return schemas
+    if kind == "array":
+        items = from_schema(schema.get("items", {}), named)
+        return st.lists(items, min_size=schema.get("minLength", 0), max_size=6)
+    if kind == "integer":
+        low, high = schema.get("minimum"), schema.get("maximum")
+        near = st.integers(-1 if low is None else low - 1, 12 if high is None else min(high, 64))
+        return near | st.integers()
+    if kind == "number":
+        return st.floats(-1.0, 3.0) | st.floats(allow_nan=False)
+    if kind == "string":
+        return st.text(max_size=40) | st.sampled_from(["small", "hello world", "</s>"])
+    if kind == "boolean":
+        return st.booleans()
+    if kind == "null":
+        return st.none()
+    return JSON
 
 
-def requests(schemas: dict[str, dict[str, Any]]) -> st.SearchStrategy[tuple[str, bytes]]:
-    """(path, body): valid bodies, mutated bodies and broken bytes."""
-
-    def valid(path: str) -> st.SearchStrategy[tuple[str, dict[str, Any]]]:
-        return st.tuples(st.just(path), from_schema(schemas[path]))
-
-    bodies = st.one_of(*(valid(path) for path in ENDPOINTS))
+def requests(
+    schemas: dict[str, dict[str, Any]], named: dict[str, Any]
+) -> st.SearchStrategy[tuple[str, bytes]]:
+    """(path, body): bodies that follow the schema, bodies with a field replaced by
+    any JSON value, and broken bytes."""
+    bodies = st.one_of(
+        *(st.tuples(st.just(path), from_schema(schemas[path], named)) for path in ENDPOINTS)
+    )
 
     @st.composite
     def mutated(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
@@ -96,8 +131,7 @@ def requests(schemas: dict[str, dict[str, Any]]) -> st.SearchStrategy[tuple[str,
         for key in ("max_tokens", "max_completion_tokens"):
             if isinstance(body.get(key), int) and body[key] > MAX_TOKENS:
                 body[key] = MAX_TOKENS
-        if isinstance(body, dict) and "stream" not in body:
-            body["stream"] = stream
+        body.setdefault("stream", stream)
         return path, json.dumps(body).encode()
 
     garbage = st.tuples(st.sampled_from(ENDPOINTS), st.binary(max_size=64))
@@ -106,6 +140,51 @@ def requests(schemas: dict[str, dict[str, Any]]) -> st.SearchStrategy[tuple[str,
         st.builds(encoded, mutated(), st.booleans()),
         garbage,
     )
+
+
+def mutants(path: str, data: bytes, count: int) -> list[tuple[str, bytes]]:
+    """`count` cheap variations of a generated request (seeded by it, so a run is
+    reproducible): a field dropped, retyped, or set to a value from the edges of the
+    schema; truncated bytes."""
+    rng = random.Random(data)
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return [(path, data[: rng.randrange(len(data) + 1)]) for _ in range(count)]
+    out = []
+    for _ in range(count):
+        variant = dict(body) if isinstance(body, dict) else {"prompt": body}
+        key = rng.choice([*variant, *EDGE_VALUES])
+        if key in variant and rng.random() < 0.3:
+            del variant[key]
+        else:
+            variant[key] = rng.choice(EDGE_VALUES.get(key, ()) or EDGE_JSON)
+        if rng.random() < 0.1:
+            out.append((path, json.dumps(variant).encode()[: rng.randrange(8, 200)]))
+        else:
+            out.append((path, json.dumps(variant).encode()))
+    return out
+
+
+EDGE_JSON: list[Any] = [None, True, 0, -1, 2**64, 1e308, "", "x" * 300, [], {}, [[[]]], "\u0000"]
+EDGE_VALUES: dict[str, list[Any]] = {
+    "max_tokens": [0, 1, MAX_TOKENS, -5, 2**63, "3", None],
+    "min_tokens": [0, 1, MAX_TOKENS, MAX_TOKENS + 1, -1],
+    "temperature": [0, 0.5, 2.0, -0.1, 101, "hot"],
+    "top_p": [0, 0.01, 1.0, 1.5],
+    "top_k": [-1, 0, 1, 5, 10**12],
+    "seed": [0, 7, -1, 2**63, 2**64],
+    "stop": [["a"], [""], ["x" * 300], ["s"] * 20, "the", 5],
+    "stop_token_ids": [[0], [1, 2], [10**9], list(range(300)), ["a"]],
+    "prompt": ["hello", "", [1, 2, 3], [10**9], [[1, 2]], [["a"]], ["one", "two"], "\ud7ff"],
+    "messages": [[], [{"role": "user", "content": "hi"}], [{"role": "robot", "content": "x"}]],
+    "n": [1, 2, 0],
+    "logprobs": [None, False, 0, 1, True],
+    "stream": [True, False, "yes"],
+    "stream_options": [{"include_usage": True}, {"include_usage": 1}, []],
+    "echo": [False, True],
+    "ignore_eos": [True, False],
+}
 
 
 class Prober:
@@ -151,7 +230,7 @@ def process_resources(pid: int) -> tuple[int, int]:
 
 
 def test_fuzzed_requests_never_get_a_5xx(worker: ServerProcess) -> None:
-    schemas = request_schemas(worker.url)
+    schemas, named = request_schemas(worker.url)
     statuses: Counter[int] = Counter()
     failures: list[tuple[int, bytes, str]] = []
     before = process_resources(worker.process.pid)
@@ -171,15 +250,18 @@ def test_fuzzed_requests_never_get_a_5xx(worker: ServerProcess) -> None:
             await asyncio.gather(*(one(path, data) for path, data in batch))
 
     @settings(
-        max_examples=REQUESTS // BATCH + 20,
+        max_examples=REQUESTS // (BATCH * (1 + MUTANTS)) + 4,
         deadline=None,
         derandomize=True,
         database=None,
         suppress_health_check=list(HealthCheck),
     )
-    @given(st.lists(requests(schemas), min_size=BATCH, max_size=BATCH))
+    @given(st.lists(requests(schemas, named), min_size=BATCH, max_size=BATCH))
     def fuzz(batch: list[tuple[str, bytes]]) -> None:
-        asyncio.run(send_all(batch))
+        expanded = [
+            item for path, data in batch for item in [(path, data), *mutants(path, data, MUTANTS)]
+        ]
+        asyncio.run(send_all(expanded))
         assert not failures, failures[:3]
 
     with Prober(worker.url) as prober:
