@@ -14,7 +14,7 @@ children go by garbage collection (owner references).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, cast
 
 import kopf
@@ -49,8 +49,9 @@ class KopfRecorder:
         kopf.event(cast(kopf.Body, pool), type=type_, reason=reason, message=text)
 
 
-def configure(settings: kopf.OperatorSettings) -> None:
-    """kopf settings: bookkeeping in annotations, quiet Events, filtered watches."""
+def configure(settings: kopf.OperatorSettings, namespaces: Collection[str] = ()) -> None:
+    """kopf settings: bookkeeping in annotations, quiet Events, filtered watches, and
+    no cluster-wide observation when only named namespaces are watched."""
     persistence = settings.persistence
     persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
     persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -63,6 +64,16 @@ def configure(settings: kopf.OperatorSettings) -> None:
     # Only children reach the operator: the API server filters the watches.
     for kind in kube.WATCHED_KINDS:
         settings.watching.label_selectors[kind.api_version, kind.plural] = render.POOL_LABEL
+    # kopf lists namespaces and watches CRDs (both cluster-scoped) to follow namespace
+    # patterns and CRDs installed later. Named namespaces need neither, so a namespaced
+    # install runs on Roles alone; the CRD must exist before the operator starts.
+    settings.scanning.disabled = named_namespaces_only(namespaces)
+
+
+def named_namespaces_only(namespaces: Collection[str]) -> bool:
+    """Whether the operator watches a fixed list of namespaces (no pattern, not all)."""
+    patterns = ("*", "?", "!", ",")
+    return bool(namespaces) and not any(c in ns for ns in namespaces for c in patterns)
 
 
 def plain(body: Mapping[str, Any]) -> Obj:
@@ -87,14 +98,16 @@ def reconciler(memo: Mapping[str, Any]) -> Reconciler:
 @kopf.on.startup()
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """Configure kopf and connect the reconciler to the API server."""
-    configure(settings)
+    configure(settings, memo.get("namespaces", ()))
     client = KubeClient(load_credentials(memo.get("kubeconfig")))
     try:
         monitors = await client.serves(kube.SERVICE_MONITOR)
     except BaseException:
         await client.close()
         raise
-    memo["reconciler"] = Reconciler(client, KopfRecorder(), monitors=monitors)
+    memo["reconciler"] = Reconciler(
+        client, KopfRecorder(), monitors=monitors, default_image=memo.get("default_image")
+    )
 
 
 @kopf.on.login()

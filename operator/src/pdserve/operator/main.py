@@ -52,7 +52,11 @@ async def _operate(options: OperatorOptions) -> None:
             clusterwide=not options.namespace,
             namespaces=list(options.namespace),
             standalone=True,  # no peering: one operator per cluster (or per namespace set)
-            memo=kopf.Memo(kubeconfig=options.kubeconfig),
+            memo=kopf.Memo(
+                kubeconfig=options.kubeconfig,
+                default_image=options.default_image,
+                namespaces=options.namespace,
+            ),
         )
     finally:
         await runner.cleanup()
