@@ -21,7 +21,7 @@ is the hour that ended alerts.baselineOffset ago; "now" the last 10 minutes.
         severity: warning
       annotations:
         summary: {{ `P99 inter-token latency of {{ $labels.namespace }}/{{ $labels.pool }} is over target` | quote }}
-        description: {{ printf "P99 ITL has been above %vs for 10 minutes ({{ $value | humanizeDuration }})." $a.itlP99Seconds | quote }}
+        description: {{ printf "P99 inter-token latency has been above %vs for 10 minutes: streams stall (larger chunks, more sequences per step, or hand-offs competing with decodes)." $a.itlP99Seconds | quote }}
     - alert: PdservePreemptionsRisingWithTTFT
       expr: |
         (
