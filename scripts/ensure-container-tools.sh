@@ -26,14 +26,15 @@ if [[ $EUID -ne 0 ]]; then
     exit 1
 fi
 
-# The packages (and versions) apt would add to this machine for the tools: their
-# libraries that it lacks come along.
-missing=$(apt-get install -s --no-install-recommends "${TOOLS[@]}" 2>/dev/null |
-    sed -nE 's/^Inst ([^ ]+) (\[[^]]*\] )?\(([^ ]+) .*/\1=\3/p' | sort)
-for tool in "${TOOLS[@]}"; do
-    grep -q "^$tool=" <<<"$missing" ||
-        missing+=$'\n'"$tool=$(deb_version "$tool")"  # installed already: unpack it too
-done
+# The tools, and the packages apt would add to this machine for them: their libraries
+# that it lacks come along.
+packages=$(for tool in "${TOOLS[@]}"; do echo "$tool=$(deb_version "$tool")"; done)
+missing=$(
+    apt-get install -s --no-install-recommends "${TOOLS[@]}" 2>/dev/null |
+        sed -nE 's/^Inst ([^ ]+) (\[[^]]*\] )?\(([^ ]+) .*/\1=\3/p'
+    echo "$packages"
+)
+missing=$(sort -u <<<"$missing")
 key=$(sha256sum <<<"$missing" | cut -c1-12)
 dir=$(deb_tree "container-tools-$key" $missing)
 tree=$dir/root

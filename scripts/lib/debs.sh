@@ -9,9 +9,18 @@
 
 CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/pdserve
 
+candidate() {
+    apt-cache policy "$1" 2>/dev/null | sed -n 's/^ *Candidate: //p'
+}
+
 deb_version() {
     local version
-    version=$(apt-cache policy "$1" 2>/dev/null | sed -n 's/^ *Candidate: //p')
+    version=$(candidate "$1")
+    # A fresh machine (a CI container) has no package lists yet: root can fetch them.
+    if [[ (-z $version || $version == "(none)") && $EUID -eq 0 ]]; then
+        apt-get update -qq >&2
+        version=$(candidate "$1")
+    fi
     if [[ -z $version || $version == "(none)" ]]; then
         echo "apt knows no package $1: run \`apt-get update\` (Debian bookworm or later)" >&2
         exit 1

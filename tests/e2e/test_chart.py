@@ -221,6 +221,12 @@ def test_helm_install_then_the_operator_reconciles_under_the_charts_identity(
         ("delete", "customresourcedefinitions"), ("impersonate", "serviceaccounts"),
     ]:  # fmt: skip
         assert not can(cluster, account, verb, resource, "-n", pools_ns), (verb, resource)
+    # With the default --all-namespaces, kopf watches pools and children cluster-wide
+    # and follows the CRD (installed before or after it).
+    for resource in ("servingpools", "deployments", "configmaps"):
+        assert can(cluster, account, "watch", resource, "--all-namespaces"), resource
+    assert can(cluster, account, "watch", "customresourcedefinitions")
+    assert not can(cluster, account, "list", "namespaces")
     helm(cluster, "uninstall", "pdserve", "--namespace", release_ns, "--wait")
     assert get_json(cluster, "clusterrole", "pdserve-operator") is None
 
