@@ -60,6 +60,13 @@ def install_crd(cluster: Cluster) -> None:
     cluster.kubectl(
         "wait", "--for=condition=Established", "--timeout=60s", "crd/servingpools.pdserve.dev"
     )
+    # Established comes before the API server's cache of the new resource is filled;
+    # until then lists answer 429 ("storage is (re)initializing").
+    wait_until(
+        lambda: cluster.kubectl("get", "servingpools", "-A", check=False).returncode == 0,
+        60,
+        "the API server to list ServingPools",
+    )
 
 
 def operator_kubeconfig(cluster: Cluster, path: Path) -> Path:
