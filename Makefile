@@ -47,8 +47,10 @@ test: lint typecheck unit e2e
 bench: venv
 	$(BIN)/pytest tests/bench -m slow -s $(PYTEST_ARGS)
 
+# The CRD from the API models, into crds/ and the Helm chart (then `make deploy`).
 crd: venv
 	$(BIN)/pdserve crd -o crds/servingpool.yaml
+	cp crds/servingpool.yaml charts/pdserve/crds/servingpool.yaml
 
 # Leaves .venv and the caches: `rm -rf .venv` removes this checkout's environment.
 clean:

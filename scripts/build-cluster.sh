@@ -17,21 +17,14 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# shellcheck source=lib/go-build.sh
+source "$ROOT/scripts/lib/go-build.sh"
 MODULES=$ROOT/tests/cluster
-CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/pdserve
 BINARIES=(kube-apiserver etcd kwok kube-controller-manager kube-scheduler kubectl)
 
-# The version of a required module, read from a wrapper's go.mod (single source of truth).
-module_version() {
-    local version
-    version=$(sed -nE "s#^(require)?[[:space:]]*$2 (v[^ ]+).*#\2#p" "$MODULES/$1/go.mod" | head -n1)
-    [[ -n $version ]] || { echo "no version of $2 in $MODULES/$1/go.mod" >&2; exit 1; }
-    echo "$version"
-}
-
-K8S_VERSION=$(module_version k8s k8s.io/kubernetes)
-ETCD_VERSION=$(module_version etcd go.etcd.io/etcd/server/v3)
-KWOK_VERSION=$(module_version kwok sigs.k8s.io/kwok)
+K8S_VERSION=$(module_version "$MODULES/k8s" k8s.io/kubernetes)
+ETCD_VERSION=$(module_version "$MODULES/etcd" go.etcd.io/etcd/server/v3)
+KWOK_VERSION=$(module_version "$MODULES/kwok" sigs.k8s.io/kwok)
 BIN_DIR=$CACHE/cluster/k8s-${K8S_VERSION}_etcd-${ETCD_VERSION}_kwok-${KWOK_VERSION}/bin
 
 all_built() {
@@ -59,25 +52,11 @@ if all_built; then
     exit 0
 fi
 
-GO=${GO:-$(command -v go || echo /usr/local/go/bin/go)}
-[[ -x $GO ]] || { echo "go not found: install Go >= 1.26 or set GO=/path/to/go" >&2; exit 1; }
-PRIVATE_GOCACHE=${GOCACHE:+no}
-export GOMODCACHE=${GOMODCACHE:-$CACHE/go/mod}
-export GOCACHE=${GOCACHE:-$CACHE/go/build}
-# -modcacherw: a plain `rm -rf` can clear the cache. -buildvcs=false: the wrapper
-# modules live inside this checkout, whose state says nothing about the upstreams.
-export GOFLAGS="-modcacherw -buildvcs=false"
-export GOTOOLCHAIN=local CGO_ENABLED=0
-LOG_FILE=$BIN_DIR/../build-times.txt
-
-# Module metadata from the Go module proxy: {{.Time}} and the tagged commit, if known.
-module_field() {
-    (cd "$MODULES/$1" && "$GO" list -m -f "$3" "$2")
-}
+go_setup
 
 k8s_ldflags() {
     local date major minor flags="-s -w" pkg key value
-    date=$(module_field k8s k8s.io/kubernetes '{{.Time.UTC.Format "2006-01-02T15:04:05Z"}}')
+    date=$(module_field "$MODULES/k8s" k8s.io/kubernetes '{{.Time.UTC.Format "2006-01-02T15:04:05Z"}}')
     major=${K8S_VERSION#v}
     major=${major%%.*}
     minor=${K8S_VERSION#v*.}
@@ -96,7 +75,7 @@ k8s_ldflags() {
 
 etcd_ldflags() {
     local sha
-    sha=$(module_field etcd go.etcd.io/etcd/server/v3 '{{with .Origin}}{{.Hash}}{{end}}' || true)
+    sha=$(module_field "$MODULES/etcd" go.etcd.io/etcd/server/v3 '{{with .Origin}}{{.Hash}}{{end}}' || true)
     echo "-s -w -X go.etcd.io/etcd/api/v3/version.GitSHA=${sha:-$ETCD_VERSION}"
 }
 
@@ -104,19 +83,9 @@ kwok_ldflags() {
     echo "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION#v}"
 }
 
-# build NAME MODULE PACKAGE LDFLAGS: builds into a temporary file and renames it, so
-# an interrupted build never leaves a binary that looks complete.
+# build NAME MODULE PACKAGE LDFLAGS
 build() {
-    local name=$1 module=$2 package=$3 ldflags=$4 start seconds
-    [[ -x $BIN_DIR/$name ]] && return 0
-    echo "building $name ($package)" >&2
-    start=$(date +%s)
-    (cd "$MODULES/$module" &&
-        nice -n 10 "$GO" build -trimpath -ldflags "$ldflags" -o "$BIN_DIR/.$name.tmp" "$package")
-    mv -f "$BIN_DIR/.$name.tmp" "$BIN_DIR/$name"
-    seconds=$(($(date +%s) - start))
-    echo "built $name in ${seconds}s" >&2
-    echo "$name ${seconds}s $(date -u +%Y-%m-%dT%H:%M:%SZ)" >>"$LOG_FILE"
+    go_build "$BIN_DIR" "$1" "$MODULES/$2" "$3" "$4"
 }
 
 echo "building cluster binaries into $BIN_DIR (first time only; tens of minutes)" >&2
@@ -128,8 +97,6 @@ build kwok kwok sigs.k8s.io/kwok/cmd/kwok "$(kwok_ldflags)"
 build kube-controller-manager k8s k8s.io/kubernetes/cmd/kube-controller-manager "$K8S_LDFLAGS"
 build kube-scheduler k8s k8s.io/kubernetes/cmd/kube-scheduler "$K8S_LDFLAGS"
 build kubectl k8s k8s.io/kubernetes/cmd/kubectl "$K8S_LDFLAGS"
-echo "total $(($(date +%s) - BUILD_START))s $(date -u +%Y-%m-%dT%H:%M:%SZ)" >>"$LOG_FILE"
-if [[ ${PRIVATE_GOCACHE:-yes} == yes && ${KEEP_GOCACHE:-0} != 1 ]]; then
-    "$GO" clean -cache
-fi
+echo "total $(($(date +%s) - BUILD_START))s $(date -u +%Y-%m-%dT%H:%M:%SZ)" >>"$BIN_DIR/../build-times.txt"
+go_clean_private_cache
 echo "$BIN_DIR"

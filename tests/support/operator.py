@@ -1,7 +1,7 @@
 """Running `pdserve operator` as a real process against the dev cluster, for tests.
 
-The operator runs under the ServiceAccount of deploy/operator/rbac.yaml (a token
-kubeconfig), so the tests also prove that manifest grants enough.
+The operator runs under the ServiceAccount and ClusterRole of deploy/operator/ (the
+Helm chart's defaults; a token kubeconfig), so the tests also prove they grant enough.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from support import prom
 from support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
-RBAC = ROOT / "deploy" / "operator" / "rbac.yaml"
+IDENTITY = [ROOT / "deploy" / "operator" / name for name in ("serviceaccount.yaml", "rbac.yaml")]
 CRDS = ROOT / "crds"
 OPERATOR_NAMESPACE = "pdserve-system"
 OPERATOR_ACCOUNT = "pdserve-operator"
@@ -48,25 +48,38 @@ def install_crd(cluster: Cluster) -> None:
     cluster.kubectl(
         "wait", "--for=condition=Established", "--timeout=60s", "crd/servingpools.pdserve.dev"
     )
+    # Established comes before the API server's cache of the new resource is filled;
+    # until then lists answer 429 ("storage is (re)initializing").
+    wait_until(
+        lambda: cluster.kubectl("get", "servingpools", "-A", check=False).returncode == 0,
+        60,
+        "the API server to list ServingPools",
+    )
 
 
 def operator_kubeconfig(cluster: Cluster, path: Path) -> Path:
-    """A kubeconfig for the operator's ServiceAccount (deploy/operator/rbac.yaml)."""
+    """A kubeconfig for the operator's ServiceAccount (deploy/operator/)."""
     if cluster.kubectl("get", "namespace", OPERATOR_NAMESPACE, check=False).returncode:
         cluster.kubectl("create", "namespace", OPERATOR_NAMESPACE)
-    cluster.kubectl("apply", "-f", str(RBAC))
+    for manifest in IDENTITY:
+        cluster.kubectl("apply", "-f", str(manifest))
+    return account_kubeconfig(cluster, OPERATOR_NAMESPACE, OPERATOR_ACCOUNT, path)
+
+
+def account_kubeconfig(cluster: Cluster, namespace: str, account: str, path: Path) -> Path:
+    """A kubeconfig that authenticates as ServiceAccount namespace/account (a token)."""
     token = cluster.kubectl(
-        "create", "token", OPERATOR_ACCOUNT, "-n", OPERATOR_NAMESPACE, "--duration=6h"
+        "create", "token", account, "-n", namespace, "--duration=6h"
     ).stdout.strip()
     admin = yaml.safe_load(cluster.kubeconfig.read_text())
-    context = {"cluster": admin["clusters"][0]["name"], "user": OPERATOR_ACCOUNT}
+    context = {"cluster": admin["clusters"][0]["name"], "user": account}
     config = {
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": admin["clusters"],
-        "users": [{"name": OPERATOR_ACCOUNT, "user": {"token": token}}],
-        "contexts": [{"name": OPERATOR_ACCOUNT, "context": context}],
-        "current-context": OPERATOR_ACCOUNT,
+        "users": [{"name": account, "user": {"token": token}}],
+        "contexts": [{"name": account, "context": context}],
+        "current-context": account,
     }
     path.write_text(yaml.safe_dump(config))
     path.chmod(0o600)
@@ -81,12 +94,17 @@ class OperatorProcess:
         kubeconfig: Path,
         log: Path,
         namespaces: Sequence[str] = (),
-        options: Sequence[str] = (),
+        *,
+        pdserve: Sequence[str] = (),
+        args: Sequence[str] = (),
     ) -> None:
+        """`pdserve` is the command that runs pdserve (default: this interpreter's);
+        `args` are more options of `pdserve operator`."""
         self.kubeconfig = kubeconfig
         self.log = log
         self.namespaces = tuple(namespaces)
-        self.options = tuple(options)  # more flags of `pdserve operator`
+        self.pdserve = tuple(pdserve) or tuple(pdserve_command())
+        self.args = tuple(args)
         self.port = 0
         self._process: subprocess.Popen[bytes] | None = None
 
@@ -101,9 +119,9 @@ class OperatorProcess:
         scope = [arg for ns in self.namespaces for arg in ("--namespace", ns)] or ["-A"]
         port_file = self.log.with_suffix(".port")
         port_file.unlink(missing_ok=True)
-        command = pdserve_command("operator", *scope, "--kubeconfig", str(self.kubeconfig))
-        command += ["--metrics-host", "127.0.0.1", "--metrics-port", "0"]
-        command += ["--port-file", str(port_file), *self.options]
+        command = [*self.pdserve, "operator", *scope, "--kubeconfig", str(self.kubeconfig)]
+        command += [*self.args, "--metrics-host", "127.0.0.1", "--metrics-port", "0"]
+        command += ["--port-file", str(port_file)]
         self.port = 0
         env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
         with self.log.open("ab") as log:

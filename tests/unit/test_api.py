@@ -96,6 +96,17 @@ def test_minimal_spec_gets_defaults() -> None:
     assert not spec.autoscaling.enabled
 
 
+def test_a_pool_without_image_takes_the_operators_default() -> None:
+    spec = api.parse_spec({"model": {"name": "m", "path": "/m"}})
+    assert spec.image is None
+    assert api.with_image(spec, "registry.example/pdserve:2").image == "registry.example/pdserve:2"
+    named = api.parse_spec({"model": {"name": "m", "path": "/m"}, "image": "pdserve:1"})
+    assert api.with_image(named, "registry.example/pdserve:2").image == "pdserve:1"
+    with pytest.raises(api.InvalidPoolError) as refused:
+        api.with_image(spec, None)
+    assert refused.value.errors == ("spec.image: required (the operator has no --default-image)",)
+
+
 def test_manifest_round_trip_is_camel_case() -> None:
     pool = api.parse_pool(example("disaggregated"))
     dumped = api.dump(pool)

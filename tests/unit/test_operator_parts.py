@@ -61,6 +61,21 @@ def test_kopf_keeps_its_bookkeeping_out_of_the_status() -> None:
     assert set(selectors.values()) == {render.POOL_LABEL}
 
 
+@pytest.mark.parametrize(
+    ("namespaces", "scanning"),
+    [((), True), (("a", "b"), False), (("team-*",), True), (("!kube-system",), True)],
+    ids=["all", "named", "pattern", "negation"],
+)
+def test_named_namespaces_need_no_cluster_wide_observation(
+    namespaces: tuple[str, ...], scanning: bool
+) -> None:
+    # kopf lists namespaces and watches CRDs (cluster-scoped) only when it must: a
+    # namespaced install grants neither.
+    settings = kopf.OperatorSettings()
+    handlers.configure(settings, namespaces)
+    assert settings.scanning.disabled is not scanning
+
+
 def test_cached_copies_drop_managed_fields() -> None:
     body = {"kind": "Deployment", "metadata": {"name": "d", "managedFields": [{}]}, "spec": {}}
     copied = handlers.plain(body)

@@ -478,7 +478,12 @@ class ServingPoolSpec(ApiModel):
     )
 
     model: ModelSpec
-    image: str = Field(min_length=1, max_length=512, description="pdserve container image.")
+    image: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=512,
+        description="pdserve container image (default: the operator's --default-image).",
+    )
     image_pull_policy: PullPolicy = "IfNotPresent"
     kv_cache: KvCacheSpec = KvCacheSpec()
     prefill: WorkerPool | None = Field(
@@ -679,6 +684,16 @@ def parse_spec(spec: Mapping[str, Any]) -> ServingPoolSpec:
         return ServingPoolSpec.model_validate(spec, by_name=False)
     except ValidationError as exc:
         raise InvalidPoolError(describe_errors(exc, "spec")) from None
+
+
+def with_image(spec: ServingPoolSpec, default: str | None) -> ServingPoolSpec:
+    """The spec with its image, the operator's default where the pool names none;
+    raises InvalidPoolError when neither is set."""
+    if spec.image is not None:
+        return spec
+    if default is None:
+        raise InvalidPoolError(["spec.image: required (the operator has no --default-image)"])
+    return spec.model_copy(update={"image": default})
 
 
 def dump(model: BaseModel) -> dict[str, Any]:

@@ -26,6 +26,9 @@ class OperatorOptions:
         help="kubeconfig file (default: $KUBECONFIG, then ~/.kube/config, then the pod's "
         "service account)",
     )  # fmt: skip
+    default_image: str | None = option(
+        None, metavar="IMAGE", help="worker image of pools whose spec names none"
+    )
     metrics_host: str = option("0.0.0.0", help="address /metrics, /healthz and /readyz listen on")
     metrics_port: int = option(
         8080, parse=port_number, help="port of /metrics, /healthz and /readyz (0: any free port)"

@@ -16,7 +16,7 @@ children go by garbage collection (owner references).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, cast
 
 import kopf
@@ -52,8 +52,9 @@ class KopfRecorder:
         kopf.event(cast(kopf.Body, pool), type=type_, reason=reason, message=text)
 
 
-def configure(settings: kopf.OperatorSettings) -> None:
-    """kopf settings: bookkeeping in annotations, quiet Events, filtered watches."""
+def configure(settings: kopf.OperatorSettings, namespaces: Collection[str] = ()) -> None:
+    """kopf settings: bookkeeping in annotations, quiet Events, filtered watches, and
+    no cluster-wide observation when only named namespaces are watched."""
     persistence = settings.persistence
     persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
     persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -66,6 +67,16 @@ def configure(settings: kopf.OperatorSettings) -> None:
     # Only children reach the operator: the API server filters the watches.
     for kind in kube.WATCHED_KINDS:
         settings.watching.label_selectors[kind.api_version, kind.plural] = render.POOL_LABEL
+    # kopf lists namespaces and watches CRDs (both cluster-scoped) to follow namespace
+    # patterns and CRDs installed later. Named namespaces need neither, so a namespaced
+    # install runs on Roles alone; the CRD must exist before the operator starts.
+    settings.scanning.disabled = named_namespaces_only(namespaces)
+
+
+def named_namespaces_only(namespaces: Collection[str]) -> bool:
+    """Whether the operator watches a fixed list of namespaces (no pattern, not all)."""
+    patterns = ("*", "?", "!", ",")
+    return bool(namespaces) and not any(c in ns for ns in namespaces for c in patterns)
 
 
 def plain(body: Mapping[str, Any]) -> Obj:
@@ -97,15 +108,17 @@ def resync(memo: Mapping[str, Any]) -> Resync:
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """Configure kopf; connect the reconciler to the API server (the credentials and
     options are in the memo: main.py checked them before kopf started)."""
-    configure(settings)
     options: OperatorOptions = memo["options"]
+    configure(settings, options.namespace)
     client = KubeClient(memo["credentials"])
     try:
         monitors = await client.serves(kube.SERVICE_MONITOR)
     except BaseException:
         await client.close()
         raise
-    memo["reconciler"] = found = Reconciler(client, KopfRecorder(), monitors=monitors)
+    memo["reconciler"] = found = Reconciler(
+        client, KopfRecorder(), monitors=monitors, default_image=options.default_image
+    )
     memo["resync"] = loop = Resync(
         found, client, namespaces=options.namespace, interval=options.resync_interval
     )

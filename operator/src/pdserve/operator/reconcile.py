@@ -91,10 +91,18 @@ def describe(changes: Iterable[tuple[str, Obj]]) -> str:
 class Reconciler:
     """Applies pools' desired objects and keeps their status; shared by all handlers."""
 
-    def __init__(self, client: KubeClient, recorder: Recorder, *, monitors: bool) -> None:
+    def __init__(
+        self,
+        client: KubeClient,
+        recorder: Recorder,
+        *,
+        monitors: bool,
+        default_image: str | None = None,
+    ) -> None:
         self._client = client
         self._recorder = recorder
         self._monitors = monitors  # whether the cluster serves ServiceMonitors
+        self._default_image = default_image  # for pools that name no image
         self._pools: dict[str, _PoolState] = {}
 
     async def close(self) -> None:
@@ -114,7 +122,7 @@ class Reconciler:
         must not modify them). Raises api.InvalidPoolError."""
         generation = pool["metadata"].get("generation")
         if state.rendered is None or state.rendered[0] != generation or generation is None:
-            spec = api.parse_spec(pool["spec"])
+            spec = api.with_image(api.parse_spec(pool["spec"]), self._default_image)
             state.rendered = (generation, spec, desired_objects(pool, spec))
         return state.rendered[1], state.rendered[2]
 

@@ -100,6 +100,12 @@ class WorkerMetrics:
             "pdserve_engine_step_tokens", "Tokens computed per engine step.",
             names, buckets=TOKEN_BUCKETS, registry=reg,
         )  # fmt: skip
+        self.token_budget = Gauge(
+            "pdserve_engine_token_budget",
+            "Tokens one engine step may compute (--max-num-batched-tokens; without "
+            "chunked prefill at least the model's context length).",
+            names, registry=reg,
+        )  # fmt: skip
         self.step_duration = Histogram(
             "pdserve_engine_step_duration_seconds", "Duration of engine steps.",
             names, buckets=LATENCY_BUCKETS, registry=reg,
@@ -148,6 +154,10 @@ class WorkerMetrics:
         self._queries_seen = 0
         self._hits_seen = 0
         self._expired_seen = 0
+
+    def set_token_budget(self, tokens: int) -> None:
+        """Record the engine's token budget per step (fixed at start)."""
+        self.token_budget.labels(**self._labels).set(tokens)
 
     # -- engine side (called on the engine thread) -----------------------------
 

@@ -71,6 +71,7 @@ def build_server(options: WorkerOptions) -> WorkerServer:
     engine = LLMEngine(engine_config(options))
     tokenizer = Tokenizer.from_dir(options.model)
     metrics = WorkerMetrics(options.pool, options.role)
+    metrics.set_token_budget(engine.scheduler.token_budget)
     async_engine = AsyncEngine(engine, [metrics], queue_timeout_s=options.queue_timeout)
     model = ServedModel(
         name=options.served_model_name or options.model.resolve().name,

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Builds pdserve's container images with buildah, on a base image made locally from
+# Debian's packages (mmdebstrap: no registry is needed), and prints the reference of
+# each image built, one per line (the last lines on stdout).
+#
+# Cached: the base by its Debian release and package list, each image by the content
+# of what it is built from (tagged src-<hash>); a second run with nothing changed
+# builds nothing. Build times go to ~/.cache/pdserve/containers/build-times.txt.
+#
+# Usage: scripts/build-images.sh [operator] [worker]    (default: both)
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/pdserve
+TOOLS=$("$ROOT/scripts/ensure-container-tools.sh")
+POLICY=(--signature-policy "$TOOLS/policy.json")
+LOG=$CACHE/containers/build-times.txt
+# This machine's CA bundle, for the steps that download (see the Containerfiles).
+CA_BUNDLE=${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}
+SECRET=()
+[[ -s $CA_BUNDLE ]] && SECRET=(--secret "id=ca,src=$CA_BUNDLE")
+VERSION=$(sed -nE 's/^version = "(.*)"/\1/p' "$ROOT/cli/pyproject.toml")
+
+# The base: Debian's python3 and nothing more (no recommended packages, docs,
+# manuals or translations).
+DEBIAN_SUITE=bookworm
+BASE_PACKAGES=python3,python3-venv,ca-certificates
+# The merged-usr hook makes /bin, /lib... links into /usr itself: Debian's usrmerge
+# package would bring perl (50 MB) along.
+BASE_OPTIONS=(--variant=minbase "--include=$BASE_PACKAGES" --aptopt='APT::Install-Recommends "false"'
+    "--hook-dir=$TOOLS/../root/usr/share/mmdebstrap/hooks/merged-usr"
+    --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright'
+    --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*')
+BASE_IMAGE=localhost/pdserve-base:$DEBIAN_SUITE-$(echo "${BASE_OPTIONS[*]}" | sha256sum | cut -c1-12)
+
+image_exists() {
+    "$TOOLS/podman" image exists "$1"
+}
+
+log_time() {
+    echo "$1 $(($(date +%s) - $2))s $(date -u +%Y-%m-%dT%H:%M:%SZ)" >>"$LOG"
+}
+
+build_base() {
+    local started tarball old
+    image_exists "$BASE_IMAGE" && return 0
+    started=$(date +%s)
+    echo "building $BASE_IMAGE from Debian $DEBIAN_SUITE (mmdebstrap)" >&2
+    mkdir -p "$CACHE/containers"
+    tarball=$(mktemp "$CACHE/containers/base.XXXXXX.tar")
+    "$TOOLS/mmdebstrap" --quiet "${BASE_OPTIONS[@]}" "$DEBIAN_SUITE" "$tarball" >&2
+    "$TOOLS/podman" import "${POLICY[@]}" --quiet "$tarball" "$BASE_IMAGE" >/dev/null
+    rm -f "$tarball"
+    log_time base "$started"
+    # Bases made with other options, and the layers built on them, are of no more use.
+    for old in $("$TOOLS/podman" images --format '{{.Repository}}:{{.Tag}}' localhost/pdserve-base); do
+        [[ $old != "$BASE_IMAGE" ]] && "$TOOLS/podman" rmi --force "$old" >/dev/null
+    done
+    "$TOOLS/podman" image prune --force >/dev/null
+}
+
+# The files an image is built from (tracked or new, not ignored), hashed with the
+# Containerfile and the base.
+source_hash() {
+    local name=$1 part=$2
+    (
+        cd "$ROOT"
+        echo "$BASE_IMAGE"
+        git ls-files -co --exclude-standard -- pyproject.toml uv.lock '*/pyproject.toml' \
+            cli/src "$part/src" "images/$name" | sort -u | xargs sha256sum
+    ) | sha256sum | cut -c1-16
+}
+
+# build NAME PART REPOSITORY: the image of the workspace project in PART.
+build() {
+    local name=$1 part=$2 repository=$3 source started old
+    source=$repository:src-$(source_hash "$name" "$part")
+    if ! image_exists "$source"; then
+        started=$(date +%s)
+        echo "building $repository:$VERSION" >&2
+        "$TOOLS/buildah" bud "${POLICY[@]}" --pull=never --isolation chroot --layers --force-rm "${SECRET[@]}" \
+            --build-arg "BASE_IMAGE=$BASE_IMAGE" -f "images/$name/Containerfile" \
+            -t "$source" "$ROOT" >&2
+        log_time "$name" "$started"
+        # Older builds of this image are no longer wanted.
+        for old in $("$TOOLS/podman" images --format '{{.Repository}}:{{.Tag}}' "$repository"); do
+            [[ $old == "$repository:src-"* && $old != "$source" ]] &&
+                "$TOOLS/podman" rmi "$old" >/dev/null
+        done
+    fi
+    "$TOOLS/podman" tag "$source" "$repository:$VERSION"
+    echo "$repository:$VERSION"
+}
+
+cd "$ROOT"
+build_base
+for name in "${@:-operator worker}"; do
+    for name in $name; do
+        case $name in
+        operator) build operator operator localhost/pdserve-operator ;;
+        worker) build worker workers localhost/pdserve ;;
+        *) echo "unknown image $name (operator, worker)" >&2; exit 2 ;;
+        esac
+    done
+done

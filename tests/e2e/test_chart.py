@@ -1,0 +1,271 @@
+"""The Helm chart on the real control plane: what it renders is accepted (every
+setting; the operator's pod under the restricted Pod Security Standard), `helm
+install` succeeds, and the operator, run with the chart's arguments under the chart's
+ServiceAccount, reconciles a pool, with no more access than it needs.
+
+kwok plays the kubelet, so the operator's Deployment turns Available without a
+container running; the operator itself runs here as a process with a token of the
+chart's ServiceAccount (the same identity the pod would have).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from support.chart import CHART, objects, run_helm, template, value_flags
+from support.operator import (
+    Cluster,
+    OperatorProcess,
+    account_kubeconfig,
+    get_json,
+    install_crd,
+    wait_until,
+)
+
+pytestmark = pytest.mark.cluster
+
+WAIT = 60.0
+MONITORING_KINDS = {"servicemonitors": "ServiceMonitor", "prometheusrules": "PrometheusRule"}
+RESTRICTED = [f"pod-security.kubernetes.io/{m}=restricted" for m in ("enforce", "warn")]
+
+
+def crd_of(plural: str, kind: str) -> dict[str, Any]:
+    """A stand-in CRD of the Prometheus Operator (any content accepted)."""
+    schema = {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.monitoring.coreos.com"},
+        "spec": {
+            "group": "monitoring.coreos.com",
+            "scope": "Namespaced",
+            "names": {"plural": plural, "kind": kind, "listKind": f"{kind}List"},
+            "versions": [{"name": "v1", "served": True, "storage": True, "schema": schema}],
+        },
+    }
+
+
+def make_namespace(cluster: Cluster, prefix: str, *labels: str) -> str:
+    name = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", name)
+    if labels:
+        cluster.kubectl("label", "namespace", name, *labels)
+    return name
+
+
+@pytest.fixture
+def namespaces(cluster: Cluster) -> Iterator[list[str]]:
+    """Namespaces a test makes (listed here), deleted afterwards."""
+    made: list[str] = []
+    yield made
+    for name in made:
+        cluster.kubectl("delete", "namespace", name, "--wait=false")
+
+
+@pytest.fixture(scope="module")
+def monitoring_crds(cluster: Cluster) -> Iterator[None]:
+    """ServiceMonitor and PrometheusRule served for these tests only (the operator's
+    tests check what happens without them)."""
+    for plural, kind in MONITORING_KINDS.items():
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(crd_of(plural, kind)))
+    for plural in MONITORING_KINDS:
+        crd = f"crd/{plural}.monitoring.coreos.com"
+        cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", crd)
+    yield
+    for plural in MONITORING_KINDS:
+        cluster.kubectl("delete", f"crd/{plural}.monitoring.coreos.com", "--wait=true")
+
+
+def helm(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
+    return run_helm(*args, "--kubeconfig", str(cluster.kubeconfig))
+
+
+def can(cluster: Cluster, account: str, verb: str, resource: str, *where: str) -> bool:
+    """Whether ServiceAccount `account` (namespace:name) may `verb` `resource`."""
+    result = cluster.kubectl(
+        "auth", "can-i", verb, resource, *where, f"--as=system:serviceaccount:{account}",
+        check=False,
+    )  # fmt: skip
+    return result.stdout.strip() == "yes"
+
+
+def operator_of(deployment: dict[str, Any], kubeconfig: Path, log: Path) -> OperatorProcess:
+    """The operator as the chart's Deployment runs it (its arguments; the metrics
+    port chosen at bind here)."""
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    args = [a for a in container["args"] if a != "operator"]
+    namespaces = [a.removeprefix("--namespace=") for a in args if a.startswith("--namespace=")]
+    rest = [a for a in args if not a.startswith(("--namespace=", "--metrics-port="))]
+    return OperatorProcess(kubeconfig, log, namespaces, args=rest)
+
+
+def small_pool(name: str) -> dict[str, Any]:
+    """A CPU pool that names no image: it gets the chart's worker image."""
+    spec = {
+        "model": {"name": "tiny-llama", "path": "/models/tiny-llama", "dtype": "float32"},
+        "decode": {"replicas": 1, "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}}},
+    }
+    return {
+        "apiVersion": "pdserve.dev/v1alpha1",
+        "kind": "ServingPool",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def wait_ready(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
+    def ready() -> dict[str, Any] | None:
+        pool: dict[str, Any] = get_json(cluster, "servingpool", name, "-n", namespace)
+        return pool if pool.get("status", {}).get("phase") == "Ready" else None
+
+    return wait_until(ready, WAIT, f"ServingPool {namespace}/{name} Ready")
+
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "namespaced": {"rbac": {"namespaced": True}},
+    "monitoring": {
+        "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+        "prometheusRule": {"enabled": True},
+        "verbose": True,
+        "serviceAccount": {"name": "custom-operator"},
+    },
+    "bare": {
+        "serviceAccount": {"create": False, "name": "default"},
+        "rbac": {"create": False, "namespaced": False},
+        "service": {"enabled": False},
+        "grafanaDashboard": {"enabled": False},
+        "workerImage": {"repository": ""},
+    },
+}
+
+
+@pytest.mark.usefixtures("monitoring_crds")
+@pytest.mark.parametrize("values", VARIANTS.values(), ids=VARIANTS.keys())
+def test_every_setting_renders_objects_the_api_server_accepts(
+    cluster: Cluster, namespaces: list[str], values: dict[str, Any]
+) -> None:
+    install_crd(cluster)
+    release_ns = make_namespace(cluster, "chart", *RESTRICTED)
+    watched = make_namespace(cluster, "chart-watched")
+    namespaces += [release_ns, watched]
+    if values.get("rbac", {}).get("namespaced"):
+        values = {**values, "watchNamespaces": [release_ns, watched]}
+    rendered = template(values, namespace=release_ns, release=f"r{uuid.uuid4().hex[:6]}")
+    applied = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=rendered)
+    assert "Warning" not in applied.stderr, applied.stderr
+    # The operator's pod is allowed where the restricted Pod Security Standard is
+    # enforced (a Deployment is admitted either way; its pods would not be).
+    (deployment,) = [o for o in objects(rendered) if o["kind"] == "Deployment"]
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "operator-pod", "namespace": release_ns},
+        # The dry run created no ServiceAccount; the pod's security is what is checked.
+        "spec": {**deployment["spec"]["template"]["spec"], "serviceAccountName": "default"},
+    }
+    admitted = cluster.kubectl(
+        "create", "--dry-run=server", "-f", "-", input=json.dumps(pod), check=False
+    )
+    assert admitted.returncode == 0 and "Warning" not in admitted.stderr, admitted.stderr
+
+
+def test_helm_install_then_the_operator_reconciles_under_the_charts_identity(
+    cluster: Cluster, namespaces: list[str], tmp_path: Path
+) -> None:
+    install_crd(cluster)
+    release_ns = make_namespace(cluster, "pdserve", *RESTRICTED)
+    pools_ns = make_namespace(cluster, "pools")
+    namespaces += [release_ns, pools_ns]
+    started = time.monotonic()
+    helm(
+        cluster, "install", "pdserve", str(CHART), "--namespace", release_ns,
+        "--wait", "--timeout", "2m", *value_flags({"watchNamespaces": [pools_ns]}),
+    )  # fmt: skip
+    deployment = get_json(cluster, "deployment", "pdserve-operator", "-n", release_ns)
+    assert deployment["status"]["availableReplicas"] == 1
+    account = f"{release_ns}:pdserve-operator"
+    kubeconfig = account_kubeconfig(cluster, release_ns, "pdserve-operator", tmp_path / "kc")
+    operator = operator_of(deployment, kubeconfig, tmp_path / "operator.log").start()
+    try:
+        cluster.kubectl("apply", "-n", pools_ns, "-f", "-", input=json.dumps(small_pool("chat")))
+        pool = wait_ready(cluster, pools_ns, "chat")
+        seconds = time.monotonic() - started
+        print(f"helm install to pool Ready: {seconds:.1f}s")
+        decode = get_json(cluster, "deployment", "chat-decode", "-n", pools_ns)
+        (container,) = decode["spec"]["template"]["spec"]["containers"]
+        assert container["image"] == "pdserve:0.1.0"  # the chart's workerImage
+        assert pool["status"]["decode"]["readyReplicas"] == 1
+        assert "Forbidden" not in operator.tail(200)
+    finally:
+        operator.stop()
+        print(f"--- operator log ---\n{operator.tail(60)}")
+    # Enough, and no more: what the operator does is allowed, the rest refused.
+    for verb, resource in [
+        ("patch", "deployments"), ("delete", "services"), ("patch", "servingpools/status"),
+        ("create", "roles"), ("watch", "endpointslices.discovery.k8s.io"),
+    ]:  # fmt: skip
+        assert can(cluster, account, verb, resource, "-n", pools_ns), (verb, resource)
+    for verb, resource in [
+        ("get", "secrets"), ("create", "pods"), ("create", "servingpools"),
+        ("delete", "servingpools"), ("update", "deployments"), ("escalate", "roles"),
+        ("bind", "clusterroles"), ("create", "clusterroles"), ("list", "nodes"),
+        ("delete", "customresourcedefinitions"), ("impersonate", "serviceaccounts"),
+    ]:  # fmt: skip
+        assert not can(cluster, account, verb, resource, "-n", pools_ns), (verb, resource)
+    # With the default --all-namespaces, kopf watches pools and children cluster-wide
+    # and follows the CRD (installed before or after it).
+    for resource in ("servingpools", "deployments", "configmaps"):
+        assert can(cluster, account, "watch", resource, "--all-namespaces"), resource
+    assert can(cluster, account, "watch", "customresourcedefinitions")
+    assert not can(cluster, account, "list", "namespaces")
+    helm(cluster, "uninstall", "pdserve", "--namespace", release_ns, "--wait")
+    assert get_json(cluster, "clusterrole", "pdserve-operator") is None
+
+
+def test_namespaced_install_reaches_nothing_outside_its_namespaces(
+    cluster: Cluster, namespaces: list[str], tmp_path: Path
+) -> None:
+    install_crd(cluster)
+    release_ns = make_namespace(cluster, "pdserve-ns", *RESTRICTED)
+    pools_ns, other_ns = make_namespace(cluster, "pools"), make_namespace(cluster, "other")
+    namespaces += [release_ns, pools_ns, other_ns]
+    values = {"rbac": {"namespaced": True}, "watchNamespaces": [pools_ns]}
+    release = f"ns{uuid.uuid4().hex[:6]}"
+    helm(cluster, "install", release, str(CHART), "--namespace", release_ns, "--wait",
+         *value_flags(values))  # fmt: skip
+    try:
+        selector = f"app.kubernetes.io/instance={release}"
+        assert not get_json(cluster, "clusterroles,clusterrolebindings", "-l", selector)["items"]
+        name = f"{release}-pdserve-operator"
+        account = f"{release_ns}:{name}"
+        assert can(cluster, account, "patch", "deployments", "-n", pools_ns)
+        assert not can(cluster, account, "list", "deployments", "-n", other_ns)
+        assert not can(cluster, account, "list", "servingpools", "--all-namespaces")
+        assert not can(cluster, account, "list", "namespaces")
+        assert not can(cluster, account, "watch", "customresourcedefinitions")
+
+        deployment = get_json(cluster, "deployment", name, "-n", release_ns)
+        kubeconfig = account_kubeconfig(cluster, release_ns, name, tmp_path / "kc")
+        operator = operator_of(deployment, kubeconfig, tmp_path / "operator.log").start()
+        try:
+            for ns in (pools_ns, other_ns):
+                pool = json.dumps(small_pool("rag"))
+                cluster.kubectl("apply", "-n", ns, "-f", "-", input=pool)
+            wait_ready(cluster, pools_ns, "rag")
+            log = operator.tail(400)
+            # kopf needs no cluster-wide access for named namespaces, and asks for none.
+            assert "Not enough permissions" not in log and "Forbidden" not in log, log
+            assert "status" not in get_json(cluster, "servingpool", "rag", "-n", other_ns)
+        finally:
+            operator.stop()
+    finally:
+        helm(cluster, "uninstall", release, "--namespace", release_ns, "--wait")
