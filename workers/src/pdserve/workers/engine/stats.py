@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.workers.engine.request import FinishReason
+from pdserve.workers.engine.step_cost import StepCostEstimate
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,13 @@ class StepStats:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache this step
     prefix_cache_hits: int  # of which found
     leases_expired_total: int  # hand-off leases that ran out, since start
+    token_budget: int = 0  # tokens the step was allowed to compute
+    predicted_duration_s: float = 0.0  # the step-cost model's prediction for this step
+    # Since the previous step ended, if requests kept running in between (else the
+    # step's own duration): the gap between tokens the step's decodes saw.
+    interval_s: float = 0.0
+    over_target: bool = False  # decodes ran and the interval exceeded the ITL target
+    step_cost: StepCostEstimate | None = None  # what the step-cost model believes now
 
 
 @dataclass(frozen=True)
