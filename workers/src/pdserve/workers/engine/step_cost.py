@@ -23,20 +23,20 @@ budget policy decides.
 
 from __future__ import annotations
 
+import operator
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-import numpy as np
 
 if TYPE_CHECKING:
     from pdserve.workers.engine.scheduler import ScheduledChunk
 
 # Units of the terms inside the fit (tens of decodes, thousands of prefill tokens,
 # ...), so that typical steps give every term a similar size.
-_SCALES = np.array([1.0, 10.0, 1e3, 1e5, 1e7])
-_NUM_TERMS = len(_SCALES)
+_SCALES = (1.0, 10.0, 1e3, 1e5, 1e7)
+_TERMS = range(len(_SCALES))
+Vector = tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -63,11 +63,10 @@ class StepFeatures:
                 prefill_keys += chunk.num_tokens * end
         return cls(decodes, prefill_tokens, decodes * longest, prefill_keys)
 
-    def vector(self) -> np.ndarray:
+    def vector(self) -> Vector:
         """The regression's input: a constant, then the four counts (scaled)."""
         raw = (1, self.decode_tokens, self.prefill_tokens, self.decode_keys, self.prefill_keys)
-        scaled: np.ndarray = np.array(raw, dtype=float) / _SCALES
-        return scaled
+        return tuple(count / scale for count, scale in zip(raw, _SCALES, strict=True))
 
 
 @dataclass(frozen=True)
@@ -102,31 +101,35 @@ class StepCostModel:
         self.sweeps = sweeps
         self.num_steps = 0
         self.margin_s = 0.0
-        # The weighted least-squares problem, as its normal equations: gram @ theta = moment.
-        self._gram = np.zeros((_NUM_TERMS, _NUM_TERMS))
-        self._moment = np.zeros(_NUM_TERMS)
-        self._theta = np.zeros(_NUM_TERMS)
+        # The weighted least-squares problem as its normal equations, gram @ theta =
+        # moment; plain floats: at this size Python beats numpy's per-call cost.
+        self._gram = [[0.0 for _ in _TERMS] for _ in _TERMS]
+        self._moment = [0.0 for _ in _TERMS]
+        self._theta = [0.0 for _ in _TERMS]
         self._residual_scale: float | None = None  # robust spread of residuals, seconds
         self._errors: deque[float] = deque(maxlen=margin_window)
 
     @property
-    def coefficients(self) -> np.ndarray:
+    def coefficients(self) -> Vector:
         """Seconds per unit of each term: base, decode token, prefill token, decode
         key, prefill key."""
-        result: np.ndarray = self._theta / _SCALES
-        return result
+        return tuple(theta / scale for theta, scale in zip(self._theta, _SCALES, strict=True))
 
     def predict(self, features: StepFeatures) -> float:
         """The predicted duration of a step, in seconds (without the margin)."""
-        return float(self._theta @ features.vector())
+        return _dot(self._theta, features.vector())
 
     def update(self, features: StepFeatures, seconds: float) -> None:
         """Learn from one step that took `seconds`."""
         x = features.vector()
-        predicted = float(self._theta @ x)
+        predicted = _dot(self._theta, x)
         weight = self._huber_weight(seconds - predicted)
-        self._gram = self.forgetting * self._gram + weight * np.outer(x, x)
-        self._moment = self.forgetting * self._moment + weight * seconds * x
+        keep = self.forgetting
+        for i in _TERMS:
+            row = self._gram[i]
+            for j in _TERMS:
+                row[j] = keep * row[j] + weight * x[i] * x[j]
+            self._moment[i] = keep * self._moment[i] + weight * seconds * x[i]
         self._solve()
         self._track_scale(seconds - predicted)
         self.num_steps += 1
@@ -137,7 +140,7 @@ class StepCostModel:
 
     def estimate(self) -> StepCostEstimate:
         """A snapshot of the coefficients and the margin."""
-        base, decode, prefill, decode_key, prefill_key = (float(c) for c in self.coefficients)
+        base, decode, prefill, decode_key, prefill_key = self.coefficients
         return StepCostEstimate(
             base, decode, prefill, decode_key, prefill_key, self.margin_s, self.num_steps
         )
@@ -151,16 +154,15 @@ class StepCostModel:
         trades a large cost against a negative one that no other batch would obey.
         A term no recent step exercised keeps its last value.
         """
-        gram, moment, theta = self._gram, self._moment, self._theta.copy()
-        unexcited = 1e-9 * float(np.trace(gram))
+        gram, moment, theta = self._gram, self._moment, self._theta
+        unexcited = 1e-9 * sum(gram[term][term] for term in _TERMS)
         for _ in range(self.sweeps):
-            for term in range(_NUM_TERMS):
-                own = gram[term, term]
+            for term in _TERMS:
+                own = gram[term][term]
                 if own <= unexcited:
                     continue
-                others = float(gram[term] @ theta) - own * theta[term]
+                others = _dot(gram[term], theta) - own * theta[term]
                 theta[term] = max(0.0, (moment[term] - others) / own)
-        self._theta = theta
 
     def _huber_weight(self, residual: float) -> float:
         """1 for ordinary residuals; less for outliers, so that each pulls the fit
@@ -179,6 +181,10 @@ class StepCostModel:
             return
         clipped = min(size, self.huber_k * self._residual_scale)
         self._residual_scale += 0.05 * (clipped - self._residual_scale)
+
+
+def _dot(a: Sequence[float], b: Sequence[float]) -> float:
+    return sum(map(operator.mul, a, b))
 
 
 def _quantile(values: Iterable[float], q: float) -> float:
