@@ -232,7 +232,6 @@ class LLMEngine:
             prefix_cache_hits=hits,
             token_budget=output.token_budget,
             predicted_duration_s=predicted,
-            interval_s=interval,
             over_target=self._over_target(features, interval),
         )
         return StepResult(outputs, stats, finished)

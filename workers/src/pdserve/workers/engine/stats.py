@@ -40,10 +40,9 @@ class StepStats:
     leases_expired_total: int  # hand-off leases that ran out, since start
     token_budget: int = 0  # tokens the step was allowed to compute
     predicted_duration_s: float = 0.0  # the step-cost model's prediction for this step
-    # Since the previous step ended, if requests kept running in between (else the
-    # step's own duration): the gap between tokens the step's decodes saw.
-    interval_s: float = 0.0
-    over_target: bool = False  # decodes ran and the interval exceeded the ITL target
+    # The step's decodes waited longer than the ITL target for its tokens (since the
+    # previous step ended: the gap between tokens a client sees, less the network).
+    over_target: bool = False
     step_cost: StepCostEstimate | None = None  # what the step-cost model believes now
 
 
