@@ -184,7 +184,8 @@ class StepCostModel:
 
 
 def _dot(a: Sequence[float], b: Sequence[float]) -> float:
-    return sum(map(operator.mul, a, b))
+    total: float = sum(map(operator.mul, a, b))
+    return total
 
 
 def _quantile(values: Iterable[float], q: float) -> float:
