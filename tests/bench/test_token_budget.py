@@ -221,7 +221,8 @@ def load_step(model_dir: Path, logs: Path, static: str) -> None:
         step_at = result.started_at + LOAD_STEP_AT_S
         recovery[budget] = steps_to_recover(samples, step_at)
         windows[budget] = window_p99_itl_ms(result)
-        rows.append(Run("mixed, rate doubled", budget, result.metrics.overall, 0, 0).row())
+        _, steps, over = samples[-1]
+        rows.append(Run("mixed, rate doubled", budget, result.metrics.overall, steps, over).row())
     table = [
         {
             "window_s": f"{i * WINDOW_S:g}-{(i + 1) * WINDOW_S:g}",
