@@ -76,3 +76,52 @@ def test_a_part_that_is_not_installed_names_its_package(
     monkeypatch.setattr(sys, "meta_path", [_Uninstalled("pdserve.operator"), *sys.meta_path])
     assert cli_main.main(["operator", "-A"]) == 2
     assert "needs the pdserve-operator package" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (("--token-budget", "adaptive", "--target-itl-ms", "0"), "--target-itl-ms"),
+        (("--token-budget", "adaptive", "--target-itl-ms", "-5"), "--target-itl-ms"),
+        (("--token-budget", "adaptive"), "--target-itl-ms"),
+        (
+            ("--token-budget", "adaptive", "--target-itl-ms", "50", "--min-budget", "512",
+             "--max-budget", "128"),
+            "--min-budget (512) must not exceed --max-budget (128)",
+        ),
+        (
+            ("--token-budget", "adaptive", "--target-itl-ms", "50", "--min-budget", "1024"),
+            "--min-budget (1024) must not exceed the ceiling, --max-budget (default: "
+            "--max-num-batched-tokens, 512)",
+        ),
+        (("--min-budget", "64", "--max-budget", "32"), "--min-budget (64) must not exceed"),
+        (
+            ("--token-budget", "adaptive", "--target-itl-ms", "50", "--no-chunked-prefill"),
+            "--no-chunked-prefill",
+        ),
+    ],
+)  # fmt: skip
+def test_worker_refuses_a_bad_token_budget_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], named: str
+) -> None:
+    # Refused before anything is loaded (the model directory does not even exist).
+    argv = ["worker", "--model", str(tmp_path / "absent"), *flags]
+    with pytest.raises(SystemExit) as exited:
+        sys.exit(cli_main.main(argv))
+    assert exited.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_worker_token_budget_flags_reach_the_engine(tmp_path: Path) -> None:
+    from pdserve.workers.server.worker import engine_config
+
+    parser = argparse.ArgumentParser()
+    add_options(parser, WorkerOptions)
+    argv = ["--model", str(tmp_path), "--token-budget", "adaptive", "--target-itl-ms", "40"]
+    options = options_from(parser.parse_args([*argv, "--max-budget", "1024"]), WorkerOptions)
+    budget = engine_config(options).scheduler.token_budget
+    assert (budget.mode, budget.target_itl_s, budget.min_budget, budget.max_budget) == (
+        "adaptive", 0.04, 32, 1024,
+    )  # fmt: skip
+    static = options_from(parser.parse_args(["--model", str(tmp_path)]), WorkerOptions)
+    assert engine_config(static).scheduler.token_budget.mode == "static"

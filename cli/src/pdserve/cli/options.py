@@ -20,6 +20,12 @@ Options = TypeVar("Options")
 _REQUIRED = dataclasses.MISSING
 
 
+class OptionError(ValueError):
+    """Flags that are each valid but cannot work together; the message names them.
+    An options dataclass raises it from `__post_init__`; `pdserve` reports it as a
+    usage error."""
+
+
 def option(
     default: Any = _REQUIRED,
     *,

@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from pdserve.workers.engine.budget import budget_policy
 from pdserve.workers.engine.config import EngineConfig, ModelConfig
 from pdserve.workers.engine.kv_cache import BlockPool, KVCacheManager
 from pdserve.workers.engine.leases import LeaseBook, LeaseError, Reservation
@@ -16,6 +17,7 @@ from pdserve.workers.engine.runner import ModelRunner, resolve_kv_dtype
 from pdserve.workers.engine.sampling import InvalidRequestError, SamplingParams
 from pdserve.workers.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.workers.engine.stats import FinishedRequest, RequestOutput, StepStats
+from pdserve.workers.engine.step_cost import StepCostModel, StepFeatures
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +47,16 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(
             BlockPool(self.num_blocks, cache.enable_prefix_caching), self.block_size
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        # The cost model learns in every mode: its metrics show a static pool what an
+        # adaptive budget would believe.
+        self.step_cost = StepCostModel()
+        self.budget_policy = budget_policy(config.scheduler, self.max_model_len, self.step_cost)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_cache, self.max_model_len, self.budget_policy
+        )
+        self.target_itl_s = config.scheduler.token_budget.target_itl_s
+        # When the last step ended, if requests were still running: their last tokens.
+        self._last_busy_end: float | None = None
         self.leases = LeaseBook(self.kv_cache)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self._requests: dict[str, Request] = {}
@@ -218,9 +229,36 @@ class LLMEngine:
         newly_scheduled = list(self.scheduler.waiting)
         output = self.scheduler.schedule()
         queries, hits = _prefix_lookups(newly_scheduled, output.chunks)
+        features = StepFeatures.of(output.chunks)
+        predicted = self.step_cost.predict(features)
         sampled = self.runner.execute(output, self.kv_cache.block_table) if output.chunks else []
         self.scheduler.update(output)
         now = time.monotonic()
+        if output.chunks:
+            self.step_cost.update(features, now - started)
+        outputs, finished = self._take_sampled(sampled, now)
+        interval = now - (self._last_busy_end or started)
+        self._last_busy_end = now if self.has_unfinished() else None
+        self.budget_policy.step_ended(self._last_busy_end)
+        stats = self._stats(
+            now,
+            duration_s=now - started,
+            num_tokens=output.num_tokens,
+            num_decode_tokens=sum(1 for c in output.chunks if not c.is_prefill),
+            num_prefill_chunks=output.num_prefill_chunks,
+            num_preemptions=len(output.preempted),
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            token_budget=output.token_budget,
+            predicted_duration_s=predicted,
+            over_target=self._over_target(features, interval),
+        )
+        return StepResult(outputs, stats, finished)
+
+    def _take_sampled(
+        self, sampled: list[tuple[Request, int]], now: float
+    ) -> tuple[list[RequestOutput], list[FinishedRequest]]:
+        """Append each sampled token to its request and end the requests that stop."""
         outputs, finished = [], []
         for request, token in sampled:
             request.output_token_ids.append(token)
@@ -233,17 +271,12 @@ class LLMEngine:
                 else:
                     self._forget(request)
             outputs.append(self._output(request, (token,), now))
-        stats = self._stats(
-            now,
-            duration_s=now - started,
-            num_tokens=output.num_tokens,
-            num_decode_tokens=sum(1 for c in output.chunks if not c.is_prefill),
-            num_prefill_chunks=output.num_prefill_chunks,
-            num_preemptions=len(output.preempted),
-            prefix_cache_queries=queries,
-            prefix_cache_hits=hits,
-        )
-        return StepResult(outputs, stats, finished)
+        return outputs, finished
+
+    def _over_target(self, features: StepFeatures, interval: float) -> bool:
+        """Whether the step's decodes waited longer than the ITL target for its tokens."""
+        target = self.target_itl_s
+        return target is not None and features.decode_tokens > 0 and interval > target
 
     def snapshot(self) -> StepResult:
         """The engine's state without running a step (after aborts, while idle)."""
@@ -266,6 +299,7 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.kv_cache.pool.usage,
             leases_expired_total=self.leases.num_expired,
+            step_cost=self.step_cost.estimate(),
             **counters,  # type: ignore[arg-type]
         )
 

@@ -18,6 +18,7 @@ from pdserve.workers.engine.config import (
     ConfigError,
     EngineConfig,
     SchedulerConfig,
+    TokenBudgetConfig,
 )
 from pdserve.workers.engine.engine import LLMEngine
 from pdserve.workers.engine.sampling import SamplingParams
@@ -55,7 +56,19 @@ def engine_config(options: WorkerOptions) -> EngineConfig:
             max_num_batched_tokens=options.max_num_batched_tokens,
             max_num_seqs=options.max_num_seqs,
             enable_chunked_prefill=not options.no_chunked_prefill,
+            token_budget=token_budget_config(options),
         ),
+    )
+
+
+def token_budget_config(options: WorkerOptions) -> TokenBudgetConfig:
+    """How the engine chooses each step's token budget, from the worker's options."""
+    target_ms = options.target_itl_ms
+    return TokenBudgetConfig(
+        mode="adaptive" if options.token_budget == "adaptive" else "static",
+        target_itl_s=None if target_ms is None else target_ms / 1000.0,
+        min_budget=options.min_budget,
+        max_budget=options.max_budget,
     )
 
 
@@ -71,7 +84,6 @@ def build_server(options: WorkerOptions) -> WorkerServer:
     engine = LLMEngine(engine_config(options))
     tokenizer = Tokenizer.from_dir(options.model)
     metrics = WorkerMetrics(options.pool, options.role)
-    metrics.set_token_budget(engine.scheduler.token_budget)
     async_engine = AsyncEngine(engine, [metrics], queue_timeout_s=options.queue_timeout)
     model = ServedModel(
         name=options.served_model_name or options.model.resolve().name,
