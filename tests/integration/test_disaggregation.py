@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 import torch
 
+from pdserve.workers.engine.identity import weights_digest
 from pdserve.workers.engine.sampling import SamplingParams
 from pdserve.workers.faults import Fault
 from pdserve.workers.server.process import ServerProcess, start_worker
@@ -190,7 +191,9 @@ def test_prefill_killed_mid_handoff(
 ) -> None:
     prompt, colocated = long_prompt
     for policy in ("recompute", "fail"):
-        decode_args = ["--transfer-failure-policy", policy, "--handoff-timeout", "20"]
+        # The reserved blocks stay until the lease and its margin are over: a prefill
+        # worker that vanished never confirmed that its write stopped.
+        decode_args = ["--transfer-failure-policy", policy, "--handoff-timeout", "4"]
         logs = tmp_path / policy
         logs.mkdir()
         with pd_workers(
@@ -208,7 +211,7 @@ def test_prefill_killed_mid_handoff(
                 assert status == 200 and token_ids(answer) == colocated
             else:
                 assert status == 502 and "hand-off failed" in str(answer)
-            assert wait_for(lambda d=decode: kv_usage(d) == 0.0)  # type: ignore[misc]
+            assert wait_for(lambda d=decode: kv_usage(d) == 0.0, 20)  # type: ignore[misc]
             assert metric(decode, "pdserve_kv_transfer_failures_total") == 1
 
 
@@ -287,19 +290,23 @@ MISMATCHES = [
 
 
 def test_mismatched_configuration_is_refused_at_connect(
-    small_model_dir: Path, tmp_path: Path
+    small_model_dir: Path, other_weights_model_dir: Path, tmp_path: Path
 ) -> None:
     common = ["--threads", "1", "--kv-transfer", "nixl", "--served-model-name", "small"]
     prefill = start_worker(
         small_model_dir, tmp_path / "prefill.log", [*common, "--role", "prefill"]
     )
+    # Same shapes, same name, other weights (a rolling update): refused by digest.
+    ours, theirs = weights_digest(other_weights_model_dir), weights_digest(small_model_dir)
+    cases = [(small_model_dir, args, named) for args, named in MISMATCHES]
+    cases.append((other_weights_model_dir, [], ("weights", ours, theirs)))
     decodes = [
         start_worker(
-            small_model_dir,
+            model_dir,
             tmp_path / f"decode-{index}.log",
             [*common, "--role", "decode", "--transfer-failure-policy", "fail", *args],
         )
-        for index, (args, _) in enumerate(MISMATCHES)
+        for index, (model_dir, args, _) in enumerate(cases)
     ]
     try:
         for worker in [prefill, *decodes]:
@@ -309,7 +316,7 @@ def test_mismatched_configuration_is_refused_at_connect(
             async with aiohttp.ClientSession() as session:
                 return await complete(session, decode.url, [5] * 40, prefill.url)
 
-        for decode, (_, named) in zip(decodes, MISMATCHES, strict=True):
+        for decode, (_, _, named) in zip(decodes, cases, strict=True):
             status, answer = asyncio.run(one(decode))
             assert status == 502
             message = str(answer)
