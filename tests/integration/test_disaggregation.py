@@ -259,6 +259,31 @@ def test_lease_that_expires_frees_both_sides(
         assert wait_for(lambda: kv_usage(prefill) == 0.0)
 
 
+def test_the_prefill_workers_own_timeout_bounds_its_write(
+    small_model_dir: Path, tmp_path: Path
+) -> None:
+    # The decode worker grants a long lease; the prefill worker allows itself 1 s and
+    # stalls longer before its write: it must not write on the caller's word.
+    with pd_workers(
+        small_model_dir, tmp_path, "nixl",
+        prefill_args=["--handoff-timeout", "1"], prefill_faults=stall_before_write(1.5),
+        decode_args=["--handoff-timeout", "60", "--transfer-failure-policy", "fail"],
+    ) as workers:  # fmt: skip
+        decode, prefill = workers.decode[0], workers.prefill[0]
+
+        async def one() -> tuple[int, dict[str, object]]:
+            async with aiohttp.ClientSession() as session:
+                return await complete(session, decode.url, [5] * 40, prefill.url)
+
+        started = time.monotonic()
+        status, answer = asyncio.run(one())
+        assert status == 502 and "deadline passed before the write" in str(answer)
+        assert time.monotonic() - started < 30  # not the 48 s the lease would allow
+        assert metric(decode, "pdserve_kv_transfer_failures_total", reason="lease_expired") == 1
+        assert metric(prefill, "pdserve_kv_transfer_bytes_total") == 0
+        assert wait_for(lambda: kv_usage(prefill) == 0.0 and kv_usage(decode) == 0.0)
+
+
 def test_mismatched_handoffs_are_rejected_with_a_reason(pair: PDPair) -> None:
     prefill = pair.prefill[0]
 

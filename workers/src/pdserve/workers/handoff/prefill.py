@@ -188,7 +188,8 @@ class PrefillService:
         if not self.agent.is_connected(body.peer):
             raise _refused(400, f"unknown decode peer {body.peer!r}: connect first", "unknown_peer")
         if key in self._ended:
-            raise _refused(409, "the decode worker cancelled this hand-off", "cancelled")
+            message = f"hand-off {body.request_id!r} was cancelled, or has ended"
+            raise _refused(409, message, "cancelled")
         if key in self._live:
             raise _refused(409, f"hand-off {body.request_id!r} is already under way", "bad_handoff")
         self._live[key] = transfer
@@ -209,8 +210,8 @@ class PrefillService:
             self._check(body)
             transfer.computing = asyncio.ensure_future(self._first_token(request_id, body))
             first_token = await transfer.computing
-            blocks = await self.engine.call(lambda engine: engine.held_blocks(request_id))
             self._check_going(transfer)
+            blocks = await self.engine.call(lambda engine: engine.held_blocks(request_id))
             writing = asyncio.ensure_future(
                 self.calls.move(
                     transfer.deadline,
