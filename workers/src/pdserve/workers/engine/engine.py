@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from pdserve.workers.engine.budget import budget_policy
+from pdserve.workers.engine.canary import KVCanary, pattern_from_environment
 from pdserve.workers.engine.config import EngineConfig, ModelConfig
 from pdserve.workers.engine.kv_cache import BlockPool, KVCacheManager
 from pdserve.workers.engine.leases import LeaseBook, LeaseError, Reservation
@@ -44,8 +45,13 @@ class LLMEngine:
         itemsize = resolve_kv_dtype(config, self.model_config).itemsize
         self.num_blocks = cache.resolve_num_blocks(self.model_config, itemsize)
         self.runner = ModelRunner(config, self.model_config, self.num_blocks, self.block_size)
+        pattern = pattern_from_environment()
+        self.canary = None if pattern is None else KVCanary(self.runner.kv_cache, pattern)
+        if self.canary is not None:
+            log.warning("KV canary on: free blocks hold %s until handed out", pattern)
+            self.canary.freed(range(self.num_blocks))
         self.kv_cache = KVCacheManager(
-            BlockPool(self.num_blocks, cache.enable_prefix_caching), self.block_size
+            BlockPool(self.num_blocks, cache.enable_prefix_caching, self.canary), self.block_size
         )
         # The cost model learns in every mode: its metrics show a static pool what an
         # adaptive budget would believe.
@@ -128,10 +134,13 @@ class LLMEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         lease_s: float,
+        margin_s: float = 0.0,
     ) -> Reservation | None:
         """Decode side: reserve blocks for a prompt a prefill worker will compute.
-        Blocks already here (prefix cache) are kept and need no transfer. None when
-        the cache has no room now."""
+        Blocks already here (prefix cache) are kept and need no transfer. The blocks
+        can be adopted for `lease_s` seconds and stay allocated `margin_s` longer
+        unless released (a late write must not land in freed blocks). None when the
+        cache has no room now."""
         request = self._new_request(request_id, prompt_token_ids, params)
         cached = self.kv_cache.find_cached_prefix(request_id, request.prompt_token_ids)
         if not self.kv_cache.allocate(request_id, request.num_prompt_tokens):
@@ -139,22 +148,30 @@ class LLMEngine:
             self._forget(request)
             return None
         request.num_cached_tokens = cached
-        self.leases.hold(request, lease_s)
+        lease = self.leases.hold(request, lease_s, margin_s)
         first_block = cached // self.block_size
-        assert request.lease_deadline is not None
         return Reservation(
             request_id=request_id,
             block_ids=self.kv_cache.block_table(request_id)[first_block:],
             first_block=first_block,
             num_cached_tokens=cached,
-            deadline=request.lease_deadline,
+            deadline=lease.deadline,
+            hold_until=lease.hold_until,
         )
 
     def adopt(self, request_id: str, first_token: int) -> RequestOutput:
-        """Decode side: the reserved blocks now hold the prompt's KV; continue the
-        request from the first token as if it had been prefilled here. Raises
-        LeaseError if the reservation is gone (expired or released)."""
-        request = self.leases.take(request_id)
+        """Decode side: the reserved blocks now hold the prompt's KV (the write is
+        over); continue the request from the first token as if it had been prefilled
+        here. If the lease is gone (LeaseError) or the token is not in the vocabulary
+        (InvalidRequestError), the blocks are freed and the request ends."""
+        vocab = self.model_config.vocab_size
+        try:
+            if not 0 <= first_token < vocab:
+                raise InvalidRequestError(f"first token {first_token} not in [0, {vocab})")
+            request = self.leases.take(request_id)
+        except (LeaseError, InvalidRequestError):
+            self.release(request_id)
+            raise
         request.num_computed_tokens = request.num_prompt_tokens
         request.first_scheduled_time = time.monotonic()
         self.kv_cache.cache_full_blocks(
@@ -177,13 +194,14 @@ class LLMEngine:
         return self.kv_cache.block_table(request_id)
 
     def release(self, request_id: str) -> None:
-        """Either side: end a hand-off's lease and free its blocks."""
+        """Either side: end a hand-off's lease and free its blocks now (on the decode
+        side: once no write into them can still be running)."""
         request = self.leases.release(request_id)
         if request is not None:
             self._forget(request)
 
     def expire_leases(self) -> int:
-        """Free blocks whose lease ran out; the number of leases that expired."""
+        """Free blocks held past their lease and its margin; how many leases ended."""
         expired = self.leases.expire()
         for request in expired:
             self._forget(request)
