@@ -105,6 +105,7 @@ class DecodeHandoff:
         metrics: HandoffObserver,
         policy: str = "recompute",
         lease_s: float = 30.0,
+        headers: dict[str, str] | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown transfer failure policy {policy!r}; known: {POLICIES}")
@@ -114,6 +115,7 @@ class DecodeHandoff:
         self.policy = policy
         self.lease_s = lease_s
         self.peers = PrefillPeers(agent, timeout_s=lease_s)
+        self.headers = headers or {}  # sent to prefill workers: the pool's credential
         self._session: aiohttp.ClientSession | None = None
 
     async def close(self) -> None:
@@ -213,7 +215,7 @@ class DecodeHandoff:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
+            self._session = aiohttp.ClientSession(headers=self.headers)
         return self._session
 
 
