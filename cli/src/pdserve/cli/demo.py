@@ -19,8 +19,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     """Add `pdserve demo`."""
     parser = subparsers.add_parser(
         "demo",
-        help="serve the tiny model with a local P/D pool, drive a mixed workload, "
-        "print the report",
+        help="serve the tiny model with a local P/D pool, drive a mixed workload, print the report",
     )
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     parser.add_argument("--workload", default="mixed", choices=("chat", "rag", "long", "mixed"))
