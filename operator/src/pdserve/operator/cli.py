@@ -51,6 +51,10 @@ class LocalOptions:
     port_file: Path | None = option(
         None, parse=Path, metavar="PATH", help="once serving, write the router's port here"
     )
+    api_key_file: Path | None = option(
+        None, parse=Path, metavar="PATH",
+        help="require clients of the router to present a key from this file (one per line)",
+    )  # fmt: skip
     run_dir: Path | None = option(
         None, parse=Path, metavar="DIR",
         help="folder for the logs, the routing file and the run's credential "
@@ -111,5 +115,5 @@ def _local(args: argparse.Namespace) -> int:
     options = options_from(args, LocalOptions)
     return serve(
         options.file, options.model_dir, options.host, options.port, options.port_file,
-        options.run_dir,
+        options.run_dir, options.api_key_file,
     )  # fmt: skip

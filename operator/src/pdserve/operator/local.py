@@ -4,9 +4,9 @@ The local backend realises the plan the operator renders for a cluster: the same
 `pdserve worker` and `pdserve router` command lines (`render.worker_args`,
 `render.router_args`, `render.routing_table`), wired for one machine: loopback
 addresses, ports the system picks at bind time, a credential made for the run, the
-prefill workers' URLs as the decode workers' peers and as the router's static
-discovery. Prefill workers start first (the decode workers must know their
-addresses), then the decode workers, then the router.
+prefill workers' URLs as the decode workers' peers (in a file written once they have
+bound their ports) and as the router's static discovery. The workers start together,
+the router once they are ready.
 """
 
 from __future__ import annotations
@@ -28,11 +28,19 @@ from pdserve.operator import api, render
 
 CREDENTIAL_FILE = "credential"
 ROUTING_FILE = "routing.json"
+PEERS_FILE = "prefill-peers"
 LOOPBACK = "127.0.0.1"
 
 
 class LocalPoolError(RuntimeError):
     """The pool could not be started, or one of its processes died."""
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` so that a reader never sees part of it."""
+    partial = path.with_suffix(".partial")
+    partial.write_text(text)
+    partial.replace(path)
 
 
 def load_manifest(path: Path) -> api.ServingPool:
@@ -63,17 +71,20 @@ class LocalPool:
         *,
         host: str = LOOPBACK,
         router_port: int = 0,
+        api_key_file: Path | None = None,
         env: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         self.pool = pool
         self.run_dir = run_dir
         self.host = host
         self.router_port = router_port
+        self.api_key_file = api_key_file
         self._env = env or {}  # extra environment per role (prefill, decode, router)
         self.workers: dict[api.Role, list[ServerProcess]] = {"prefill": [], "decode": []}
         self.router: ServerProcess | None = None
         self.credential_file = run_dir / CREDENTIAL_FILE
         self.routing_file = run_dir / ROUTING_FILE
+        self.peers_file = run_dir / PEERS_FILE
 
     @property
     def name(self) -> str:
@@ -93,14 +104,19 @@ class LocalPool:
         return self.router.url
 
     def start(self, timeout_s: float = 300.0) -> str:
-        """Start the workers and the router, wait until all are ready; the router's URL."""
+        """Start the workers and the router, wait until all are ready; the router's URL.
+        All workers start at once; the decode workers learn the prefill workers' URLs
+        from a file written as soon as those have bound their ports."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_new_credential(self.credential_file)
+        self.peers_file.unlink(missing_ok=True)
         counts = render.desired_replicas(self.pool.spec)
         try:
-            for role in render.ROLES:  # prefill first: the decode workers name them
-                self._start_role(role, counts[role], timeout_s)
-            for worker in self.workers["decode"]:
+            for role in render.ROLES:
+                self._start_role(role, counts[role])
+            peers = "".join(f"{w.url}\n" for w in self.workers["prefill"])
+            _write_atomically(self.peers_file, peers)
+            for worker in self.workers["prefill"] + self.workers["decode"]:
                 worker.wait_ready(timeout_s)
             self._start_router(timeout_s)
         except BaseException:
@@ -108,22 +124,17 @@ class LocalPool:
             raise
         return self.url
 
-    def _wiring(self, role: api.Role | None = None) -> render.Wiring:
-        peers = tuple(w.url for w in self.workers["prefill"]) if role == "decode" else ()
-        return render.Wiring(
-            host=self.host, port=0, credential_file=str(self.credential_file), prefill_peers=peers
+    def _start_role(self, role: api.Role, count: int) -> None:
+        wiring = render.Wiring(
+            host=self.host,
+            port=0,
+            credential_file=str(self.credential_file),
+            prefill_peers_file=str(self.peers_file),
         )
-
-    def _start_role(self, role: api.Role, count: int, timeout_s: float) -> None:
-        args = None
+        args = render.worker_args(self.name, self.pool.spec, role, wiring) if count else []
         for index in range(count):
-            if args is None:
-                args = render.worker_args(self.name, self.pool.spec, role, self._wiring(role))
             log = self.run_dir / "logs" / f"{role}-{index}.log"
             self.workers[role].append(spawn(args, log, self.host, self._env.get(role)))
-        if role == "prefill":
-            for worker in self.workers[role]:
-                worker.wait_ready(timeout_s)
 
     def _start_router(self, timeout_s: float) -> None:
         discovery = {
@@ -133,8 +144,10 @@ class LocalPool:
         }
         table = render.routing_table(self.name, "local", self.pool.spec, discovery)
         self.routing_file.write_text(render.routing_json(table))
-        wiring = self._wiring()
-        wiring = render.Wiring(wiring.host, self.router_port, wiring.credential_file)
+        keys = str(self.api_key_file) if self.api_key_file is not None else None
+        wiring = render.Wiring(
+            self.host, self.router_port, str(self.credential_file), api_key_file=keys
+        )
         args = render.router_args(str(self.routing_file), wiring)
         log = self.run_dir / "logs" / "router.log"
         self.router = spawn(args, log, self.host, self._env.get("router"))
@@ -170,6 +183,7 @@ def serve(
     port: int,
     port_file: Path | None,
     run_dir: Path | None,
+    api_key_file: Path | None = None,
 ) -> int:
     """Run a pool until Ctrl-C (or SIGTERM); the exit code."""
     try:
@@ -183,7 +197,7 @@ def serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     folder = run_dir or Path(tempfile.mkdtemp(prefix=f"pdserve-{pool.metadata.name}-"))
-    local = LocalPool(pool, folder, host=host, router_port=port)
+    local = LocalPool(pool, folder, host=host, router_port=port, api_key_file=api_key_file)
     print(f"pool {local.name}: starting its workers (logs in {folder / 'logs'})", flush=True)
     try:
         url = local.start()

@@ -126,6 +126,7 @@ class Wiring:
     credential_file: str  # the pool's internal credential
     kv_transfer_host: str | None = None  # the address a worker's KV agent is reached at
     prefill_peers: tuple[str, ...] = ()  # decode: the prefill workers it may be sent to
+    prefill_peers_file: str | None = None  # decode: a file listing more of them
     api_key_file: str | None = None  # router: the keys clients must present
 
 
@@ -176,6 +177,8 @@ def worker_args(pool: str, spec: api.ServingPoolSpec, role: api.Role, wiring: Wi
     if worker_role == "decode":
         for peer in wiring.prefill_peers:
             args += ["--prefill-peer", peer]
+        if wiring.prefill_peers_file is not None:
+            args += ["--prefill-peers-file", wiring.prefill_peers_file]
     return args
 
 

@@ -96,9 +96,13 @@ def _from_kubeconfig(path: Path) -> KubeAccess:
         raise KubeConfigError(f"{path}: exec and auth-provider credentials are not supported")
     base = path.parent
     token_file = user.get("tokenFile")
+    try:
+        context = _ssl_context(cluster, user, base)
+    except (ssl.SSLError, OSError, ValueError) as error:
+        raise KubeConfigError(f"{path}: unusable certificates: {error}") from error
     return KubeAccess(
         server=str(cluster["server"]).rstrip("/"),
-        ssl_context=_ssl_context(cluster, user, base),
+        ssl_context=context,
         token=user.get("token"),
         token_file=base / token_file if token_file else None,
     )

@@ -52,9 +52,9 @@ class PublishedLoad:
         )
 
 
-@dataclass
+@dataclass(eq=False)
 class Worker:
-    """One worker as the router sees it."""
+    """One worker as the router sees it (equal only to itself)."""
 
     url: str
     role: Role

@@ -146,7 +146,10 @@ def _is_ip(host: str) -> bool:
 
 
 class PrefillAllowList:
-    """The prefill workers a decode worker may be sent to (`--prefill-peer`).
+    """The prefill workers a decode worker may be sent to (`--prefill-peer`, and the
+    URLs listed in `--prefill-peers-file`, one per line, re-read when a URL is not
+    found, at most once a second: a local pool writes it once its prefill workers
+    have bound their ports).
 
     A peer is a URL whose host is an address (a local pool) or a name that resolves to
     the workers' addresses (in Kubernetes, the headless Service of the pool's prefill
@@ -156,9 +159,17 @@ class PrefillAllowList:
     when an address is not known yet).
     """
 
-    def __init__(self, peers: Sequence[str]) -> None:
-        self.peers = [parse_worker_url(peer) for peer in peers]
+    def __init__(self, peers: Sequence[str], peers_file: Path | None = None) -> None:
+        self.given = [parse_worker_url(peer) for peer in peers]
+        self.peers_file = peers_file
+        self._listed: list[WorkerAddress] = []
+        self._listed_at = -RESOLVE_INTERVAL_S
         self._resolved: dict[WorkerAddress, tuple[float, frozenset[str]]] = {}
+
+    @property
+    def peers(self) -> list[WorkerAddress]:
+        """The peers given and listed."""
+        return self.given + self._listed
 
     async def admit(self, url: str) -> str:
         """The prefill worker's base URL, or a 403 when it is not one of the pool's."""
@@ -166,6 +177,30 @@ class PrefillAllowList:
             wanted = parse_worker_url(url)
         except ValueError as error:
             raise _not_a_peer(str(error)) from error
+        try:
+            return await self._match(wanted)
+        except APIError:
+            if not self._reread():
+                raise
+        return await self._match(wanted)
+
+    def _reread(self) -> bool:
+        """Read the peers file again (if due); whether its list changed."""
+        now = time.monotonic()
+        if self.peers_file is None or now - self._listed_at < RESOLVE_INTERVAL_S:
+            return False
+        self._listed_at = now
+        try:
+            lines = self.peers_file.read_text().split()
+            listed = [parse_worker_url(line) for line in lines]
+        except (OSError, ValueError) as error:
+            log.warning("cannot read prefill peers from %s: %s", self.peers_file, error)
+            return False
+        changed = listed != self._listed
+        self._listed = listed
+        return changed
+
+    async def _match(self, wanted: WorkerAddress) -> str:
         candidates = [p for p in self.peers if (p.scheme, p.port) == (wanted.scheme, wanted.port)]
         if any(peer.host == wanted.host for peer in candidates):
             return wanted.url

@@ -106,6 +106,11 @@ class WorkerOptions:
         "is a DNS name (a headless Service) stands for every address it resolves to "
         "(repeatable)",
     )  # fmt: skip
+    prefill_peers_file: Path | None = option(
+        None, parse=Path, metavar="PATH", group=_HANDOFF,
+        help="decode: a file listing more such URLs, one per line, read when a hand-off "
+        "names a worker not known yet",
+    )  # fmt: skip
     max_queued_requests: int = option(
         1024, parse=positive_int, group=LIMITS,
         help="requests waiting for their first engine step; past this, new ones get 429",

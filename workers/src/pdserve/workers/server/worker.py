@@ -79,7 +79,7 @@ def build_server(options: WorkerOptions, limits: RequestLimits) -> WorkerServer:
         torch.set_num_threads(options.threads or 1)
     token_file = options.internal_token_file
     credential = read_credential(token_file) if token_file is not None else None
-    prefill_peers = PrefillAllowList(options.prefill_peer)
+    prefill_peers = PrefillAllowList(options.prefill_peer, options.prefill_peers_file)
     engine = LLMEngine(engine_config(options))
     tokenizer = Tokenizer.from_dir(options.model)
     metrics = WorkerMetrics(options.pool, options.role)
