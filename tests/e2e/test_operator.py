@@ -9,8 +9,6 @@ kube-controller-manager runs Deployments and garbage collection.
 from __future__ import annotations
 
 import json
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +20,15 @@ from support.operator import (
     Cluster,
     OperatorProcess,
     get_json,
-    install_crd,
-    operator_kubeconfig,
+    make_namespace,
     wait_until,
 )
 
 pytestmark = pytest.mark.cluster
 
 CHILD_KINDS = (
-    "deployments,services,configmaps,poddisruptionbudgets,serviceaccounts,roles,rolebindings"
+    "deployments,services,configmaps,poddisruptionbudgets,serviceaccounts,roles,rolebindings,"
+    "networkpolicies"
 )
 # Kinds whose status a controller keeps writing: their spec changes bump `generation`.
 GENERATION_KINDS = {"Deployment", "PodDisruptionBudget"}
@@ -172,37 +170,6 @@ def flag(args: list[str], name: str) -> str:
 # --- fixtures ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def kubeconfig(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The CRD installed, and a kubeconfig for the operator's own ServiceAccount."""
-    install_crd(cluster)
-    return operator_kubeconfig(cluster, tmp_path_factory.mktemp("operator") / "kubeconfig")
-
-
-def make_namespace(cluster: Cluster, prefix: str) -> str:
-    name = f"{prefix}-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("create", "namespace", name)
-    return name
-
-
-@pytest.fixture
-def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
-    """A fresh namespace for one test, deleted (in the background) afterwards."""
-    prefix = request.node.name.removeprefix("test_").replace("_", "-")[:40].rstrip("-")
-    name = make_namespace(cluster, prefix)
-    yield name
-    cluster.kubectl("delete", "namespace", name, "--wait=false")
-
-
-@pytest.fixture
-def operator(kubeconfig: Path, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
-    """The operator, watching the test's namespace only."""
-    process = OperatorProcess(kubeconfig, tmp_path / "operator.log", [namespace]).start()
-    yield process
-    process.stop()
-    print(f"--- operator log ---\n{process.tail(80)}")
-
-
 # --- tests ---------------------------------------------------------------------------------
 
 
@@ -229,7 +196,7 @@ def test_pool_gets_its_children_and_turns_ready(
     assert set(live) == set(rendered)
     assert {kind for kind, _ in live} == {
         "ConfigMap", "ServiceAccount", "Role", "RoleBinding", "Service", "Deployment",
-        "PodDisruptionBudget",
+        "PodDisruptionBudget", "NetworkPolicy",
     }  # fmt: skip
     for key, want in rendered.items():
         assert drift.holds(live[key], want), f"{key} differs from its rendering"

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import urllib.request
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -53,18 +54,23 @@ def operator_kubeconfig(cluster: Cluster, path: Path) -> Path:
     if cluster.kubectl("get", "namespace", OPERATOR_NAMESPACE, check=False).returncode:
         cluster.kubectl("create", "namespace", OPERATOR_NAMESPACE)
     cluster.kubectl("apply", "-f", str(RBAC))
+    return account_kubeconfig(cluster, OPERATOR_NAMESPACE, OPERATOR_ACCOUNT, path)
+
+
+def account_kubeconfig(cluster: Cluster, namespace: str, account: str, path: Path) -> Path:
+    """A kubeconfig that acts as a ServiceAccount (a token the API server issues)."""
     token = cluster.kubectl(
-        "create", "token", OPERATOR_ACCOUNT, "-n", OPERATOR_NAMESPACE, "--duration=6h"
+        "create", "token", account, "-n", namespace, "--duration=6h"
     ).stdout.strip()
     admin = yaml.safe_load(cluster.kubeconfig.read_text())
-    context = {"cluster": admin["clusters"][0]["name"], "user": OPERATOR_ACCOUNT}
+    context = {"cluster": admin["clusters"][0]["name"], "user": account}
     config = {
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": admin["clusters"],
-        "users": [{"name": OPERATOR_ACCOUNT, "user": {"token": token}}],
-        "contexts": [{"name": OPERATOR_ACCOUNT, "context": context}],
-        "current-context": OPERATOR_ACCOUNT,
+        "users": [{"name": account, "user": {"token": token}}],
+        "contexts": [{"name": account, "context": context}],
+        "current-context": account,
     }
     path.write_text(yaml.safe_dump(config))
     path.chmod(0o600)
@@ -173,6 +179,13 @@ class OperatorProcess:
         if not self.log.exists():
             return ""
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def make_namespace(cluster: Cluster, prefix: str) -> str:
+    """A new namespace named after `prefix`."""
+    name = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", name)
+    return name
 
 
 def get_json(cluster: Cluster, *args: str) -> Any:
