@@ -7,11 +7,7 @@ machine's load hit both alike. Run with `make bench`."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +16,7 @@ import numpy as np
 import pytest
 
 from pdserve.operator import api, render
+from support.fake_server import fake_server
 from support.results import publish
 from support.router import local_pool, running_router
 
@@ -88,20 +85,6 @@ def measure(upstream: str, direct: str, routed: str) -> list[dict[str, Any]]:
         row["req_per_s_vs_direct"] = row["max_req_per_s"] / direct_row["max_req_per_s"]
     assert router_row["req_per_s_vs_direct"] > 0
     return rows
-
-
-@contextmanager
-def fake_server() -> Iterator[str]:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.workers.bench.fake_server", "--port", "0"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert process.stdout is not None
-        yield process.stdout.readline().strip()
-    finally:
-        process.terminate()
-        process.wait(10)
 
 
 def colocated_pool(model_dir: Path) -> api.ServingPool:

@@ -30,7 +30,7 @@ from pdserve.cli.main import pdserve_command
 _PR_SET_PDEATHSIG = 1
 
 
-def _death_signal() -> Callable[[], None] | None:
+def death_signal() -> Callable[[], None] | None:
     """A pre-exec hook that makes the kernel SIGKILL the child when its parent dies
     (Linux only; elsewhere the owner's `stop()` alone ends its children)."""
     if not sys.platform.startswith("linux"):
@@ -138,7 +138,7 @@ def spawn(
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             start_new_session=True,
-            preexec_fn=_death_signal(),  # only prctl and getppid: safe after fork
+            preexec_fn=death_signal(),  # only prctl and getppid: safe after fork
         )
     return ServerProcess(process, host, port_file, log_path)
 
