@@ -35,8 +35,9 @@ from support.waiting import wait_until
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "azure_llm_2023_conv.csv"
+START_S = 600.0  # past the trace's sparse first minutes
 SECONDS = 120.0  # of arrivals per mode
-TIME_SCALE = 3.0  # the trace's first 40 s (about 110 requests) over 2 minutes
+TIME_SCALE = 5.0  # 24 s of the trace (110 requests) over 2 minutes
 LENGTH_SCALE = 0.25
 LONG_EVERY = 8
 LONG_TOKENS = (2048, 3072)
@@ -59,8 +60,9 @@ def mixed_trace(out: Path) -> Path:
     rng = np.random.default_rng(7)
     start = datetime(2023, 11, 16, 18, 0, 0)
     lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
-    for index, row in enumerate(load_trace(TRACE)):
-        offset = row.offset_s * TIME_SCALE
+    rows = [row for row in load_trace(TRACE) if row.offset_s >= START_S]
+    for index, row in enumerate(rows):
+        offset = (row.offset_s - START_S) * TIME_SCALE
         if offset >= SECONDS:
             break
         context = max(1, round(row.context_tokens * LENGTH_SCALE))
@@ -135,7 +137,8 @@ def test_routing_modes_on_a_mixed_workload(tiny_model_dir: Path, tmp_path: Path)
         for seed, (mode, buckets) in enumerate(MODES.items()):
             use_buckets(local, buckets)
             config = BenchConfig(
-                url=local.url, trace=trace, seed=seed, slo=SLO_TARGETS, vocab_size=vocab,
+                url=local.url, trace=trace, duration_s=SECONDS, seed=seed, slo=SLO_TARGETS,
+                vocab_size=vocab,
                 buckets=(BUCKET_BOUNDARY,), max_output_tokens=MAX_OUTPUT_TOKENS,
                 drain_timeout_s=180.0,
             )  # fmt: skip
@@ -148,7 +151,8 @@ def test_routing_modes_on_a_mixed_workload(tiny_model_dir: Path, tmp_path: Path)
         fallbacks = router_metric(local, "pdserve_router_fallbacks_total")
     publish(
         "routing_modes", rows,
-        {"trace": str(TRACE), "seconds_of_arrivals": SECONDS, "time_scale": TIME_SCALE,
+        {"trace": str(TRACE), "trace_from_s": START_S, "seconds_of_arrivals": SECONDS,
+         "time_scale": TIME_SCALE,
          "length_scale": LENGTH_SCALE, "long_prompt_every": LONG_EVERY,
          "long_prompt_tokens": LONG_TOKENS, "slo": SLO_TARGETS.describe(),
          "bucket_boundary": BUCKET_BOUNDARY, "router_fallbacks": fallbacks},

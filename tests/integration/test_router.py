@@ -119,9 +119,15 @@ def test_openai_client_gets_the_colocated_answer_on_both_paths(
             model="small", messages=messages, stream=True, extra_body=EXTRA, **GREEDY
         )
         assert streamed_tokens(chat_stream) == want
-    # vLLM's users name the model by the path it was loaded from, too.
-    by_path = client.completions.create(model=str(small_model_dir), prompt=short, **GREEDY)
-    assert by_path.usage is not None and by_path.usage.completion_tokens == MAX_TOKENS
+    # vLLM's users name the model by the path it was loaded from, too (router and workers).
+    for server in (client, direct):
+        by_path = server.completions.create(model=str(small_model_dir), prompt=short, **GREEDY)
+        assert by_path.usage is not None and by_path.usage.completion_tokens == MAX_TOKENS
+    # A client's request id comes back (the workers saw ids of the router's own).
+    echoed = client.completions.with_raw_response.create(
+        model="small", prompt=short, extra_headers={"X-Request-Id": "client-7"}, **GREEDY
+    )
+    assert echoed.headers["X-Request-Id"] == "client-7"
     assert [m.id for m in client.models.list().data] == ["small"]
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt=short, **GREEDY)

@@ -153,9 +153,9 @@ class LocalPool:
         self.router = spawn(args, log, self.host, self._env.get("router"))
         self.router.wait_ready(timeout_s)
 
-    def exited(self) -> ServerProcess | None:
-        """A process of the pool that has exited, if any."""
-        return next((p for p in self.processes if not p.running()), None)
+    def exited(self) -> list[ServerProcess]:
+        """The processes of the pool that have exited."""
+        return [process for process in self.processes if not process.running()]
 
     def stop(self) -> None:
         """Stop the router, then the workers."""
@@ -216,14 +216,21 @@ def serve(
 
 
 def _wait(local: LocalPool, stop: threading.Event) -> int:
+    """Serve until stopped. A worker that dies is reported (the router routes around
+    it, as in a cluster, where it would be restarted); the router dying ends the run."""
+    reported: set[int] = set()
     while not stop.wait(0.5):
-        dead = local.exited()
-        if dead is not None:
+        for dead in local.exited():
+            if dead.process.pid in reported:
+                continue
+            reported.add(dead.process.pid)
             tail = "\n".join(dead.log().splitlines()[-20:])
             print(
                 f"pdserve local: {dead.log_path.stem} exited with status "
                 f"{dead.process.returncode}:\n{tail}",
                 file=sys.stderr,
+                flush=True,
             )
-            return 1
+            if dead is local.router:
+                return 1
     return 0
