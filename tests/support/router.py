@@ -8,12 +8,22 @@ import urllib.request
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+import aiohttp
 
 from pdserve.cli.process import ServerProcess, start_server
 from pdserve.operator import api
 from pdserve.operator.local import LocalPool
 from support.prom import total
+
+
+class HasUrl(Protocol):
+    """Something serving at a URL (a router process, a local pool)."""
+
+    @property
+    def url(self) -> str: ...
+
 
 # A small CPU pool for the tests' small model: prompts of up to BOUNDARY tokens are
 # served colocated, longer ones disaggregated.
@@ -65,7 +75,7 @@ def running_router(routing_file: Path, log_path: Path, *args: str) -> Iterator[S
         router.stop()
 
 
-def router_metric(router: ServerProcess | LocalPool, name: str, **labels: str) -> float:
+def router_metric(router: HasUrl, name: str, **labels: str) -> float:
     """The sum of a router metric's samples that carry `labels`."""
     return total(f"{router.url}/metrics", name, **labels)
 
@@ -82,3 +92,29 @@ def worker_load(worker_url: str) -> dict[str, Any]:
     with urllib.request.urlopen(f"{worker_url}/load", timeout=5) as answer:
         load: dict[str, Any] = json.load(answer)
     return load
+
+
+async def stream(session: aiohttp.ClientSession, url: str, prompt: list[int], tokens: int) -> Any:
+    """A streamed greedy completion: (status, token ids, the error event or None)."""
+    body = {
+        "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+        "stream": True, "return_token_ids": True,
+    }  # fmt: skip
+    async with session.post(f"{url}/v1/completions", json=body) as response:
+        if response.status != 200:
+            return response.status, [], await response.text()
+        return (response.status, *await read_events(response))
+
+
+async def read_events(response: aiohttp.ClientResponse) -> tuple[list[int], Any]:
+    """The token ids a stream carries, and its error event (None if it ended well)."""
+    ids: list[int] = []
+    async for line in response.content:
+        data = line.strip().removeprefix(b"data:").strip()
+        if not data or data == b"[DONE]":
+            continue
+        event = json.loads(data)
+        if "error" in event:
+            return ids, event["error"]
+        ids += event["choices"][0].get("token_ids", [])
+    return ids, None

@@ -80,10 +80,10 @@ class WorkerServer:
         return web.json_response({"status": "ready", "role": self.model.role})
 
     async def load_report(self, _: web.Request) -> web.Response:
-        """GET /load: what the router weighs when it picks a worker (503 once the engine
-        has stopped, so the router's probe counts it as down)."""
-        if not self.engine.healthy:
-            return web.json_response({"status": "engine stopped"}, status=503)
+        """GET /load: what the router weighs when it picks a worker (503 while not
+        ready, as /ready, so the router's probe keeps traffic off it)."""
+        if not (self.ready and self.engine.healthy):
+            return web.json_response({"status": "not ready"}, status=503)
         return self.load.answer(self.engine.num_queued)
 
     async def prometheus(self, _: web.Request) -> web.Response:
