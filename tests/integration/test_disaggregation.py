@@ -24,7 +24,9 @@ from support.pd import (
     complete,
     internal_headers,
     join_pool,
+    name_peers,
     pd_workers,
+    peers_file,
     pool_credential,
     token_ids,
 )
@@ -302,20 +304,21 @@ def test_mismatched_configuration_is_refused_at_connect(
     small_model_dir: Path, tmp_path: Path
 ) -> None:
     credential, holds = pool_credential(tmp_path)
+    peers, names = peers_file(tmp_path)
     common = ["--threads", "1", "--kv-transfer", "nixl", "--served-model-name", "small", *holds]
     prefill = start_worker(
         small_model_dir, tmp_path / "prefill.log", [*common, "--role", "prefill"]
     )
-    peer = ["--prefill-peer", prefill.url]
     decodes = [
         start_worker(
             small_model_dir,
             tmp_path / f"decode-{index}.log",
-            [*common, "--role", "decode", *peer, "--transfer-failure-policy", "fail", *args],
+            [*common, "--role", "decode", *names, "--transfer-failure-policy", "fail", *args],
         )
         for index, (args, _) in enumerate(MISMATCHES)
     ]
     try:
+        name_peers(peers, [prefill])
         for worker in [prefill, *decodes]:
             worker.wait_ready()
         join_pool(credential, prefill, *decodes)

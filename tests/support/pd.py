@@ -32,6 +32,20 @@ def pool_credential(log_dir: Path, name: str = "pool") -> tuple[str, list[str]]:
     return write_new_credential(path), ["--internal-token-file", str(path)]
 
 
+def peers_file(log_dir: Path, name: str = "pool") -> tuple[Path, list[str]]:
+    """Where a pool's decode workers find its prefill workers, and the arguments that
+    say so (the file is written once the prefill workers have bound their ports, so
+    all workers start at once)."""
+    path = log_dir / f"{name}.prefill-peers"
+    path.unlink(missing_ok=True)
+    return path, ["--prefill-peers-file", str(path)]
+
+
+def name_peers(path: Path, prefills: Sequence[ServerProcess]) -> None:
+    """Write the prefill workers' URLs (waiting until they listen) for the decode workers."""
+    path.write_text("".join(f"{worker.url}\n" for worker in prefills))
+
+
 def join_pool(credential: str, *workers: ServerProcess) -> None:
     """Remember that `workers` hold `credential` (for `complete`, `internal_headers`)."""
     for worker in workers:
@@ -68,6 +82,7 @@ def pd_workers(
     `prefill_faults` are injected into the prefill workers (see
     `pdserve.workers.faults`)."""
     credential, holds = pool_credential(log_dir, f"{backend}-pool")
+    peers, names = peers_file(log_dir, f"{backend}-pool")
     common = ["--threads", "1", "--kv-transfer", backend, "--served-model-name", "small", *holds]
     started = PDPair([], [])
     try:
@@ -76,11 +91,11 @@ def pd_workers(
             log = log_dir / f"{backend}-prefill-{index}.log"
             args = [*common, "--role", "prefill", *prefill_args]
             started.prefill.append(start_worker(model_dir, log, args, env=prefill_env))
-        peers = [arg for w in started.prefill for arg in ("--prefill-peer", w.url)]
         for index in range(decodes):
             log = log_dir / f"{backend}-decode-{index}.log"
-            args = [*common, "--role", "decode", *peers, *decode_args]
+            args = [*common, "--role", "decode", *names, *decode_args]
             started.decode.append(start_worker(model_dir, log, args))
+        name_peers(peers, started.prefill)
         for worker in started.prefill + started.decode:
             worker.wait_ready()
         join_pool(credential, *started.prefill, *started.decode)
