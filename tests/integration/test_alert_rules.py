@@ -165,8 +165,9 @@ CASES = {
 def reported_by_a_worker(case: Case) -> Case:
     """A firing case's series as a decode worker reports them: silent, since a
     worker's latency is not what the client saw."""
-    moved = [{**s, "series": s["series"].replace('role="router"', 'role="decode"')} for s in
-             case.series]  # fmt: skip
+    moved = [
+        {**s, "series": s["series"].replace('role="router"', 'role="decode"')} for s in case.series
+    ]
     return replace(case, fires=False, series=moved)
 
 
