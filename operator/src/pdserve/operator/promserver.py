@@ -163,7 +163,9 @@ class PrometheusServer:
             if self.port and self._ready():
                 return
             time.sleep(0.1)
-        raise TimeoutError(f"Prometheus not ready after {timeout_s:g}s:\n{self.log_path.read_text()}")
+        raise TimeoutError(
+            f"Prometheus not ready after {timeout_s:g}s:\n{self.log_path.read_text()}"
+        )
 
     def _ready(self) -> bool:
         try:
