@@ -559,6 +559,11 @@ class MonitoringSpec(ApiModel):
     """Monitoring objects rendered with the pool."""
 
     service_monitor: ServiceMonitorSpec = ServiceMonitorSpec()
+    scrape_annotations: bool = Field(
+        default=True,
+        description="Annotate the pool's pods with prometheus.io/scrape, port and path, for "
+        "a Prometheus that discovers pods by them.",
+    )
 
 
 class ServingPoolSpec(ApiModel):

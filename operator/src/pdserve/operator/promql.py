@@ -49,21 +49,24 @@ class PoolQueries:
             own.append(f'namespace="{_escape(self.namespace)}"')
         return "{" + ",".join([*own, *matchers]) + "}"
 
-    def _router_or_workers(self, template: str) -> str:
+    def _router_or_workers(self, template: str, *matchers: str) -> str:
         """`template` over the router's series, or the serving workers' where the router
-        has none (`{sel}` in it stands for the selector)."""
-        return (
-            f"({template.format(sel=self.select(ROUTER))}) "
-            f"or ({template.format(sel=self.select(SERVING))})"
-        )
+        has none (`{sel}` in it stands for the selector, with `matchers` added)."""
+        router = template.format(sel=self.select(ROUTER, *matchers))
+        workers = template.format(sel=self.select(SERVING, *matchers))
+        return f"({router}) or ({workers})"
 
     # -- latencies and traffic ----------------------------------------------------------
 
-    def ttft_quantile(self, quantile: float) -> str:
-        """TTFT at `quantile` (0-1), by the mode requests were served in."""
+    def ttft_quantile(self, quantile: float, mode: str | None = None) -> str:
+        """TTFT at `quantile` (0-1), by the mode requests were served in, or of the
+        requests served in one `mode`."""
+        grouping = "mode, le" if mode is None else "le"
+        matchers = () if mode is None else (f'mode="{_escape(mode)}"',)
         return self._router_or_workers(
-            f"histogram_quantile({quantile:g}, sum by (mode, le) "
-            f"(rate({TTFT}_bucket{{sel}}{self.window})))"
+            f"histogram_quantile({quantile:g}, sum by ({grouping}) "
+            f"(rate({TTFT}_bucket{{sel}}{self.window})))",
+            *matchers,
         )
 
     def itl_quantile(self, quantile: float) -> str:
@@ -88,6 +91,11 @@ class PoolQueries:
     def per_worker(self, gauge: str) -> str:
         """A worker gauge averaged over the window, then over each role's workers."""
         return f"avg by (role) (avg_over_time({gauge}{self.select(WORKERS)}{self.window}))"
+
+    def role_average(self, gauge: str, role: str) -> str:
+        """A worker gauge averaged over the window and over the workers `role` (a
+        label matcher) selects: one number."""
+        return f"avg(avg_over_time({gauge}{self.select(role)}{self.window}))"
 
     def workers(self) -> str:
         """Workers of each role reporting now."""

@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.workers.api_errors import error_middleware
 from pdserve.workers.handoff.prefill import PrefillService
+from pdserve.workers.server.drain import Drain
 from pdserve.workers.server.openapi import openapi_spec
 from pdserve.workers.server.serving import OpenAIServing
 
@@ -33,10 +34,11 @@ class WorkerServer:
         self.prefill = prefill
         self.max_body_size = max_body_size
         self.ready = False
+        self.drain = Drain()
 
     def app(self) -> web.Application:
         """The aiohttp application."""
-        middlewares = [error_middleware(self.metrics.observe_error)]
+        middlewares = [error_middleware(self.metrics.observe_error), self.drain.middleware()]
         app = web.Application(middlewares=middlewares, client_max_size=self.max_body_size)
         app.router.add_post("/v1/completions", self.serving.completions)
         app.router.add_post("/v1/chat/completions", self.serving.chat_completions)
@@ -72,7 +74,10 @@ class WorkerServer:
         return web.json_response({"status": "ok"})
 
     async def readiness(self, _: web.Request) -> web.Response:
-        """GET /ready: 200 once the model is loaded and warmed up, while the engine runs."""
+        """GET /ready: 200 once the model is loaded and warmed up, while the engine runs
+        and the worker is not stopping."""
+        if self.drain.draining:
+            return web.json_response({"status": "draining"}, status=503)
         if not (self.ready and self.engine.healthy):
             return web.json_response({"status": "not ready"}, status=503)
         return web.json_response({"status": "ready", "role": self.model.role})

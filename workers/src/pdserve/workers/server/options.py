@@ -8,7 +8,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.cli.options import option, port_number, positive_float, positive_int
+from pdserve.cli.options import (
+    non_negative_float,
+    option,
+    port_number,
+    positive_float,
+    positive_int,
+)
 
 ROLES = ("both", "prefill", "decode")
 # The same default as the ServingPool's `spec.kvTransfer.backend`.
@@ -132,5 +138,10 @@ class WorkerOptions:
     queue_timeout: float = option(
         60.0, parse=positive_float, metavar="SECONDS", group=_LIMITS,
         help="a request still waiting for its first engine step after this long gets 503",
+    )  # fmt: skip
+    drain_timeout: float = option(
+        30.0, parse=non_negative_float, metavar="SECONDS",
+        help="once told to stop (SIGTERM), refuse new requests (503) and let those in flight "
+        "and their KV hand-offs finish for at most this long",
     )  # fmt: skip
     log_level: str = option("info", choices=("debug", "info", "warning", "error"), help="log level")
