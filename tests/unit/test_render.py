@@ -228,7 +228,7 @@ def test_rendering_is_deterministic() -> None:
 
 
 def test_replicas_override_and_zero_replicas() -> None:
-    p = pool("disaggregated")
+    p = with_patch(pool("disaggregated"), {"autoscaling": {"enabled": False}})
     objects = by_key(rendered(p, replicas={"prefill": 0, "decode": 6}))
     assert ("Deployment", "llama-pd-prefill") not in objects
     assert ("Service", "llama-pd-prefill") not in objects

@@ -36,6 +36,12 @@ class OperatorOptions:
     port_file: Path | None = option(
         None, parse=Path, metavar="PATH", help="once listening, write the port here"
     )
+    prometheus_url: str | None = option(
+        None, metavar="URL",
+        help="Prometheus scraping the pools: the planner reads it, KEDA's triggers ask it, "
+        "and it tells whether disaggregation works (a pool's "
+        "spec.autoscaling.policy.prometheusUrl overrides it)",
+    )  # fmt: skip
     resync_interval: float = option(
         300.0, parse=positive_float, metavar="SECONDS",
         help="reconcile every pool from a fresh read this often, catching drift the "

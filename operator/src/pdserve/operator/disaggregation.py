@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from pdserve.operator import api
+from pdserve.operator.status import Verdict
 
 
 @dataclass(frozen=True)
@@ -35,15 +35,6 @@ class Signals:
     transfers: float | None = None  # KV transfers completed
     failures: Mapping[str, float] = field(default_factory=dict)  # hand-offs failed, by cause
     prefill_available: float | None = None
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """The condition's status, reason and message."""
-
-    status: api.ConditionStatus
-    reason: str
-    message: str
 
 
 def _per_second(value: float) -> str:

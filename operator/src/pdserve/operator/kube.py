@@ -71,11 +71,17 @@ ROLE_BINDING = Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings
 SERVICE = Kind("v1", "Service", "services")
 DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments")
 POD_DISRUPTION_BUDGET = Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
+HORIZONTAL_POD_AUTOSCALER = Kind(
+    "autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"
+)
 SERVICE_MONITOR = Kind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors")
+SCALED_OBJECT = Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects")
 SERVING_POOL = Kind("pdserve.dev/v1alpha1", "ServingPool", "servingpools")
+# Not a child the operator writes: the workers' pods, read for why they are not ready.
+POD = Kind("v1", "Pod", "pods")
 
-# Watched (and cached) by the operator; ServiceMonitors are read on demand instead,
-# since their CRD is often absent.
+# Watched (and cached) by the operator; the kinds of CRDs a cluster may lack are read
+# on demand instead (OPTIONAL_KINDS).
 WATCHED_KINDS = (
     CONFIG_MAP,
     SERVICE_ACCOUNT,
@@ -84,8 +90,12 @@ WATCHED_KINDS = (
     SERVICE,
     DEPLOYMENT,
     POD_DISRUPTION_BUDGET,
+    HORIZONTAL_POD_AUTOSCALER,
+    POD,
 )
-KINDS = {kind.kind: kind for kind in (*WATCHED_KINDS, SERVICE_MONITOR, SERVING_POOL)}
+OPTIONAL_KINDS = (SERVICE_MONITOR, SCALED_OBJECT)
+OPTIONAL_NAMES = frozenset(kind.kind for kind in OPTIONAL_KINDS)
+KINDS = {kind.kind: kind for kind in (*WATCHED_KINDS, *OPTIONAL_KINDS, SERVING_POOL)}
 
 
 def kind_of(obj: Mapping[str, Any]) -> Kind:
