@@ -23,24 +23,28 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
 
-from pdserve.operator import api, disaggregation, metrics, planner, render
-from pdserve.operator.prometheus import Prometheus, PrometheusError
+from pdserve.operator import api, metrics, planner, render
 from pdserve.operator.promql import PoolQueries
-from pdserve.operator.reconcile import Reconciler, Recorder, planner_scales
+from pdserve.operator.reconcile import Reconciler, Recorder
 from pdserve.operator.resync import PoolKey, Resync, pool_key
-from pdserve.operator.signals import NoMetricsError, PoolSignals, read
-from pdserve.operator.status import ScalingReport, Verdict
+from pdserve.operator.scaling import (
+    Outcome,
+    change_text,
+    decide,
+    planner_scales,
+    read_pool,
+    remembered,
+)
+from pdserve.operator.signals import PoolSignals
+from pdserve.operator.status import ScalingReport
 
 Obj = dict[str, Any]
 
 log = logging.getLogger(__name__)
-
-URL_FIX = "set the operator's --prometheus-url or spec.autoscaling.policy.prometheusUrl"
 
 
 @dataclass
@@ -50,21 +54,6 @@ class _Loop:
     pool: Obj
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
-
-
-def _when(timestamp: float) -> datetime:
-    return datetime.fromtimestamp(timestamp, UTC).replace(microsecond=0)
-
-
-def remembered(autoscaling: api.AutoscalingStatus | None, now: float) -> planner.Memory:
-    """The planner's memory after a restart: when each role last changed (from the
-    status), watching from now (a scale-down waits for a whole window)."""
-    last_scale: dict[api.Role, float] = {}
-    for role in render.ROLES:
-        decided = autoscaling.role(role) if autoscaling else None
-        if decided is not None and decided.last_scale_time is not None:
-            last_scale[role] = decided.last_scale_time.timestamp()
-    return planner.Memory(since=now, last_scale=last_scale)
 
 
 class Autoscaler:
@@ -147,78 +136,20 @@ class Autoscaler:
         self, pool: Obj, spec: api.ServingPoolSpec, memory: planner.Memory
     ) -> planner.Memory:
         """One round for one pool: read, decide, record; the planner's new memory."""
-        planning, watching = planner_scales(spec), spec.routing.disaggregated
-        status = self._reconciler.status_of(pool)
-        autoscaling = status.autoscaling if planning else None
-        conditions: dict[api.ConditionType, Verdict] = {}
-        url = spec.autoscaling.policy.prometheus_url or self._url
-        if (planning or watching) and url is None:
-            self._unable(
-                conditions, planning, watching, "NoPrometheusUrl", f"no Prometheus: {URL_FIX}"
-            )
-            metrics.SCALING_ROUNDS.labels(result="no_url").inc()
-        elif planning or watching:
-            assert url is not None
-            signals = await self._read(pool, spec, url, conditions, planning, watching)
-            if signals is not None:
-                if watching:
-                    window = spec.autoscaling.policy.window_seconds
-                    conditions["DisaggregationActive"] = disaggregation.verdict(
-                        signals.disaggregation, window
-                    )
-                if planning:
-                    interval = spec.autoscaling.policy.interval_seconds
-                    conditions["ScalingActive"] = Verdict(
-                        "True", "MetricsAvailable", f"deciding every {interval}s from {url}"
-                    )
-                    autoscaling, memory = self._decide(pool, spec, signals, status, memory)
-        await self._reconciler.report(pool, ScalingReport(conditions, autoscaling))
-        return memory
-
-    @staticmethod
-    def _unable(
-        conditions: dict[api.ConditionType, Verdict],
-        planning: bool,
-        watching: bool,
-        reason: str,
-        message: str,
-    ) -> None:
-        if planning:
-            conditions["ScalingActive"] = Verdict("False", reason, f"{message}; not scaling")
-        if watching:
-            conditions["DisaggregationActive"] = Verdict("Unknown", reason, message)
-
-    async def _read(
-        self,
-        pool: Obj,
-        spec: api.ServingPoolSpec,
-        url: str,
-        conditions: dict[api.ConditionType, Verdict],
-        planning: bool,
-        watching: bool,
-    ) -> PoolSignals | None:
-        """The pool's signals, or None with the conditions saying why not."""
-        meta = pool["metadata"]
-        queries = PoolQueries(
-            meta["name"], meta["namespace"], spec.autoscaling.policy.window_seconds
-        )
+        meta, policy = pool["metadata"], spec.autoscaling.policy
+        queries = PoolQueries(meta["name"], meta["namespace"], policy.window_seconds)
         if self._session is None:
             self._session = aiohttp.ClientSession()
-        try:
-            signals = await read(Prometheus(url, self._session), queries, spec.slo)
-        except PrometheusError as error:
-            self._unable(conditions, planning, watching, "PrometheusUnreachable", str(error))
-            metrics.SCALING_ROUNDS.labels(result="unreachable").inc()
-            return None
-        except NoMetricsError as error:
-            why = (
-                f"{error}: check that it scrapes the pool (a ServiceMonitor, or scrape annotations)"
-            )
-            self._unable(conditions, planning, watching, "NoMetrics", why)
-            metrics.SCALING_ROUNDS.labels(result="no_metrics").inc()
-            return None
-        metrics.SCALING_ROUNDS.labels(result="ok").inc()
-        return signals
+        reading = await read_pool(self._session, policy.prometheus_url or self._url, queries, spec)
+        if reading.result != "idle":
+            metrics.SCALING_ROUNDS.labels(result=reading.result).inc()
+        status = self._reconciler.status_of(pool)
+        autoscaling = status.autoscaling if planner_scales(spec) else None
+        if reading.signals is not None and planner_scales(spec):
+            outcome = self._decide(pool, spec, reading.signals, status, memory)
+            autoscaling, memory = outcome.autoscaling, outcome.memory
+        await self._reconciler.report(pool, ScalingReport(reading.conditions, autoscaling))
+        return memory
 
     def _decide(
         self,
@@ -227,52 +158,20 @@ class Autoscaler:
         signals: PoolSignals,
         status: api.ServingPoolStatus,
         memory: planner.Memory,
-    ) -> tuple[api.AutoscalingStatus, planner.Memory]:
-        """The planner's decisions, recorded; the new autoscaling status and memory."""
-        now = self._clock()
+    ) -> Outcome:
+        """The planner's decisions, acted on: the Deployments get the new counts."""
         counts = render.desired_replicas(spec, self._reconciler.replicas(pool))
         replicas = {}
         for role in render.ROLES:
             role_status = status.prefill if role == "prefill" else status.decode
             ready = role_status.ready_replicas if role_status is not None else 0
             replicas[role] = planner.Replicas(counts[role], ready)
-        settings = planner.Settings.of(spec)
-        decisions, memory = planner.plan(settings, signals.observation, replicas, memory, now)
-        previous = status.autoscaling or api.AutoscalingStatus()
-        changed = {role: d.desired for role, d in decisions.items() if d.direction != "none"}
-        updated: dict[str, api.RoleScalingStatus] = {
-            role: self._role_status(previous.role(role), d, now) for role, d in decisions.items()
-        }
-        autoscaling = previous.model_copy(update=updated)
-        if changed:
-            autoscaling = autoscaling.model_copy(
-                update={"last_decision_time": _when(now), "inputs": signals.observation.inputs()}
-            )
-            self._announce(pool, decisions)
-            self._reconciler.scale(pool, changed)
+        outcome = decide(spec, signals, replicas, status.autoscaling, memory, self._clock())
+        if outcome.changes:
+            self._announce(pool, outcome.decisions)
+            self._reconciler.scale(pool, outcome.changes)
             self._resync.soon(pool_key(pool), "scale")
-        return autoscaling, memory
-
-    @staticmethod
-    def _role_status(
-        previous: api.RoleScalingStatus | None, decision: planner.Decision, now: float
-    ) -> api.RoleScalingStatus:
-        """A role's status after a decision: rewritten when its count or reason change
-        (messages carry live numbers: rewriting them every round would be a write per
-        round)."""
-        if (
-            previous is not None
-            and decision.direction == "none"
-            and (previous.replicas, previous.reason) == (decision.desired, decision.reason)
-        ):
-            return previous
-        last = _when(now) if decision.direction != "none" else None
-        return api.RoleScalingStatus(
-            replicas=decision.desired,
-            reason=decision.reason,
-            message=decision.message[:1024],
-            last_scale_time=last or (previous.last_scale_time if previous else None),
-        )
+        return outcome
 
     def _announce(
         self, pool: Mapping[str, Any], decisions: Mapping[api.Role, planner.Decision]
@@ -282,11 +181,11 @@ class Autoscaler:
         for role, decision in decisions.items():
             if decision.direction == "none":
                 continue
-            what = "ScaledUp" if decision.direction == "up" else "ScaledDown"
-            change = f"{role} {decision.current} -> {decision.desired}"
-            text = f"{change}: {decision.reason}: {decision.message}"
+            text = change_text(decision)
             log.info("%s/%s: %s", meta["namespace"], meta["name"], text)
-            self._recorder.normal(pool, what, text)
+            self._recorder.normal(
+                pool, "ScaledUp" if decision.direction == "up" else "ScaledDown", text
+            )
             metrics.SCALING_DECISIONS.labels(
                 role=role, direction=decision.direction, reason=decision.reason
             ).inc()

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from pdserve.operator import api, drift, kube, metrics, render
 from pdserve.operator import status as pool_status
 from pdserve.operator.kube import ApiError, KubeClient
+from pdserve.operator.scaling import planner_scales
 
 Obj = dict[str, Any]
 Key = tuple[str, str]  # (kind, name)
@@ -92,12 +93,6 @@ def desired_objects(
     )
     objects = (drift.stamped(render.with_owner(obj, meta)) for obj in rendered)
     return {key_of(obj): obj for obj in objects}
-
-
-def planner_scales(spec: api.ServingPoolSpec) -> bool:
-    """Whether the operator's planner sets the workers' replica counts."""
-    autoscaling = spec.autoscaling
-    return autoscaling.enabled and autoscaling.policy.type == "planner"
 
 
 def planned_replicas(pool: Mapping[str, Any]) -> dict[api.Role, int]:
