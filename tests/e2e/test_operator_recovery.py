@@ -215,7 +215,7 @@ def test_resync_puts_back_what_no_watch_reports_and_writes_nothing_otherwise(
     cluster: Cluster, kubeconfig: Path, namespace: str, tmp_path: Path, service_monitors: None
 ) -> None:
     process = OperatorProcess(
-        kubeconfig, tmp_path / "operator.log", [namespace], ["--resync-interval", "1"]
+        kubeconfig, tmp_path / "operator.log", [namespace], args=["--resync-interval", "1"]
     )
     with running(process) as operator:
         apply_pool(cluster, namespace, pool_manifest("resynced", **MONITORED))

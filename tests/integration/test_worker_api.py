@@ -196,7 +196,8 @@ def test_metrics_count_what_was_served(worker: ServerProcess, client: openai.Ope
     assert metric(worker, "pdserve_inter_token_latency_seconds_count") >= 2
     assert metric(worker, "pdserve_engine_step_tokens_count") > 0
     # The dashboard draws tokens per step against the budget they fill.
-    assert metric(worker, "pdserve_engine_token_budget") == 64
+    steps = metric(worker, "pdserve_engine_token_budget_count")
+    assert steps > 0 and metric(worker, "pdserve_engine_token_budget_sum") == 64 * steps
 
 
 async def post(url: str, path: str, data: bytes) -> tuple[int, dict[str, dict[str, str]]]:

@@ -47,6 +47,20 @@ def test_bad_flags_are_refused(argv: tuple[str, ...]) -> None:
         parse(*argv)
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+def test_a_hand_off_timeout_must_be_a_finite_positive_number(value: str) -> None:
+    parser = argparse.ArgumentParser(prog="worker")
+    add_options(parser, WorkerOptions)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--handoff-timeout", value])
+    assert (
+        options_from(
+            parser.parse_args(["--model", "m", "--handoff-timeout", "0.25"]), WorkerOptions
+        ).handoff_timeout
+        == 0.25
+    )
+
+
 def test_help_shows_each_default(capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser(prog="worker")
     add_options(parser, WorkerOptions)
@@ -76,3 +90,52 @@ def test_a_part_that_is_not_installed_names_its_package(
     monkeypatch.setattr(sys, "meta_path", [_Uninstalled("pdserve.operator"), *sys.meta_path])
     assert cli_main.main(["operator", "-A"]) == 2
     assert "needs the pdserve-operator package" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (("--token-budget", "adaptive", "--target-itl-ms", "0"), "--target-itl-ms"),
+        (("--token-budget", "adaptive", "--target-itl-ms", "-5"), "--target-itl-ms"),
+        (("--token-budget", "adaptive"), "--target-itl-ms"),
+        (
+            ("--token-budget", "adaptive", "--target-itl-ms", "50", "--min-budget", "512",
+             "--max-budget", "128"),
+            "--min-budget (512) must not exceed --max-budget (128)",
+        ),
+        (
+            ("--token-budget", "adaptive", "--target-itl-ms", "50", "--min-budget", "1024"),
+            "--min-budget (1024) must not exceed the ceiling, --max-budget (default: "
+            "--max-num-batched-tokens, 512)",
+        ),
+        (("--min-budget", "64", "--max-budget", "32"), "--min-budget (64) must not exceed"),
+        (
+            ("--token-budget", "adaptive", "--target-itl-ms", "50", "--no-chunked-prefill"),
+            "--no-chunked-prefill",
+        ),
+    ],
+)  # fmt: skip
+def test_worker_refuses_a_bad_token_budget_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], named: str
+) -> None:
+    # Refused before anything is loaded (the model directory does not even exist).
+    argv = ["worker", "--model", str(tmp_path / "absent"), *flags]
+    with pytest.raises(SystemExit) as exited:
+        sys.exit(cli_main.main(argv))
+    assert exited.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_worker_token_budget_flags_reach_the_engine(tmp_path: Path) -> None:
+    from pdserve.workers.server.worker import engine_config
+
+    parser = argparse.ArgumentParser()
+    add_options(parser, WorkerOptions)
+    argv = ["--model", str(tmp_path), "--token-budget", "adaptive", "--target-itl-ms", "40"]
+    options = options_from(parser.parse_args([*argv, "--max-budget", "1024"]), WorkerOptions)
+    budget = engine_config(options).scheduler.token_budget
+    assert (budget.mode, budget.target_itl_s, budget.min_budget, budget.max_budget) == (
+        "adaptive", 0.04, 32, 1024,
+    )  # fmt: skip
+    static = options_from(parser.parse_args(["--model", str(tmp_path)]), WorkerOptions)
+    assert engine_config(static).scheduler.token_budget.mode == "static"

@@ -429,3 +429,54 @@ def test_pods_carry_scrape_annotations_unless_turned_off() -> None:
     off = with_patch(pool("disaggregated"), {"monitoring": {"scrapeAnnotations": False}})
     template = by_key(rendered(off))[("Deployment", "llama-pd-decode")]["spec"]["template"]
     assert "prometheus.io/scrape" not in template["metadata"]["annotations"]
+
+
+def test_adaptive_token_budget_reaches_the_worker_with_the_slo_as_target() -> None:
+    p = with_patch(
+        pool("disaggregated"),
+        {"decode": {"engine": {"tokenBudget": {"mode": "adaptive", "min": 64, "max": 1024}}}},
+    )
+    args = render.worker_args("llama-pd", p.spec, "decode", host="0.0.0.0", port=8000)
+    assert flag(args, "--token-budget") == "adaptive"
+    assert flag(args, "--target-itl-ms") == "50"  # spec.slo.itl: 0.05 s
+    assert (flag(args, "--min-budget"), flag(args, "--max-budget")) == ("64", "1024")
+    # The prefill pool keeps its static budget; the target only counts overruns there.
+    prefill = render.worker_args("llama-pd", p.spec, "prefill", host="0.0.0.0", port=8000)
+    assert "--token-budget" not in prefill and flag(prefill, "--target-itl-ms") == "50"
+
+
+def test_a_role_target_overrides_the_slo_and_no_target_renders_none() -> None:
+    own = with_patch(
+        pool("disaggregated"),
+        {"decode": {"engine": {"tokenBudget": {"mode": "adaptive", "targetItlMs": 72.5}}}},
+    )
+    args = render.worker_args("llama-pd", own.spec, "decode", host="0.0.0.0", port=8000)
+    assert flag(args, "--target-itl-ms") == "72.5" and "--max-budget" not in args
+    tiny = render.worker_args("tiny", pool("tiny-colocated").spec, "decode", host="h", port=1)
+    assert "--target-itl-ms" not in tiny and "--token-budget" not in tiny
+
+
+def test_adaptive_worker_args_parse_with_the_worker_command() -> None:
+    from pdserve.cli.options import options_from
+    from pdserve.workers.server import cli as server_cli
+    from pdserve.workers.server.options import WorkerOptions
+
+    parser = argparse.ArgumentParser()
+    server_cli.register(parser.add_subparsers())
+    p = with_patch(
+        pool("tiny-colocated"),
+        {"decode": {"engine": {"tokenBudget": {"mode": "adaptive", "targetItlMs": 80}}}},
+    )
+    args = render.worker_args("tiny", p.spec, "decode", host="0.0.0.0", port=8000)
+    options = options_from(parser.parse_args(args), WorkerOptions)
+    assert (options.token_budget, options.target_itl_ms, options.min_budget) == ("adaptive", 80, 32)
+
+
+def test_the_worker_and_the_crd_default_to_the_same_token_budget() -> None:
+    from pdserve.workers.server.options import WorkerOptions
+
+    defaults = {field.name: field.default for field in dataclasses.fields(WorkerOptions)}
+    spec = api.TokenBudgetSpec()
+    assert defaults["token_budget"] == spec.mode == "static"
+    assert defaults["min_budget"] == spec.min_budget
+    assert defaults["max_budget"] is spec.max_budget is None

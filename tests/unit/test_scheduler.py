@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pdserve.workers.engine.budget import BatchShape, BudgetPolicy, PrefillWork
 from pdserve.workers.engine.config import SchedulerConfig
 from pdserve.workers.engine.kv_cache import BlockPool, KVCacheManager
 from pdserve.workers.engine.request import Request
@@ -11,11 +12,18 @@ from pdserve.workers.engine.scheduler import Scheduler, SchedulerOutput
 PARAMS = SamplingParams(max_tokens=100, temperature=0.0)
 
 
-def make(budget: int = 16, blocks: int = 64, chunked: bool = True, seqs: int = 8) -> Scheduler:
+def make(
+    budget: int = 16,
+    blocks: int = 64,
+    chunked: bool = True,
+    seqs: int = 8,
+    policy: BudgetPolicy | None = None,
+) -> Scheduler:
     config = SchedulerConfig(
         max_num_batched_tokens=budget, max_num_seqs=seqs, enable_chunked_prefill=chunked
     )
-    return Scheduler(config, KVCacheManager(BlockPool(blocks), block_size=4), max_model_len=1000)
+    cache = KVCacheManager(BlockPool(blocks), block_size=4)
+    return Scheduler(config, cache, max_model_len=1000, policy=policy)
 
 
 def request(name: str, length: int, arrival: float) -> Request:
@@ -83,3 +91,44 @@ def test_preemption_takes_the_latest_arrival_and_requeues_it_first() -> None:
     assert [r.request_id for r in scheduler.waiting][:1] == ["new"]
     assert scheduler.waiting[0].output_token_ids == [7, 7]  # produced tokens are kept
     assert scheduler.num_preemptions == 1
+
+
+class ScriptedBudget:
+    """A budget policy that hands out the budgets it is given and keeps what it saw."""
+
+    def __init__(self, *budgets: int) -> None:
+        self.budgets = list(budgets)
+        self.shapes: list[BatchShape] = []
+
+    def budget(self, shape: BatchShape) -> int:
+        self.shapes.append(shape)
+        return self.budgets.pop(0)
+
+    def step_ended(self, at: float | None) -> None:
+        pass
+
+
+def test_each_step_takes_its_budget_from_the_policy() -> None:
+    policy = ScriptedBudget(6, 3, 20, 20)
+    scheduler = make(budget=16, seqs=2, policy=policy)
+    scheduler.add(request("short", 6, 0.0))
+    # Other tokens than the short prompt's: no prefix cache hit.
+    scheduler.add(Request("long", list(range(100, 140)), PARAMS, arrival_time=1.0))
+    scheduler.add(request("third", 5, 2.0))
+    sizes = []
+    for _ in range(4):
+        step = scheduler.schedule()
+        sizes.append([(c.request.request_id, c.num_tokens) for c in step.chunks])
+        assert step.num_tokens <= step.token_budget
+        finish_step(scheduler, step)
+    assert sizes == [
+        [("short", 6)],
+        [("short", 1), ("long", 2)],  # decodes first, the prompt gets what is left
+        [("short", 1), ("long", 19)],  # 20 asked; seats are full, "third" waits
+        [("short", 1), ("long", 19)],
+    ]
+    # What the policy saw before each step: the decodes, then the prompts in order
+    # (waiting ones only while seats are free).
+    assert policy.shapes[0] == BatchShape(0, 0, (PrefillWork(0, 6), PrefillWork(0, 40)))
+    assert policy.shapes[1] == BatchShape(1, 7, (PrefillWork(0, 40),))
+    assert policy.shapes[2] == BatchShape(1, 8, (PrefillWork(2, 38),))

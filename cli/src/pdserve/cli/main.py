@@ -19,6 +19,8 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from pdserve.cli.options import OptionError
+
 Handler = Callable[[argparse.Namespace], int]
 
 
@@ -103,6 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Handler = args.handler
     try:
         return handler(args)
+    except OptionError as error:
+        print(f"pdserve {args.command}: error: {error}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

@@ -47,11 +47,13 @@ MAX_POOL_NAME = 50
 GPU_RESOURCE = "nvidia.com/gpu"
 
 Role = Literal["prefill", "decode"]
+ROLES: tuple[Role, ...] = ("prefill", "decode")
 WorkerRole = Literal["prefill", "decode", "both"]
 Dtype = Literal["float32", "float16", "bfloat16"]
 KvCacheDtype = Literal["auto", "float32", "float16", "bfloat16"]
 TransferBackend = Literal["nixl", "torch"]
 FailurePolicy = Literal["recompute", "fail"]
+BudgetMode = Literal["static", "adaptive"]
 RoutingMode = Literal["colocated", "disaggregated"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer"]
@@ -170,6 +172,34 @@ BATCH_HOLDS_SEQS = Rule(
     "a token every step)",
     ".maxNumBatchedTokens",
 )
+BUDGET_FLOOR_UNDER_CEILING = Rule(
+    "!has(self.tokenBudget) || (has(self.tokenBudget.max)"
+    " ? self.tokenBudget.min <= self.tokenBudget.max"
+    " : self.tokenBudget.mode != 'adaptive' || self.tokenBudget.min <= self.maxNumBatchedTokens)",
+    "tokenBudget.min must not exceed tokenBudget.max (default: maxNumBatchedTokens)",
+    ".tokenBudget.min",
+)
+
+
+def _adaptive_needs_target(role: Role) -> Rule:
+    """A role's adaptive token budget needs a target: its own, or the pool's ITL SLO."""
+    budget = f"self.{role}.engine.tokenBudget"
+    return Rule(
+        f"!has(self.{role}) || !has(self.{role}.engine) || !has({budget})"
+        f" || {budget}.mode != 'adaptive' || has({budget}.targetItlMs)"
+        " || (has(self.slo) && has(self.slo.itl))",
+        f"{role}.engine.tokenBudget: mode adaptive needs targetItlMs, or an ITL target in "
+        "spec.slo.itl",
+        f".{role}.engine.tokenBudget",
+    )
+
+
+PREFILL_BUDGET_NEEDS_TARGET = _adaptive_needs_target("prefill")
+DECODE_BUDGET_NEEDS_TARGET = _adaptive_needs_target("decode")
+BUDGET_NEEDS_TARGET: dict[Role, Rule] = {
+    "prefill": PREFILL_BUDGET_NEEDS_TARGET,
+    "decode": DECODE_BUDGET_NEEDS_TARGET,
+}
 GPUS_BY_FIELD = Rule(
     "!has(self.resources)"
     f" || ((!has(self.resources.limits) || !('{GPU_RESOURCE}' in self.resources.limits))"
@@ -251,10 +281,45 @@ class KvCacheSpec(ApiModel):
     dtype: KvCacheDtype = Field(default="auto", description="KV cache dtype (auto: the model's).")
 
 
+class TokenBudgetSpec(ApiModel):
+    """How each engine step's token budget is chosen."""
+
+    mode: BudgetMode = Field(
+        default="static",
+        description="static: every step may compute maxNumBatchedTokens tokens; adaptive: "
+        "each step gets the most prefill tokens whose predicted time keeps the running "
+        "streams' inter-token latency under targetItlMs.",
+    )
+    target_itl_ms: float | None = Field(
+        default=None,
+        gt=0,
+        le=3_600_000,
+        description="Inter-token latency target in milliseconds (default: spec.slo.itl). "
+        "In static mode it only counts the steps over it.",
+    )
+    min_budget: int = Field(
+        default=32,
+        ge=1,
+        le=1 << 20,
+        alias="min",
+        description="Adaptive: prefill tokens every step gives while a prompt waits, "
+        "whatever the target (no prompt starves).",
+    )
+    max_budget: int | None = Field(
+        default=None,
+        ge=1,
+        le=1 << 20,
+        alias="max",
+        description="Adaptive: most tokens in a step (default: maxNumBatchedTokens).",
+    )
+
+
 class EngineSettings(ApiModel):
     """Engine settings of one role's workers."""
 
-    model_config = ConfigDict(json_schema_extra=cel(KV_SIZE_ONCE, BATCH_HOLDS_SEQS))
+    model_config = ConfigDict(
+        json_schema_extra=cel(KV_SIZE_ONCE, BATCH_HOLDS_SEQS, BUDGET_FLOOR_UNDER_CEILING)
+    )
 
     max_num_batched_tokens: int = Field(
         default=2048, ge=1, le=1 << 20, description="Token budget of one engine step (chunk size)."
@@ -264,6 +329,21 @@ class EngineSettings(ApiModel):
     kv_cache_memory: Quantity | None = Field(
         default=None, description="KV cache size in bytes, e.g. 4Gi (instead of numKvBlocks)."
     )
+    token_budget: TokenBudgetSpec = TokenBudgetSpec()
+
+    # max_num_batched_tokens is validated first: it is in info.data if it was valid.
+    @field_validator("token_budget")
+    @classmethod
+    def _check_budget(cls, budget: TokenBudgetSpec, info: ValidationInfo) -> TokenBudgetSpec:
+        if budget.max_budget is not None:
+            ceiling = budget.max_budget
+        elif budget.mode == "adaptive" and "max_num_batched_tokens" in info.data:
+            ceiling = info.data["max_num_batched_tokens"]
+        else:
+            return budget
+        if budget.min_budget > ceiling:
+            raise refuse(BUDGET_FLOOR_UNDER_CEILING)
+        return budget
 
     @model_validator(mode="after")
     def _check(self) -> EngineSettings:
@@ -570,7 +650,12 @@ class ServingPoolSpec(ApiModel):
     """A model served by prefill and decode workers behind a router."""
 
     model_config = ConfigDict(
-        json_schema_extra=cel(DISAGGREGATED_NEEDS_PREFILL, AUTOSCALING_NEEDS_SLO)
+        json_schema_extra=cel(
+            DISAGGREGATED_NEEDS_PREFILL,
+            AUTOSCALING_NEEDS_SLO,
+            PREFILL_BUDGET_NEEDS_TARGET,
+            DECODE_BUDGET_NEEDS_TARGET,
+        )
     )
 
     model: ModelSpec
@@ -611,6 +696,16 @@ class ServingPoolSpec(ApiModel):
             raise refuse(AUTOSCALING_NEEDS_SLO)
         return autoscaling
 
+    @model_validator(mode="after")
+    def _check_budget_targets(self) -> ServingPoolSpec:
+        for role in ROLES:
+            workers = self.pool(role)
+            if workers is None or workers.engine.token_budget.mode != "adaptive":
+                continue
+            if self.target_itl_ms(role) is None:
+                raise refuse(BUDGET_NEEDS_TARGET[role])
+        return self
+
     def worker_role(self, role: Role) -> WorkerRole:
         """The `--role` a pool's workers run: decode prefills too unless prefill exists."""
         if role == "decode" and self.prefill is None:
@@ -620,6 +715,15 @@ class ServingPoolSpec(ApiModel):
     def pool(self, role: Role) -> WorkerPool | None:
         """The worker pool of a role (None: the pool has no such role)."""
         return self.prefill if role == "prefill" else self.decode
+
+    def target_itl_ms(self, role: Role) -> float | None:
+        """A role's ITL target: its token budget's own, else the pool's ITL SLO."""
+        workers = self.pool(role)
+        if workers is not None and workers.engine.token_budget.target_itl_ms is not None:
+            return workers.engine.token_budget.target_itl_ms
+        if self.slo is not None and self.slo.itl is not None:
+            return self.slo.itl.seconds * 1000.0
+        return None
 
 
 # --- status --------------------------------------------------------------------------

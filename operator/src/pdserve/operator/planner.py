@@ -40,7 +40,7 @@ Direction = Literal["up", "down", "none"]
 
 # Batch slots a decode worker may fill before it counts as saturated.
 BATCH_FULL = 0.9
-ROLES: tuple[api.Role, ...] = ("prefill", "decode")
+ROLES = api.ROLES
 History = tuple[tuple[float, int], ...]  # (time, recommended replicas), oldest first
 
 

@@ -48,7 +48,7 @@ ROUTING_HASH_ANNOTATION = "pdserve.dev/routing-hash"
 POOL_LABEL = "pdserve.dev/pool"
 MANAGER = "pdserve-operator"
 RUN_AS = 1000
-ROLES: tuple[api.Role, ...] = ("prefill", "decode")
+ROLES = api.ROLES
 # A deleted worker pod keeps serving this long before it is told to stop: its endpoint
 # is gone from the EndpointSlice at once, and the router's watch needs a moment.
 PRE_STOP_SECONDS = 5
@@ -128,6 +128,7 @@ def worker_args(
         args += ["--kv-cache-dtype", cache.dtype]
     args += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
     args += ["--max-num-seqs", str(engine.max_num_seqs)]
+    args += token_budget_args(spec, role)
     if engine.num_kv_blocks is not None:
         args += ["--num-kv-blocks", str(engine.num_kv_blocks)]
     if engine.kv_cache_memory is not None:
@@ -136,6 +137,21 @@ def worker_args(
         args += ["--kv-transfer", spec.kv_transfer.backend]
         args += ["--transfer-failure-policy", spec.kv_transfer.failure_policy]
     args += ["--drain-timeout", str(workers.drain_seconds)]
+    return args
+
+
+def token_budget_args(spec: api.ServingPoolSpec, role: api.Role) -> list[str]:
+    """The token budget flags of a role's workers. The ITL target (the role's own, else
+    the pool's ITL SLO) goes to static workers too: they count the steps over it."""
+    workers = spec.pool(role)
+    assert workers is not None, f"no {role} pool"
+    budget = workers.engine.token_budget
+    target = spec.target_itl_ms(role)
+    args = [] if target is None else ["--target-itl-ms", f"{round(target, 3):g}"]
+    if budget.mode == "adaptive":
+        args += ["--token-budget", "adaptive", "--min-budget", str(budget.min_budget)]
+        if budget.max_budget is not None:
+            args += ["--max-budget", str(budget.max_budget)]
     return args
 
 

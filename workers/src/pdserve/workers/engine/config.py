@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -143,6 +143,44 @@ class CacheConfig:
         return 8 * -(-model.max_position_embeddings // self.block_size)
 
 
+BudgetMode = Literal["static", "adaptive"]
+BUDGET_MODES: tuple[BudgetMode, ...] = ("static", "adaptive")
+DEFAULT_MIN_BUDGET = 32
+
+
+@dataclass(frozen=True)
+class TokenBudgetConfig:
+    """How each step's token budget is chosen.
+
+    static: every step may compute `max_num_batched_tokens` tokens. adaptive: each
+    step gets the most prefill tokens whose predicted time keeps the running decodes'
+    inter-token latency under `target_itl_s`, at least `min_budget` prefill tokens
+    while a prompt waits (no prompt starves) and at most `max_budget` tokens in all
+    (None: `max_num_batched_tokens`). A target given in static mode only counts the
+    steps that overran it.
+    """
+
+    mode: BudgetMode = "static"
+    target_itl_s: float | None = None
+    min_budget: int = DEFAULT_MIN_BUDGET
+    max_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in BUDGET_MODES:
+            raise ConfigError(f"unknown token budget mode {self.mode!r}; known: static, adaptive")
+        if self.target_itl_s is not None and not self.target_itl_s > 0:
+            raise ConfigError(f"the ITL target must be positive, got {self.target_itl_s}")
+        if self.mode == "adaptive" and self.target_itl_s is None:
+            raise ConfigError("an adaptive token budget needs an ITL target")
+        if self.min_budget < 1 or (self.max_budget is not None and self.max_budget < 1):
+            raise ConfigError("token budget bounds must be positive")
+        if self.max_budget is not None and self.min_budget > self.max_budget:
+            raise ConfigError(
+                f"the token budget's floor ({self.min_budget}) exceeds its ceiling "
+                f"({self.max_budget})"
+            )
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Token budget and batch limits of one engine step."""
@@ -150,6 +188,24 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
+    token_budget: TokenBudgetConfig = field(default_factory=TokenBudgetConfig)
+
+    def __post_init__(self) -> None:
+        budget = self.token_budget
+        if budget.mode != "adaptive":
+            return
+        if not self.enable_chunked_prefill:
+            raise ConfigError("an adaptive token budget needs chunked prefill")
+        if budget.min_budget > self.budget_ceiling:
+            raise ConfigError(
+                f"the token budget's floor ({budget.min_budget}) exceeds its ceiling "
+                f"({self.budget_ceiling})"
+            )
+
+    @property
+    def budget_ceiling(self) -> int:
+        """The most tokens an adaptive step computes."""
+        return self.token_budget.max_budget or self.max_num_batched_tokens
 
 
 @dataclass(frozen=True)

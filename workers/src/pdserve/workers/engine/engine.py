@@ -8,6 +8,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from pdserve.workers.engine.budget import budget_policy
+from pdserve.workers.engine.canary import KVCanary, pattern_from_environment
 from pdserve.workers.engine.config import EngineConfig, ModelConfig
 from pdserve.workers.engine.kv_cache import BlockPool, KVCacheManager
 from pdserve.workers.engine.leases import LeaseBook, LeaseError, Reservation
@@ -16,6 +18,7 @@ from pdserve.workers.engine.runner import ModelRunner, resolve_kv_dtype
 from pdserve.workers.engine.sampling import InvalidRequestError, SamplingParams
 from pdserve.workers.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.workers.engine.stats import FinishedRequest, RequestOutput, StepStats
+from pdserve.workers.engine.step_cost import StepCostModel, StepFeatures
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +45,24 @@ class LLMEngine:
         itemsize = resolve_kv_dtype(config, self.model_config).itemsize
         self.num_blocks = cache.resolve_num_blocks(self.model_config, itemsize)
         self.runner = ModelRunner(config, self.model_config, self.num_blocks, self.block_size)
+        pattern = pattern_from_environment()
+        self.canary = None if pattern is None else KVCanary(self.runner.kv_cache, pattern)
+        if self.canary is not None:
+            log.warning("KV canary on: free blocks hold %s until handed out", pattern)
+            self.canary.freed(range(self.num_blocks))
         self.kv_cache = KVCacheManager(
-            BlockPool(self.num_blocks, cache.enable_prefix_caching), self.block_size
+            BlockPool(self.num_blocks, cache.enable_prefix_caching, self.canary), self.block_size
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
+        # The cost model learns in every mode: its metrics show a static pool what an
+        # adaptive budget would believe.
+        self.step_cost = StepCostModel()
+        self.budget_policy = budget_policy(config.scheduler, self.max_model_len, self.step_cost)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_cache, self.max_model_len, self.budget_policy
+        )
+        self.target_itl_s = config.scheduler.token_budget.target_itl_s
+        # When the last step ended, if requests were still running: their last tokens.
+        self._last_busy_end: float | None = None
         self.leases = LeaseBook(self.kv_cache)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self._requests: dict[str, Request] = {}
@@ -117,10 +134,13 @@ class LLMEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         lease_s: float,
+        margin_s: float = 0.0,
     ) -> Reservation | None:
         """Decode side: reserve blocks for a prompt a prefill worker will compute.
-        Blocks already here (prefix cache) are kept and need no transfer. None when
-        the cache has no room now."""
+        Blocks already here (prefix cache) are kept and need no transfer. The blocks
+        can be adopted for `lease_s` seconds and stay allocated `margin_s` longer
+        unless released (a late write must not land in freed blocks). None when the
+        cache has no room now."""
         request = self._new_request(request_id, prompt_token_ids, params)
         cached = self.kv_cache.find_cached_prefix(request_id, request.prompt_token_ids)
         if not self.kv_cache.allocate(request_id, request.num_prompt_tokens):
@@ -128,22 +148,30 @@ class LLMEngine:
             self._forget(request)
             return None
         request.num_cached_tokens = cached
-        self.leases.hold(request, lease_s)
+        lease = self.leases.hold(request, lease_s, margin_s)
         first_block = cached // self.block_size
-        assert request.lease_deadline is not None
         return Reservation(
             request_id=request_id,
             block_ids=self.kv_cache.block_table(request_id)[first_block:],
             first_block=first_block,
             num_cached_tokens=cached,
-            deadline=request.lease_deadline,
+            deadline=lease.deadline,
+            hold_until=lease.hold_until,
         )
 
     def adopt(self, request_id: str, first_token: int) -> RequestOutput:
-        """Decode side: the reserved blocks now hold the prompt's KV; continue the
-        request from the first token as if it had been prefilled here. Raises
-        LeaseError if the reservation is gone (expired or released)."""
-        request = self.leases.take(request_id)
+        """Decode side: the reserved blocks now hold the prompt's KV (the write is
+        over); continue the request from the first token as if it had been prefilled
+        here. If the lease is gone (LeaseError) or the token is not in the vocabulary
+        (InvalidRequestError), the blocks are freed and the request ends."""
+        vocab = self.model_config.vocab_size
+        try:
+            if not 0 <= first_token < vocab:
+                raise InvalidRequestError(f"first token {first_token} not in [0, {vocab})")
+            request = self.leases.take(request_id)
+        except (LeaseError, InvalidRequestError):
+            self.release(request_id)
+            raise
         request.num_computed_tokens = request.num_prompt_tokens
         request.first_scheduled_time = time.monotonic()
         self.kv_cache.cache_full_blocks(
@@ -166,13 +194,14 @@ class LLMEngine:
         return self.kv_cache.block_table(request_id)
 
     def release(self, request_id: str) -> None:
-        """Either side: end a hand-off's lease and free its blocks."""
+        """Either side: end a hand-off's lease and free its blocks now (on the decode
+        side: once no write into them can still be running)."""
         request = self.leases.release(request_id)
         if request is not None:
             self._forget(request)
 
     def expire_leases(self) -> int:
-        """Free blocks whose lease ran out; the number of leases that expired."""
+        """Free blocks held past their lease and its margin; how many leases ended."""
         expired = self.leases.expire()
         for request in expired:
             self._forget(request)
@@ -218,9 +247,36 @@ class LLMEngine:
         newly_scheduled = list(self.scheduler.waiting)
         output = self.scheduler.schedule()
         queries, hits = _prefix_lookups(newly_scheduled, output.chunks)
+        features = StepFeatures.of(output.chunks)
+        predicted = self.step_cost.predict(features)
         sampled = self.runner.execute(output, self.kv_cache.block_table) if output.chunks else []
         self.scheduler.update(output)
         now = time.monotonic()
+        if output.chunks:
+            self.step_cost.update(features, now - started)
+        outputs, finished = self._take_sampled(sampled, now)
+        interval = now - (self._last_busy_end or started)
+        self._last_busy_end = now if self.has_unfinished() else None
+        self.budget_policy.step_ended(self._last_busy_end)
+        stats = self._stats(
+            now,
+            duration_s=now - started,
+            num_tokens=output.num_tokens,
+            num_decode_tokens=sum(1 for c in output.chunks if not c.is_prefill),
+            num_prefill_chunks=output.num_prefill_chunks,
+            num_preemptions=len(output.preempted),
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            token_budget=output.token_budget,
+            predicted_duration_s=predicted,
+            over_target=self._over_target(features, interval),
+        )
+        return StepResult(outputs, stats, finished)
+
+    def _take_sampled(
+        self, sampled: list[tuple[Request, int]], now: float
+    ) -> tuple[list[RequestOutput], list[FinishedRequest]]:
+        """Append each sampled token to its request and end the requests that stop."""
         outputs, finished = [], []
         for request, token in sampled:
             request.output_token_ids.append(token)
@@ -233,17 +289,12 @@ class LLMEngine:
                 else:
                     self._forget(request)
             outputs.append(self._output(request, (token,), now))
-        stats = self._stats(
-            now,
-            duration_s=now - started,
-            num_tokens=output.num_tokens,
-            num_decode_tokens=sum(1 for c in output.chunks if not c.is_prefill),
-            num_prefill_chunks=output.num_prefill_chunks,
-            num_preemptions=len(output.preempted),
-            prefix_cache_queries=queries,
-            prefix_cache_hits=hits,
-        )
-        return StepResult(outputs, stats, finished)
+        return outputs, finished
+
+    def _over_target(self, features: StepFeatures, interval: float) -> bool:
+        """Whether the step's decodes waited longer than the ITL target for its tokens."""
+        target = self.target_itl_s
+        return target is not None and features.decode_tokens > 0 and interval > target
 
     def snapshot(self) -> StepResult:
         """The engine's state without running a step (after aborts, while idle)."""
@@ -266,6 +317,7 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.kv_cache.pool.usage,
             leases_expired_total=self.leases.num_expired,
+            step_cost=self.step_cost.estimate(),
             **counters,  # type: ignore[arg-type]
         )
 

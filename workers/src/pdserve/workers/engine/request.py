@@ -42,10 +42,9 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
-    # P/D hand-off: a prefill worker's request keeps its blocks when it finishes
-    # (until they are sent), and both sides' held blocks expire at this deadline.
+    # P/D hand-off: a prefill worker's request keeps its blocks when it finishes,
+    # under a lease (see leases.py), until they are sent.
     hold_blocks: bool = False
-    lease_deadline: float | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

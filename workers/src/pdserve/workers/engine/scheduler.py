@@ -9,7 +9,8 @@ the most recently arrived running request is preempted: its blocks are freed and
 is computed again later (recompute), keeping the tokens it already produced.
 
 With chunking disabled a prompt is prefilled in one step or waits, which is the
-baseline that shows what chunking buys.
+baseline that shows what chunking buys. The budget itself comes from a policy
+(`budget`): fixed, or chosen each step from the ITL target.
 """
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 
+from pdserve.workers.engine.budget import (
+    BatchShape,
+    BudgetPolicy,
+    PrefillWork,
+    StaticBudget,
+    static_budget,
+)
 from pdserve.workers.engine.config import SchedulerConfig
 from pdserve.workers.engine.kv_cache import KVCacheManager
 from pdserve.workers.engine.request import FinishReason, Request, RequestStatus
@@ -46,10 +55,12 @@ class ScheduledChunk:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """One step's work: the chunks to run (decodes first) and who was preempted."""
+    """One step's work: the chunks to run (decodes first), who was preempted, and
+    the token budget the step was given."""
 
     chunks: tuple[ScheduledChunk, ...]
     preempted: tuple[Request, ...]
+    token_budget: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -63,19 +74,19 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Decides what each engine step computes."""
+    """Decides what each engine step computes, under the budget `policy` gives each
+    step (default: the static budget of `config`)."""
 
     def __init__(
-        self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        max_model_len: int,
+        policy: BudgetPolicy | None = None,
     ) -> None:
         self.config = config
         self.kv_cache = kv_cache
-        # Without chunking a whole prompt must fit in one step's budget.
-        self.token_budget = (
-            config.max_num_batched_tokens
-            if config.enable_chunked_prefill
-            else max(config.max_num_batched_tokens, max_model_len)
-        )
+        self.policy = policy or StaticBudget(static_budget(config, max_model_len))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -96,7 +107,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's chunks."""
-        budget = self.token_budget
+        budget = token_budget = self.policy.budget(self._shape())
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
         # Decodes first, then prompts already under way, each group in arrival order.
@@ -112,7 +123,21 @@ class Scheduler:
             budget -= num_tokens
         if not preempted:
             budget = self._schedule_waiting(budget, chunks)
-        return SchedulerOutput(tuple(chunks), tuple(preempted))
+        return SchedulerOutput(tuple(chunks), tuple(preempted), token_budget)
+
+    def _shape(self) -> BatchShape:
+        """The decodes and the prompts awaiting prefill, as `schedule` will take them
+        (only as many waiting prompts as there are free seats)."""
+        decodes = [r.num_tokens for r in self.running if not r.is_prefilling]
+        prefilling = sorted(
+            (r for r in self.running if r.is_prefilling), key=lambda r: r.arrival_time
+        )
+        seats = max(0, self.config.max_num_seqs - len(self.running))
+        queued = [*prefilling, *islice(self.waiting, seats)]
+        prefills = tuple(
+            PrefillWork(r.num_computed_tokens, r.num_tokens - r.num_computed_tokens) for r in queued
+        )
+        return BatchShape(len(decodes), max(decodes, default=0), prefills)
 
     def _allocate_or_preempt(
         self,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.workers.engine.request import FinishReason
+from pdserve.workers.engine.step_cost import StepCostEstimate
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,12 @@ class StepStats:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache this step
     prefix_cache_hits: int  # of which found
     leases_expired_total: int  # hand-off leases that ran out, since start
+    token_budget: int = 0  # tokens the step was allowed to compute
+    predicted_duration_s: float = 0.0  # the step-cost model's prediction for this step
+    # The step's decodes waited longer than the ITL target for its tokens (since the
+    # previous step ended: the gap between tokens a client sees, less the network).
+    over_target: bool = False
+    step_cost: StepCostEstimate | None = None  # what the step-cost model believes now
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,9 @@
 """The hand-off's HTTP bodies. The decode worker drives: it connects to a prefill
 worker once (`/pd/connect`), then asks it to prefill a prompt into blocks it
-reserved (`/pd/prefill`)."""
+reserved (`/pd/prefill`), and withdraws a hand-off it no longer wants
+(`/pd/cancel`). Each side validates what the other sends: the prefill worker's
+answers are parsed strictly (no coercion, no extra fields, finite numbers), and the
+decode worker checks them against what it asked for (see decode.py)."""
 
 from __future__ import annotations
 
@@ -18,10 +21,13 @@ class _Body(BaseModel):
 
 
 class ConnectRequest(_Body):
-    """Decode -> prefill: meet, over the pair id the decode worker chose."""
+    """Decode -> prefill: meet, over the pair id the decode worker chose; `replaces`
+    names the pair it met this prefill worker under before and has dropped since
+    (a broken connection), which the prefill worker drops too."""
 
     peer: str = Field(min_length=1, max_length=128)
     metadata: dict[str, Any]
+    replaces: str | None = Field(default=None, min_length=1, max_length=128)
 
 
 class ConnectAnswer(_Body):
@@ -80,11 +86,33 @@ class PrefillRequest(_Body):
     lease_ms: int = Field(gt=0)  # how long the decode worker holds the blocks
 
 
-class PrefillAnswer(_Body):
+class _Answer(_Body):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class PrefillAnswer(_Answer):
     """Prefill -> decode: the first token; the blocks hold the prompt's KV."""
 
-    first_token: int
-    bytes: int
-    transfer_seconds: float
-    descriptors: int
-    prefill_seconds: float
+    first_token: int = Field(ge=0)
+    blocks: int = Field(ge=0)  # blocks written, all those the decode worker named
+    bytes: int = Field(ge=0)
+    transfer_seconds: float = Field(ge=0)
+    descriptors: int = Field(ge=0)
+    prefill_seconds: float = Field(ge=0)
+
+
+class CancelRequest(_Body):
+    """Decode -> prefill: the decode worker no longer wants this hand-off (its
+    client left, or its lease ran out). The block ids let the prefill worker complete
+    receives the decode worker posted for it, if it had not started writing."""
+
+    peer: str = Field(min_length=1, max_length=128)
+    request_id: str = Field(min_length=1, max_length=256)
+    block_ids: list[int]
+
+
+class CancelAnswer(_Answer):
+    """Prefill -> decode: whether the hand-off's write has stopped for good (nothing
+    more of it lands in the decode worker's blocks)."""
+
+    stopped: bool

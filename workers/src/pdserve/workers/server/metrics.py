@@ -12,6 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.workers.api_errors import APIError
 from pdserve.workers.engine.engine import StepResult
+from pdserve.workers.engine.step_cost import StepCostEstimate
+from pdserve.workers.handoff.errors import known_code
 from pdserve.workers.kv_transfer.base import TransferStats
 
 # Latency buckets in seconds: fine below 100 ms where ITL lives, coarse up to minutes.
@@ -20,6 +22,15 @@ LATENCY_BUCKETS = (
     0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# The step-cost model's terms, each a gauge pdserve_engine_step_cost_<term>_seconds.
+STEP_COST_TERMS = {
+    "base": "Step-cost model: seconds every step costs.",
+    "per_decode_token": "Step-cost model: seconds per decode token.",
+    "per_prefill_token": "Step-cost model: seconds per prefill token.",
+    "per_decode_key": "Step-cost model: seconds per cached token a decode attends to.",
+    "per_prefill_key": "Step-cost model: seconds per (prefill token, cached token) pair.",
+    "margin": "Step-cost model: safety margin learned from its prediction errors.",
+}
 # Input-length buckets (prompt tokens) for per-bucket latencies.
 INPUT_LENGTH_BUCKETS = (256, 1024, 4096)
 
@@ -100,12 +111,6 @@ class WorkerMetrics:
             "pdserve_engine_step_tokens", "Tokens computed per engine step.",
             names, buckets=TOKEN_BUCKETS, registry=reg,
         )  # fmt: skip
-        self.token_budget = Gauge(
-            "pdserve_engine_token_budget",
-            "Tokens one engine step may compute (--max-num-batched-tokens; without "
-            "chunked prefill at least the model's context length).",
-            names, registry=reg,
-        )  # fmt: skip
         self.step_duration = Histogram(
             "pdserve_engine_step_duration_seconds", "Duration of engine steps.",
             names, buckets=LATENCY_BUCKETS, registry=reg,
@@ -143,7 +148,14 @@ class WorkerMetrics:
             (*names, "reason"), registry=reg,
         )  # fmt: skip
         self.leases_expired = Counter(
-            "pdserve_kv_leases_expired_total", "Hand-off leases that ran out (blocks freed).",
+            "pdserve_kv_leases_expired_total",
+            "Hand-off leases that ran out before their blocks were adopted.",
+            names, registry=reg,
+        )  # fmt: skip
+        self.transfer_peers = Gauge(
+            "pdserve_kv_transfer_peers",
+            "Peers the KV transfer agent holds connections to (torch: pairs; NIXL: "
+            "decode agents loaded by a prefill worker).",
             names, registry=reg,
         )  # fmt: skip
         self.kv_wait = Histogram(
@@ -151,13 +163,33 @@ class WorkerMetrics:
             "Decode side: request arrival to its KV in place (prefill and transfer).",
             names, buckets=LATENCY_BUCKETS, registry=reg,
         )  # fmt: skip
+        self._add_budget_metrics(names)
         self._queries_seen = 0
         self._hits_seen = 0
         self._expired_seen = 0
 
-    def set_token_budget(self, tokens: int) -> None:
-        """Record the engine's token budget per step (fixed at start)."""
-        self.token_budget.labels(**self._labels).set(tokens)
+    def _add_budget_metrics(self, names: tuple[str, ...]) -> None:
+        """The token budget and what the step-cost model believes."""
+        reg = self.registry
+        self.token_budget = Histogram(
+            "pdserve_engine_token_budget", "Token budget given to engine steps that ran prefill.",
+            names, buckets=TOKEN_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.step_predicted = Histogram(
+            "pdserve_engine_step_predicted_duration_seconds",
+            "Duration the step-cost model predicted for each engine step "
+            "(compare pdserve_engine_step_duration_seconds).",
+            names, buckets=LATENCY_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.steps_over_target = Counter(
+            "pdserve_engine_steps_over_target_total",
+            "Engine steps whose decodes waited longer than the ITL target for their tokens.",
+            names, registry=reg,
+        )  # fmt: skip
+        self.step_cost = {
+            term: Gauge(f"pdserve_engine_step_cost_{term}_seconds", text, names, registry=reg)
+            for term, text in STEP_COST_TERMS.items()
+        }
 
     # -- engine side (called on the engine thread) -----------------------------
 
@@ -170,6 +202,13 @@ class WorkerMetrics:
         if stats.num_tokens:
             self.step_tokens.labels(**labels).observe(stats.num_tokens)
             self.step_duration.labels(**labels).observe(stats.duration_s)
+            self.step_predicted.labels(**labels).observe(stats.predicted_duration_s)
+        if stats.num_prefill_chunks:
+            self.token_budget.labels(**labels).observe(stats.token_budget)
+        if stats.over_target:
+            self.steps_over_target.labels(**labels).inc()
+        if stats.step_cost is not None:
+            self._record_step_cost(stats.step_cost)
         self.preemptions.labels(**labels).inc(stats.num_preemptions)
         self.prefill_chunks.labels(**labels).inc(stats.num_prefill_chunks)
         self.generation_tokens.labels(**labels).inc(len(result.outputs))
@@ -182,6 +221,10 @@ class WorkerMetrics:
                 self.queue_time.labels(**labels).observe(
                     done.first_scheduled_time - done.arrival_time
                 )
+
+    def _record_step_cost(self, estimate: StepCostEstimate) -> None:
+        for term, gauge in self.step_cost.items():
+            gauge.labels(**self._labels).set(getattr(estimate, f"{term}_s"))
 
     def _record_prefix(self, queries: int, hits: int) -> None:
         if not queries:
@@ -222,12 +265,16 @@ class WorkerMetrics:
         self.transfer_descriptors.labels(**self._labels).observe(stats.descriptors)
 
     def observe_transfer_failure(self, reason: str) -> None:
-        """Count a failed hand-off."""
-        self.transfer_failures.labels(**self._labels, reason=reason).inc()
+        """Count a failed hand-off (`reason`: one of the hand-off's known codes)."""
+        self.transfer_failures.labels(**self._labels, reason=known_code(reason)).inc()
 
     def observe_kv_wait(self, seconds: float) -> None:
         """Decode side: how long a request waited for its KV."""
         self.kv_wait.labels(**self._labels).observe(seconds)
+
+    def observe_peers(self, count: int) -> None:
+        """How many peers the transfer agent holds connections to now."""
+        self.transfer_peers.labels(**self._labels).set(count)
 
     def observe_error(self, error: APIError) -> None:
         """Count a request answered with an error status."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.cli.options import (
+    OptionError,
     non_negative_float,
     option,
     port_number,
@@ -17,6 +18,9 @@ from pdserve.cli.options import (
 )
 
 ROLES = ("both", "prefill", "decode")
+# As in pdserve.workers.engine.config; not imported, so `pdserve --help` loads no torch.
+BUDGET_MODES = ("static", "adaptive")
+DEFAULT_MIN_BUDGET = 32
 # The same default as the ServingPool's `spec.kvTransfer.backend`.
 DEFAULT_KV_TRANSFER = "nixl"
 KV_TRANSFER_BACKENDS = ("nixl", "torch")
@@ -25,6 +29,7 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 
 _ENGINE = "engine"
+_BUDGET = "token budget"
 _KV = "KV cache"
 _HANDOFF = "P/D hand-off (roles prefill and decode)"
 _LIMITS = "limits (past them a request gets a 4xx or 5xx with the reason)"
@@ -73,6 +78,26 @@ class WorkerOptions:
     no_chunked_prefill: bool = option(
         False, group=_ENGINE, help="prefill each prompt in one step (a baseline; ITL suffers)"
     )
+    token_budget: str = option(
+        "static", choices=BUDGET_MODES, group=_BUDGET,
+        help="static: every step may compute --max-num-batched-tokens tokens; adaptive: "
+        "each step gets the most prefill tokens whose predicted time keeps the running "
+        "streams' inter-token latency under --target-itl-ms",
+    )  # fmt: skip
+    target_itl_ms: float | None = option(
+        None, parse=positive_float, metavar="MS", group=_BUDGET,
+        help="inter-token latency target (adaptive: what the budget keeps; static: only "
+        "counts the steps over it)",
+    )  # fmt: skip
+    min_budget: int = option(
+        DEFAULT_MIN_BUDGET, parse=positive_int, metavar="N", group=_BUDGET,
+        help="adaptive: prefill tokens every step gives while a prompt waits, whatever the "
+        "target (no prompt starves)",
+    )  # fmt: skip
+    max_budget: int | None = option(
+        None, parse=positive_int, metavar="N", group=_BUDGET,
+        help="adaptive: most tokens in a step (default: --max-num-batched-tokens)",
+    )  # fmt: skip
     max_model_len: int | None = option(
         None, parse=positive_int, group=_ENGINE,
         help="longest prompt plus output, in tokens (default: the model's context)",
@@ -112,7 +137,8 @@ class WorkerOptions:
     )  # fmt: skip
     handoff_timeout: float = option(
         30.0, parse=positive_float, metavar="SECONDS", group=_HANDOFF,
-        help="lease on KV blocks held for a hand-off; a hand-off not done by then fails",
+        help="decode: lease on the KV blocks reserved for a hand-off (a hand-off not done "
+        "by then fails); prefill: the most a hand-off's prefill and write may take",
     )  # fmt: skip
     kv_transfer_host: str | None = option(
         None, group=_HANDOFF,
@@ -145,3 +171,29 @@ class WorkerOptions:
         "and their KV hand-offs finish for at most this long",
     )  # fmt: skip
     log_level: str = option("info", choices=("debug", "info", "warning", "error"), help="log level")
+
+    def __post_init__(self) -> None:
+        for problem in self._budget_problems():
+            raise OptionError(problem)
+
+    def _budget_problems(self) -> list[str]:
+        """What is wrong with the token budget flags taken together."""
+        problems = []
+        if self.max_budget is not None and self.min_budget > self.max_budget:
+            problems.append(
+                f"--min-budget ({self.min_budget}) must not exceed --max-budget ({self.max_budget})"
+            )
+        if self.token_budget != "adaptive":
+            return problems
+        if self.max_budget is None and self.min_budget > self.max_num_batched_tokens:
+            problems.append(
+                f"--min-budget ({self.min_budget}) must not exceed the ceiling, "
+                f"--max-budget (default: --max-num-batched-tokens, {self.max_num_batched_tokens})"
+            )
+        if self.target_itl_ms is None:
+            problems.append("--token-budget adaptive needs --target-itl-ms")
+        if self.no_chunked_prefill:
+            problems.append(
+                "--token-budget adaptive needs chunked prefill (drop --no-chunked-prefill)"
+            )
+        return problems

@@ -18,8 +18,10 @@ from pdserve.workers.engine.config import (
     ConfigError,
     EngineConfig,
     SchedulerConfig,
+    TokenBudgetConfig,
 )
 from pdserve.workers.engine.engine import LLMEngine
+from pdserve.workers.engine.identity import weights_digest
 from pdserve.workers.engine.sampling import SamplingParams
 from pdserve.workers.engine.tokenizer import Tokenizer
 from pdserve.workers.handoff.decode import DecodeHandoff
@@ -55,7 +57,19 @@ def engine_config(options: WorkerOptions) -> EngineConfig:
             max_num_batched_tokens=options.max_num_batched_tokens,
             max_num_seqs=options.max_num_seqs,
             enable_chunked_prefill=not options.no_chunked_prefill,
+            token_budget=token_budget_config(options),
         ),
+    )
+
+
+def token_budget_config(options: WorkerOptions) -> TokenBudgetConfig:
+    """How the engine chooses each step's token budget, from the worker's options."""
+    target_ms = options.target_itl_ms
+    return TokenBudgetConfig(
+        mode="adaptive" if options.token_budget == "adaptive" else "static",
+        target_itl_s=None if target_ms is None else target_ms / 1000.0,
+        min_budget=options.min_budget,
+        max_budget=options.max_budget,
     )
 
 
@@ -71,7 +85,6 @@ def build_server(options: WorkerOptions) -> WorkerServer:
     engine = LLMEngine(engine_config(options))
     tokenizer = Tokenizer.from_dir(options.model)
     metrics = WorkerMetrics(options.pool, options.role)
-    metrics.set_token_budget(engine.scheduler.token_budget)
     async_engine = AsyncEngine(engine, [metrics], queue_timeout_s=options.queue_timeout)
     model = ServedModel(
         name=options.served_model_name or options.model.resolve().name,
@@ -99,13 +112,15 @@ def _handoff_sides(
     from pdserve.workers.kv_transfer.factory import create_agent
 
     kv_cache = engine.engine.runner.kv_cache
+    layout = KVLayout.of(kv_cache, model=model_name, weights=weights_digest(options.model))
     agent = create_agent(
         options.kv_transfer,
         f"{options.role}-{uuid.uuid4().hex[:12]}",
         kv_cache,
-        KVLayout.of(kv_cache, model=model_name),
+        layout,
         host=options.kv_transfer_host or options.host,
     )
+    log.info("KV transfer agent %s over weights %s", agent.name, layout.weights)
     if options.role == "prefill":
         return None, PrefillService(engine, agent, metrics, options.handoff_timeout)
     handoff = DecodeHandoff(
@@ -145,6 +160,8 @@ async def run_server(server: WorkerServer, options: WorkerOptions) -> None:
     await runner.cleanup()
     if server.handoff is not None:
         await server.handoff.close()
+    if server.prefill is not None:
+        server.prefill.close()
     server.engine.stop()
 
 

@@ -1,0 +1,318 @@
+"""The adaptive token budget against every static budget of a sweep, under one ITL
+target, on the three workload shapes (short in/short out, long in/short out, long
+in/long out) and the mixed one, in one run; then a load step (the request rate
+doubled mid-run) and how many engine steps the ITL takes to come back under target.
+Run with `make bench`.
+
+The adaptive budget is judged against the best static budget of each shape: the one
+with the lowest median TTFT among those whose P99 ITL meets the target.
+"""
+
+from __future__ import annotations
+
+import csv
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pdserve.workers.bench.config import BenchConfig
+from pdserve.workers.bench.metrics import SLO, GroupMetrics, token_times
+from pdserve.workers.bench.runner import BenchResult, run_benchmark
+from pdserve.workers.bench.workloads import workload_named
+from pdserve.workers.engine.config import ModelConfig
+from support.results import publish
+from support.worker import ServerProcess, metric, running_worker
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400)]
+
+TARGET_ITL_MS = 200.0
+SWEEP = (64, 128, 256, 512, 1024, 2048)
+ADAPTIVE = "adaptive"
+# The adaptive budget may go as high as the sweep does.
+CEILING = SWEEP[-1]
+DURATION_S = 60.0
+# Long outputs take a while on two cores: let the last requests finish.
+DRAIN_S = 180.0
+# Goodput: requests whose TTFT and TPOT both meet their targets.
+SLO_TTFT_MS = 5000.0
+TTFT_TOLERANCE = 1.05  # "within 5% of the best static budget"
+STEPS = "pdserve_engine_step_duration_seconds_count"
+OVER_TARGET = "pdserve_engine_steps_over_target_total"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A workload shape and a request rate the tiny model on two cores keeps up with."""
+
+    name: str
+    workload: str
+    rate: float
+
+
+SHAPES = (
+    Shape("short-in/short-out", "chat", 1.0),
+    Shape("long-in/short-out", "rag", 0.25),
+    Shape("long-in/long-out", "long", 0.12),
+    Shape("mixed", "mixed", 0.75),
+)
+
+# The load step: the mixed shape at LOAD_RATE, then twice that from LOAD_STEP_AT_S on.
+LOAD_RATE = 0.5
+LOAD_STEP_AT_S = 30.0
+LOAD_DURATION_S = 60.0
+RECOVERY_WINDOW_STEPS = 100  # P99 under target: at most 1% of such a window's steps over
+WINDOW_S = 5.0
+
+
+@dataclass(frozen=True)
+class Run:
+    """One configuration on one shape: the client's figures and the worker's steps."""
+
+    shape: str
+    budget: str  # a static budget's size, or "adaptive"
+    metrics: GroupMetrics
+    steps: float
+    steps_over_target: float
+
+    @property
+    def p99_itl_ms(self) -> float:
+        assert self.metrics.itl is not None
+        return self.metrics.itl.p99 * 1e3
+
+    @property
+    def ttft_ms(self) -> tuple[float, float]:
+        """TTFT P50 and P99."""
+        assert self.metrics.ttft is not None
+        return self.metrics.ttft.p50 * 1e3, self.metrics.ttft.p99 * 1e3
+
+    @property
+    def meets_target(self) -> bool:
+        return self.p99_itl_ms <= TARGET_ITL_MS
+
+    def row(self) -> dict[str, Any]:
+        ttft_p50, ttft_p99 = self.ttft_ms
+        return {
+            "shape": self.shape,
+            "budget": self.budget,
+            "requests": self.metrics.requests,
+            "failed": self.metrics.failed,
+            "itl_p99_ms": self.p99_itl_ms,
+            "meets": "yes" if self.meets_target else "no",
+            "ttft_p50_ms": ttft_p50,
+            "ttft_p99_ms": ttft_p99,
+            "goodput_rps": self.metrics.goodput,
+            "steps_over_target": self.steps_over_target / max(self.steps, 1.0),
+        }
+
+
+def budget_args(budget: str) -> list[str]:
+    """Worker flags of a configuration; both kinds count the steps over the target."""
+    target = ["--target-itl-ms", f"{TARGET_ITL_MS:g}"]
+    if budget == ADAPTIVE:
+        return [*target, "--token-budget", ADAPTIVE, "--max-num-batched-tokens", str(CEILING)]
+    return [*target, "--max-num-batched-tokens", budget]
+
+
+def bench_config(url: str, vocab: int, **traffic: Any) -> BenchConfig:
+    slo = SLO(ttft_ms=SLO_TTFT_MS, tpot_ms=TARGET_ITL_MS)
+    return BenchConfig(
+        url=url, seed=12, vocab_size=vocab, slo=slo, drain_timeout_s=DRAIN_S, **traffic
+    )
+
+
+def measure(model_dir: Path, logs: Path, shape: Shape, budget: str) -> Run:
+    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    log_dir = logs / shape.workload / budget
+    with running_worker(model_dir, log_dir, *budget_args(budget)) as worker:
+        config = bench_config(
+            worker.url, vocab, workload=shape.workload, rate=shape.rate, duration_s=DURATION_S
+        )
+        overall = run_benchmark(config).metrics.overall
+        return Run(shape.name, budget, overall, metric(worker, STEPS), metric(worker, OVER_TARGET))
+
+
+def best_static(runs: Sequence[Run]) -> Run | None:
+    """The static budget with the lowest median TTFT among those meeting the target."""
+    meeting = [r for r in runs if r.budget != ADAPTIVE and r.meets_target]
+    return min(meeting, key=lambda r: r.ttft_ms, default=None)
+
+
+def verdicts(by_shape: dict[str, list[Run]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Per shape: the best static budget and how the adaptive one compares; across
+    shapes: whether any single static budget is as good everywhere."""
+    rows = []
+    for shape, runs in by_shape.items():
+        adaptive = next(r for r in runs if r.budget == ADAPTIVE)
+        best = best_static(runs)
+        p50, p99 = adaptive.ttft_ms
+        rows.append(
+            {
+                "shape": shape,
+                "best_static": best.budget if best else "none meets",
+                "adaptive_meets": adaptive.meets_target,
+                "ttft_p50_adaptive_over_best": p50 / best.ttft_ms[0] if best else None,
+                "ttft_p99_adaptive_over_best": p99 / best.ttft_ms[1] if best else None,
+                "goal_met": bool(
+                    best and adaptive.meets_target and p50 <= TTFT_TOLERANCE * best.ttft_ms[0]
+                ),
+            }
+        )
+    everywhere = {
+        str(size): all(_as_good_as_best(size, runs) for runs in by_shape.values()) for size in SWEEP
+    }
+    return rows, {"static_as_good_as_best_on_every_shape": everywhere}
+
+
+def _as_good_as_best(size: int, runs: Sequence[Run]) -> bool:
+    best = best_static(runs)
+    run = next(r for r in runs if r.budget == str(size))
+    return (
+        best is not None and run.meets_target and run.ttft_ms[0] <= TTFT_TOLERANCE * best.ttft_ms[0]
+    )
+
+
+def test_adaptive_budget_against_the_best_static_one(tiny_model_dir: Path, tmp_path: Path) -> None:
+    by_shape: dict[str, list[Run]] = {}
+    for shape in SHAPES:
+        budgets = [*(str(size) for size in SWEEP), ADAPTIVE]
+        by_shape[shape.name] = [measure(tiny_model_dir, tmp_path, shape, b) for b in budgets]
+    runs = [run for shape_runs in by_shape.values() for run in shape_runs]
+    judged, across = verdicts(by_shape)
+    publish(
+        "token_budget_sweep",
+        [run.row() for run in runs],
+        {
+            "target_itl_ms": TARGET_ITL_MS,
+            "duration_s": DURATION_S,
+            "rates": {shape.name: shape.rate for shape in SHAPES},
+            "verdicts": judged,
+            **across,
+        },
+    )
+    publish("token_budget_verdicts", judged, across)
+    assert all(run.metrics.failed == 0 for run in runs)
+    mixed = best_static(by_shape["mixed"])
+    load_step(tiny_model_dir, tmp_path, mixed.budget if mixed else str(SWEEP[0]))
+
+
+# -- the load step ----------------------------------------------------------------------
+
+
+def load_step(model_dir: Path, logs: Path, static: str) -> None:
+    """The mixed shape with its rate doubled halfway, adaptive and the best static."""
+    trace = write_step_trace(logs / "load-step.csv")
+    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    rows, recovery = [], {}
+    windows: dict[str, list[float | None]] = {}
+    for budget in (ADAPTIVE, static):
+        with running_worker(model_dir, logs / "step" / budget, *budget_args(budget)) as worker:
+            config = bench_config(worker.url, vocab, trace=trace)
+            with polled_steps(worker) as samples:
+                result = run_benchmark(config)
+        step_at = result.started_at + LOAD_STEP_AT_S
+        recovery[budget] = steps_to_recover(samples, step_at)
+        windows[budget] = window_p99_itl_ms(result)
+        _, steps, over = samples[-1]
+        rows.append(Run("mixed, rate doubled", budget, result.metrics.overall, steps, over).row())
+    table = [
+        {
+            "window_s": f"{i * WINDOW_S:g}-{(i + 1) * WINDOW_S:g}",
+            "rate": LOAD_RATE * (2 if i * WINDOW_S >= LOAD_STEP_AT_S else 1),
+            **{f"itl_p99_ms_{budget}": values[i] for budget, values in windows.items()},
+        }
+        for i in range(int(LOAD_DURATION_S / WINDOW_S))
+    ]
+    publish(
+        "token_budget_load_step",
+        table,
+        {
+            "runs": rows,
+            "steps_to_recover": recovery,
+            "recovery_window_steps": RECOVERY_WINDOW_STEPS,
+            "target_itl_ms": TARGET_ITL_MS,
+            "static_budget": static,
+        },
+    )
+
+
+def write_step_trace(path: Path) -> Path:
+    """A trace in the Azure CSV format: mixed requests at LOAD_RATE, doubled from
+    LOAD_STEP_AT_S on."""
+    rng = np.random.default_rng(21)
+    workload = workload_named("mixed")
+    start = datetime(2024, 1, 1)
+    now = 0.0
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["TIMESTAMP", "ContextTokens", "GeneratedTokens"])
+        while now < LOAD_DURATION_S:
+            _, prompt, output = workload.sample(rng, None, None)
+            writer.writerow([(start + timedelta(seconds=now)).isoformat(), prompt, output])
+            rate = LOAD_RATE * (2 if now >= LOAD_STEP_AT_S else 1)
+            now += float(rng.exponential(1.0 / rate))
+    return path
+
+
+Sample = tuple[float, float, float]  # perf_counter, steps so far, steps over target so far
+
+
+@contextmanager
+def polled_steps(worker: ServerProcess, every_s: float = 0.2) -> Iterator[list[Sample]]:
+    """The worker's step counters, read every `every_s` while the block runs."""
+    samples: list[Sample] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.wait(every_s):
+            samples.append(
+                (time.perf_counter(), metric(worker, STEPS), metric(worker, OVER_TARGET))
+            )
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        yield samples
+    finally:
+        done.set()
+        poller.join()
+
+
+def steps_to_recover(samples: Sequence[Sample], step_at: float) -> int | None:
+    """Engine steps from the load step until the first window of at least
+    RECOVERY_WINDOW_STEPS steps with at most 1% of them over the target (P99 ITL back
+    under it); None if none did."""
+    after = [s for s in samples if s[0] >= step_at]
+    if not after:
+        return None
+    for i, (_, steps, over) in enumerate(after):
+        end = next((s for s in after[i:] if s[1] - steps >= RECOVERY_WINDOW_STEPS), None)
+        if end is None:
+            return None
+        if (end[2] - over) <= 0.01 * (end[1] - steps):
+            return int(steps - after[0][1])
+    return None
+
+
+def window_p99_itl_ms(result: BenchResult) -> list[float | None]:
+    """P99 of the ITL gaps ending in each WINDOW_S window of the run."""
+    gaps: list[tuple[float, float]] = []
+    for record in result.records:
+        if record.ok:
+            times = token_times(record)
+            gaps += [
+                (later - result.started_at, later - earlier) for earlier, later in pairwise(times)
+            ]
+    out: list[float | None] = []
+    for i in range(int(LOAD_DURATION_S / WINDOW_S)):
+        inside = [gap for at, gap in gaps if i * WINDOW_S <= at < (i + 1) * WINDOW_S]
+        out.append(float(np.percentile(inside, 99)) * 1e3 if inside else None)
+    return out

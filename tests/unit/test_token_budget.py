@@ -1,0 +1,123 @@
+"""The budget policies on their own: a cost model with known costs, a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.workers.engine.budget import AdaptiveBudget, BatchShape, PrefillWork, StaticBudget
+from pdserve.workers.engine.step_cost import StepCostModel, StepFeatures
+
+TARGET_S = 0.1
+FLOOR = 32
+CEILING = 2048
+# A long prompt halfway through its prefill.
+PROMPT = (PrefillWork(start=1024, remaining=3000),)
+
+
+def seconds(features: StepFeatures) -> float:
+    """The device: 10 ms a step, 1 ms a decode, 0.4 ms a prefill token, plus attention."""
+    return (
+        0.01
+        + 0.001 * features.decode_tokens
+        + 0.0004 * features.prefill_tokens
+        + 1e-7 * features.decode_keys
+        + 1e-9 * features.prefill_keys
+    )
+
+
+@pytest.fixture(scope="module")
+def cost() -> StepCostModel:
+    """A cost model taught the device above, on a spread of steps."""
+    model = StepCostModel()
+    for decodes in (0, 1, 4, 8, 16, 32, 64):
+        for chunk in (0, 16, 64, 256, 1024):
+            for start in (0, 500, 2000):
+                if decodes or chunk:
+                    features = BatchShape(decodes, 1000, (PrefillWork(start, 4096),)).features(
+                        chunk
+                    )
+                    model.update(features, seconds(features))
+    return model
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def adaptive(cost: StepCostModel, clock: Clock | None = None) -> AdaptiveBudget:
+    clock = clock or Clock()
+    policy = AdaptiveBudget(TARGET_S, FLOOR, CEILING, cost, clock=clock)
+    policy.step_ended(clock.now)  # the decodes' last tokens: just now
+    return policy
+
+
+def shape(decodes: int, prefills: tuple[PrefillWork, ...] = PROMPT) -> BatchShape:
+    return BatchShape(decodes, longest_decode=1000, prefills=prefills)
+
+
+def test_the_model_learned_the_device(cost: StepCostModel) -> None:
+    features = shape(8).features(128)
+    assert cost.predict(features) == pytest.approx(seconds(features), rel=0.01)
+
+
+def test_with_no_decode_running_prefill_takes_the_ceiling(cost: StepCostModel) -> None:
+    assert adaptive(cost).budget(shape(0)) == CEILING
+
+
+def test_the_budget_shrinks_as_decodes_grow(cost: StepCostModel) -> None:
+    policy = adaptive(cost)
+    prefill = [policy.budget(shape(d)) - d for d in (1, 4, 16, 32, 48)]
+    assert prefill == sorted(prefill, reverse=True)
+    assert prefill[0] > 2 * prefill[-1]
+
+
+def test_the_budget_is_the_most_prefill_the_target_allows(cost: StepCostModel) -> None:
+    policy = adaptive(cost)
+    for decodes in (1, 8, 32):
+        prefill = policy.budget(shape(decodes)) - decodes
+        assert FLOOR < prefill < CEILING - decodes
+        allowed = TARGET_S - cost.margin_s
+        assert cost.predict(shape(decodes).features(prefill)) <= allowed
+        assert cost.predict(shape(decodes).features(prefill + 1)) > allowed
+
+
+def test_the_floor_holds_when_decodes_alone_miss_the_target(cost: StepCostModel) -> None:
+    # 90 decodes over long contexts take more than the target by themselves: prefill
+    # still progresses by the floor, so the long prompt is never starved.
+    busy = BatchShape(90, longest_decode=8000, prefills=PROMPT)
+    assert cost.predict(busy.features(0)) > TARGET_S
+    assert adaptive(cost).budget(busy) == 90 + FLOOR
+
+
+def test_the_ceiling_is_never_exceeded(cost: StepCostModel) -> None:
+    policy = adaptive(cost)
+    for decodes in (0, 1, 100, CEILING - 10, CEILING, CEILING + 5):
+        assert policy.budget(shape(decodes)) <= CEILING
+    # Even when the floor would take it over: the ceiling wins, decodes still first.
+    assert policy.budget(shape(CEILING - 10)) == CEILING
+
+
+def test_time_since_the_last_tokens_counts_against_the_step(cost: StepCostModel) -> None:
+    clock = Clock()
+    policy = adaptive(cost, clock)
+    fresh = policy.budget(shape(8))
+    clock.now += 0.04  # 40 ms went by since the decodes' last tokens (e.g. other work)
+    late = policy.budget(shape(8))
+    assert FLOOR + 8 <= late < fresh
+    clock.now += 1.0  # already over the target: the smallest step that progresses
+    assert policy.budget(shape(8)) == 8 + FLOOR
+
+
+def test_prompts_that_need_little_leave_the_rest_unused(cost: StepCostModel) -> None:
+    # The budget counts what the target allows; a short prompt simply takes less.
+    short = (PrefillWork(start=0, remaining=10),)
+    assert adaptive(cost).budget(shape(8, short)) == CEILING
+
+
+def test_static_budget_ignores_the_batch() -> None:
+    static = StaticBudget(512)
+    assert static.budget(shape(0)) == static.budget(shape(300)) == 512

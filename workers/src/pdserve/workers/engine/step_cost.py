@@ -1,0 +1,195 @@
+"""The step-cost model: how long an engine step takes, learned online from the
+engine's own steps.
+
+A step's time is modelled as linear in what its batch makes the model do:
+
+    seconds = base + per decode token * decode tokens + per prefill token * prefill tokens
+              + per decode key * decode keys + per prefill key * prefill keys
+
+Tokens pay for the projections and the MLP; *keys* are the cached tokens attention
+reads, counted as the runner computes them (see `attention.py`): all decodes are
+attended in one padded batch, so each reads as many keys as the longest, and a prefill
+chunk of n tokens ending at position e runs n queries over e keys.
+
+The coefficients are fit by least squares over all steps so far, each weighted down by
+a forgetting factor per step since, so the model follows a device whose speed drifts
+(clocks, other processes). The fit is kept as its normal equations, updated in O(1)
+per step and re-solved with every cost held non-negative. Residuals are Huber-weighted,
+so a step slowed by something outside its batch (a page fault, a preempted thread)
+pulls the fit by a bounded amount. The safety margin is a high quantile of the recent
+prediction errors of steps that mixed decodes and prefill: the steps whose size the
+budget policy decides.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.workers.engine.scheduler import ScheduledChunk
+
+# Units of the terms inside the fit (tens of decodes, thousands of prefill tokens,
+# ...), so that typical steps give every term a similar size.
+_SCALES = (1.0, 10.0, 1e3, 1e5, 1e7)
+_TERMS = range(len(_SCALES))
+Vector = tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    """What a step computes, in the terms of the cost model."""
+
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    decode_keys: int = 0
+    prefill_keys: int = 0
+
+    @classmethod
+    def of(cls, chunks: Iterable[ScheduledChunk]) -> StepFeatures:
+        """The features of a scheduled step. A one-token chunk takes the runner's
+        batched decode path, whatever it computes."""
+        decodes, longest, prefill_tokens, prefill_keys = 0, 0, 0, 0
+        for chunk in chunks:
+            end = chunk.start + chunk.num_tokens
+            if chunk.num_tokens == 1:
+                decodes += 1
+                longest = max(longest, end)
+            else:
+                prefill_tokens += chunk.num_tokens
+                prefill_keys += chunk.num_tokens * end
+        return cls(decodes, prefill_tokens, decodes * longest, prefill_keys)
+
+    def vector(self) -> Vector:
+        """The regression's input: a constant, then the four counts (scaled)."""
+        raw = (1, self.decode_tokens, self.prefill_tokens, self.decode_keys, self.prefill_keys)
+        return tuple(count / scale for count, scale in zip(raw, _SCALES, strict=True))
+
+
+@dataclass(frozen=True)
+class StepCostEstimate:
+    """What the model believes, in seconds: the cost of each term and the margin."""
+
+    base_s: float
+    per_decode_token_s: float
+    per_prefill_token_s: float
+    per_decode_key_s: float
+    per_prefill_key_s: float
+    margin_s: float
+    num_steps: int  # steps the model has learned from
+
+
+class StepCostModel:
+    """Predicts step durations from `StepFeatures`; `update` teaches it one step."""
+
+    def __init__(
+        self,
+        forgetting: float = 0.995,
+        huber_k: float = 3.0,
+        margin_quantile: float = 0.99,
+        margin_window: int = 256,
+        warmup_steps: int = 16,
+        sweeps: int = 3,
+    ) -> None:
+        self.forgetting = forgetting
+        self.huber_k = huber_k
+        self.margin_quantile = margin_quantile
+        self.warmup_steps = warmup_steps
+        self.sweeps = sweeps
+        self.num_steps = 0
+        self.margin_s = 0.0
+        # The weighted least-squares problem as its normal equations, gram @ theta =
+        # moment; plain floats: at this size Python beats numpy's per-call cost.
+        self._gram = [[0.0 for _ in _TERMS] for _ in _TERMS]
+        self._moment = [0.0 for _ in _TERMS]
+        self._theta = [0.0 for _ in _TERMS]
+        self._residual_scale: float | None = None  # robust spread of residuals, seconds
+        self._errors: deque[float] = deque(maxlen=margin_window)
+
+    @property
+    def coefficients(self) -> Vector:
+        """Seconds per unit of each term: base, decode token, prefill token, decode
+        key, prefill key."""
+        return tuple(theta / scale for theta, scale in zip(self._theta, _SCALES, strict=True))
+
+    def predict(self, features: StepFeatures) -> float:
+        """The predicted duration of a step, in seconds (without the margin)."""
+        return _dot(self._theta, features.vector())
+
+    def update(self, features: StepFeatures, seconds: float) -> None:
+        """Learn from one step that took `seconds`."""
+        x = features.vector()
+        predicted = _dot(self._theta, x)
+        weight = self._huber_weight(seconds - predicted)
+        keep = self.forgetting
+        for i in _TERMS:
+            row = self._gram[i]
+            for j in _TERMS:
+                row[j] = keep * row[j] + weight * x[i] * x[j]
+            self._moment[i] = keep * self._moment[i] + weight * seconds * x[i]
+        self._solve()
+        self._track_scale(seconds - predicted)
+        self.num_steps += 1
+        mixed = features.decode_tokens > 0 and features.prefill_tokens > 0
+        if mixed and self.num_steps > self.warmup_steps:
+            self._errors.append(seconds - predicted)
+            self.margin_s = max(0.0, _quantile(self._errors, self.margin_quantile))
+
+    def estimate(self) -> StepCostEstimate:
+        """A snapshot of the coefficients and the margin."""
+        base, decode, prefill, decode_key, prefill_key = self.coefficients
+        return StepCostEstimate(
+            base, decode, prefill, decode_key, prefill_key, self.margin_s, self.num_steps
+        )
+
+    def _solve(self) -> None:
+        """Least squares with every cost non-negative, by coordinate descent from the
+        previous solution (a few sweeps per step suffice: one step moves it little).
+
+        Without the constraint, terms that barely vary from step to step (the same
+        decodes, a little more context each time) are nearly collinear, and the fit
+        trades a large cost against a negative one that no other batch would obey.
+        A term no recent step exercised keeps its last value.
+        """
+        gram, moment, theta = self._gram, self._moment, self._theta
+        unexcited = 1e-9 * sum(gram[term][term] for term in _TERMS)
+        for _ in range(self.sweeps):
+            for term in _TERMS:
+                own = gram[term][term]
+                if own <= unexcited:
+                    continue
+                others = _dot(gram[term], theta) - own * theta[term]
+                theta[term] = max(0.0, (moment[term] - others) / own)
+
+    def _huber_weight(self, residual: float) -> float:
+        """1 for ordinary residuals; less for outliers, so that each pulls the fit
+        as hard as a residual of `huber_k` typical ones."""
+        if self._residual_scale is None or self._residual_scale <= 0.0:
+            return 1.0
+        bound = self.huber_k * self._residual_scale
+        return 1.0 if abs(residual) <= bound else bound / abs(residual)
+
+    def _track_scale(self, residual: float) -> None:
+        """A running mean of absolute residuals, each clipped at the Huber bound so an
+        outlier cannot inflate it (it still grows if every step gets slower)."""
+        size = abs(residual)
+        if self._residual_scale is None:
+            self._residual_scale = size
+            return
+        clipped = min(size, self.huber_k * self._residual_scale)
+        self._residual_scale += 0.05 * (clipped - self._residual_scale)
+
+
+def _dot(a: Sequence[float], b: Sequence[float]) -> float:
+    total: float = sum(map(operator.mul, a, b))
+    return total
+
+
+def _quantile(values: Iterable[float], q: float) -> float:
+    """The q-quantile of `values` (nearest rank from above)."""
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, int(q * len(ordered)))
+    return float(ordered[index])
