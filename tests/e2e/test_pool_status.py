@@ -1,5 +1,6 @@
 """The pool's status says why replicas are not ready, as the pods tell it: the real
-kube-scheduler's reasons (an unbound volume claim, no GPU left)."""
+kube-scheduler's reason for the example applied as a new user would (no GPU left:
+tests/e2e/test_operator.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 import pytest
 
 from support.operator import Cluster, OperatorProcess, wait_until
-from support.pool_cluster import WAIT, apply_pool, get_pool, pool_manifest
+from support.pool_cluster import WAIT, apply_pool, get_pool
 from support.pools import example
 
 pytestmark = pytest.mark.cluster
@@ -42,15 +43,3 @@ def test_the_example_without_its_volume_claim_says_so(
     assert ready["message"].startswith("prefill 0/2, decode 0/4, router 0/1 ready: ")
     assert 'persistentvolumeclaim "models" not found' in ready["message"]
     assert get_pool(cluster, namespace, "llama-pd")["status"]["phase"] == "Pending"
-
-
-def test_a_worker_asking_for_more_gpus_than_a_node_has_is_named(
-    cluster: Cluster, namespace: str, operator: OperatorProcess
-) -> None:
-    manifest = pool_manifest("greedy")
-    manifest["spec"]["decode"]["replicas"] = 1
-    manifest["spec"]["decode"]["gpus"] = 9  # the node offers 8
-    apply_pool(cluster, namespace, manifest)
-    ready = ready_condition(cluster, namespace, "greedy", "Unschedulable", "router 1/1")
-    assert ready["message"].startswith("decode 0/1, router 1/1 ready: decode: 1 pod Unschedulable")
-    assert "Insufficient nvidia.com/gpu" in ready["message"]
