@@ -95,6 +95,7 @@ class DecodeHandoff:
         metrics: HandoffObserver,
         policy: str = "recompute",
         lease_s: float = 30.0,
+        headers: dict[str, str] | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown transfer failure policy {policy!r}; known: {POLICIES}")
@@ -110,6 +111,7 @@ class DecodeHandoff:
         self.margin_s = release_margin(lease_s)
         self.calls = BlockingCalls()
         self.peers = PrefillPeers(agent, self.calls)
+        self.headers = headers or {}  # sent to prefill workers: the pool's credential
         self._session: aiohttp.ClientSession | None = None
         self._settling: set[asyncio.Task[None]] = set()
 
@@ -376,7 +378,7 @@ class DecodeHandoff:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
+            self._session = aiohttp.ClientSession(headers=self.headers)
         return self._session
 
 
