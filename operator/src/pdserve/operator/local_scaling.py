@@ -22,12 +22,13 @@ import aiohttp
 
 from pdserve.operator import api, planner, render
 from pdserve.operator.promql import PoolQueries
-from pdserve.operator.scaling import Reading, change_text, decide, planner_scales, read_pool
+from pdserve.operator.scaling import Outcome, change_text, decide, planner_scales, read_pool
 from pdserve.operator.status import ScalingReport, with_scaling
 
 log = logging.getLogger(__name__)
 
 STATUS_FILE = "status.json"
+URL_FIX = "start pdserve local with --prometheus, or set spec.autoscaling.policy.prometheusUrl"
 
 
 class Fleet(Protocol):
@@ -106,32 +107,39 @@ class LocalScaler:
                 await asyncio.to_thread(self._stop.wait, interval)
 
     async def round(self, session: aiohttp.ClientSession, memory: planner.Memory) -> planner.Memory:
-        """Read, decide, start or stop workers, write the status; the new memory."""
+        """Read, decide, write the status, start or stop workers, write the status
+        again; the new memory. The status is written before acting, since starting a
+        worker takes a while: the conditions show what this round saw meanwhile."""
         spec = self.pool.spec
         queries = PoolQueries(self.pool.metadata.name, None, spec.autoscaling.policy.window_seconds)
-        reading = await read_pool(session, self.prometheus_url, queries, spec)
-        autoscaling = self.status.autoscaling
+        reading = await read_pool(session, self.prometheus_url, queries, spec, URL_FIX)
+        outcome = None
         if reading.signals is not None and planner_scales(spec):
-            autoscaling, memory = await self._decide(reading, memory)
+            outcome = decide(
+                spec, reading.signals, self.fleet.replicas(), self.status.autoscaling, memory,
+                self._clock(),
+            )  # fmt: skip
+            memory = outcome.memory
+        autoscaling = outcome.autoscaling if outcome is not None else self.status.autoscaling
         self.status = with_scaling(self.status, ScalingReport(reading.conditions, autoscaling))
-        self._record_replicas()
-        write_status(self.status_file, self.status)
+        self._write()
+        if outcome is not None:
+            await self._act(outcome)
         return memory
 
-    async def _decide(
-        self, reading: Reading, memory: planner.Memory
-    ) -> tuple[api.AutoscalingStatus, planner.Memory]:
-        assert reading.signals is not None
-        outcome = decide(
-            self.pool.spec, reading.signals, self.fleet.replicas(), self.status.autoscaling,
-            memory, self._clock(),
-        )  # fmt: skip
+    async def _act(self, outcome: Outcome) -> None:
+        """Start or stop workers as the decisions say, one role after the other."""
         for role, count in outcome.changes.items():
             text = change_text(outcome.decisions[role])
             log.info("pool %s: %s", self.pool.metadata.name, text)
             print(f"pool {self.pool.metadata.name}: {text}", flush=True)
             await asyncio.to_thread(self.fleet.scale, role, count)
-        return outcome.autoscaling, outcome.memory
+            self._write()
+
+    def _write(self) -> None:
+        """The status file, with the replicas as they are now."""
+        self._record_replicas()
+        write_status(self.status_file, self.status)
 
     def _record_replicas(self) -> None:
         counts: Mapping[api.Role, planner.Replicas] = self.fleet.replicas()

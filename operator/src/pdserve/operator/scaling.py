@@ -49,15 +49,20 @@ def _unable(
 
 
 async def read_pool(
-    session: aiohttp.ClientSession, url: str | None, queries: PoolQueries, spec: api.ServingPoolSpec
+    session: aiohttp.ClientSession,
+    url: str | None,
+    queries: PoolQueries,
+    spec: api.ServingPoolSpec,
+    url_fix: str = URL_FIX,
 ) -> Reading:
-    """Ask Prometheus at `url` about the pool; the conditions say what came of it."""
+    """Ask Prometheus at `url` about the pool; the conditions say what came of it
+    (`url_fix`: how to give one, where there is none)."""
     planning, watching = planner_scales(spec), spec.routing.disaggregated
     if not (planning or watching):
         return Reading(None, {}, "idle")
     if url is None:
         return Reading(
-            None, _unable(spec, "NoPrometheusUrl", f"no Prometheus: {URL_FIX}"), "no_url"
+            None, _unable(spec, "NoPrometheusUrl", f"no Prometheus: {url_fix}"), "no_url"
         )
     try:
         signals = await read(Prometheus(url, session), queries, spec.slo)
