@@ -378,20 +378,28 @@ def _start_prometheus(
 
 def _wait(local: LocalPool, stop: threading.Event) -> int:
     """Serve until stopped. A worker that dies is reported (the router routes around
-    it, as in a cluster, where it would be restarted); the router dying ends the run."""
+    it, as in a cluster, where it would be restarted); the router dying ends the run.
+    Deaths are looked for once more when stopped, so none goes unreported."""
     reported: set[int] = set()
     while not stop.wait(0.5):
-        for dead in local.exited():
-            if dead.process.pid in reported:
-                continue
-            reported.add(dead.process.pid)
-            tail = "\n".join(dead.log().splitlines()[-20:])
-            print(
-                f"pdserve local: {dead.log_path.stem} exited with status "
-                f"{dead.process.returncode}:\n{tail}",
-                file=sys.stderr,
-                flush=True,
-            )
-            if dead is local.router:
-                return 1
-    return 0
+        if _report_exits(local, reported):
+            return 1
+    return 1 if _report_exits(local, reported) else 0
+
+
+def _report_exits(local: LocalPool, reported: set[int]) -> bool:
+    """Report the processes that exited since the last call; whether the router did."""
+    for dead in local.exited():
+        if dead.process.pid in reported:
+            continue
+        reported.add(dead.process.pid)
+        tail = "\n".join(dead.log().splitlines()[-20:])
+        print(
+            f"pdserve local: {dead.log_path.stem} exited with status "
+            f"{dead.process.returncode}:\n{tail}",
+            file=sys.stderr,
+            flush=True,
+        )
+        if dead is local.router:
+            return True
+    return False
