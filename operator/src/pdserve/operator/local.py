@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -338,42 +338,48 @@ def serve(
     folder = run_dir or Path(tempfile.mkdtemp(prefix=f"pdserve-{pool.metadata.name}-"))
     local = LocalPool(pool, folder, host=host, router_port=port, api_key_file=api_key_file)
     print(f"pool {local.name}: starting its workers (logs in {folder / 'logs'})", flush=True)
+    try:
+        url = local.start()
+    except (RuntimeError, TimeoutError) as error:
+        print(f"pdserve local: the pool did not start: {error}", file=sys.stderr)
+        return 1
+    try:
+        with watched(local, monitoring):
+            if port_file is not None:
+                announce_port(port_file, int(url.rsplit(":", 1)[1]))
+            print(f"pool {local.name}: serving model {pool.spec.model.name} at {url}", flush=True)
+            print(f"pool {local.name}: status in {folder / STATUS_FILE}", flush=True)
+            print("Ctrl-C stops it", flush=True)
+            return _wait(local, stop)
+    except (RuntimeError, TimeoutError) as error:  # Prometheus did not start
+        print(f"pdserve local: {error}", file=sys.stderr)
+        return 1
+    finally:
+        local.stop()
+        print(f"pool {local.name}: stopped", flush=True)
+
+
+@contextlib.contextmanager
+def watched(
+    local: LocalPool, monitoring: Monitoring, binary: Path | None = None
+) -> Iterator[LocalScaler]:
+    """The planner's rounds over a started pool (status in its run folder), reading the
+    Prometheus `monitoring` names or starts (`binary`: which one), until the block ends."""
     with contextlib.ExitStack() as running:
-        try:
-            url = local.start()
-            running.callback(print, f"pool {local.name}: stopped", flush=True)
-            running.callback(local.stop)
-            prometheus_url = _start_prometheus(local, monitoring, running)
-        except (RuntimeError, TimeoutError) as error:
-            print(f"pdserve local: the pool did not start: {error}", file=sys.stderr)
-            return 1
-        scaler = LocalScaler(pool, local, prometheus_url, folder / STATUS_FILE)
+        url = monitoring.prometheus_url
+        if monitoring.prometheus:
+            server = PrometheusServer(
+                local.run_dir / "prometheus", binary=binary,
+                scrape_interval_s=monitoring.scrape_interval_s,
+            )  # fmt: skip
+            url = server.start(local.targets())
+            running.callback(server.stop)
+            local.on_targets = server.set_targets
+            print(f"pool {local.name}: Prometheus at {url}", flush=True)
+        scaler = LocalScaler(local.pool, local, url, local.run_dir / STATUS_FILE)
         scaler.start()
         running.callback(scaler.stop)
-        if port_file is not None:
-            announce_port(port_file, int(url.rsplit(":", 1)[1]))
-        print(f"pool {local.name}: serving model {pool.spec.model.name} at {url}", flush=True)
-        print(f"pool {local.name}: status in {folder / STATUS_FILE}", flush=True)
-        print("Ctrl-C stops it", flush=True)
-        return _wait(local, stop)
-    return 1  # not reached: the block returns (mypy cannot tell)
-
-
-def _start_prometheus(
-    local: LocalPool, monitoring: Monitoring, running: contextlib.ExitStack
-) -> str | None:
-    """The URL of the Prometheus watching the pool: one started for it, scraping its
-    processes as they come and go, or the one given."""
-    if not monitoring.prometheus:
-        return monitoring.prometheus_url
-    server = PrometheusServer(
-        local.run_dir / "prometheus", scrape_interval_s=monitoring.scrape_interval_s
-    )
-    url = server.start(local.targets())
-    running.callback(server.stop)
-    local.on_targets = server.set_targets
-    print(f"pool {local.name}: Prometheus at {url}", flush=True)
-    return url
+        yield scaler
 
 
 def _wait(local: LocalPool, stop: threading.Event) -> int:
