@@ -215,6 +215,17 @@ def test_no_scale_down_when_one_worker_fewer_would_be_too_busy() -> None:
     assert "too busy for one worker fewer" in decisions["decode"].message
 
 
+def test_busy_workers_stay_while_too_few_requests_end_to_judge_their_latency() -> None:
+    # Long streams: none ended in the window, so no latency is known, yet four run on
+    # each decode worker. Taking one away could break the ITL target unseen.
+    the_settings = settings({"scaleDownStabilizationSeconds": 0})
+    streaming = RoleLoad(workers=2, waiting=0, running=4, kv_cache_usage=0.02)
+    unmeasured = observe(requests=0.0, rate=0.0, itl=None, ttft={}, decode=streaming)
+    decisions = once(the_settings, unmeasured, replicas(1, 2), Memory(since=0.0))
+    assert decisions["decode"].direction == "none"
+    assert decisions["decode"].reason == "TooFewRequests"
+
+
 def test_an_idle_pool_goes_down_to_min_replicas() -> None:
     the_settings = settings({"scaleDownStabilizationSeconds": 0, "maxScaleDownStep": 10})
     idle = Observation(request_rate=0.0, requests=0.0, prefill=RoleLoad(2, 0, 0, 0.0))

@@ -15,7 +15,8 @@ HorizontalPodAutoscaler does. Scaling down needs every latency under
 `scaleDownLatencyRatio` of its target and every load, spread over one worker fewer,
 under the same fraction of its threshold: between the two lines the planner holds,
 so noise around a target does not make it flap. Latency percentiles count only over
-windows with at least `minRequests` requests.
+windows with at least `minRequests` requests; with fewer, busy workers are not taken
+away (their latencies cannot be judged).
 
 The recommendation then passes, in order: the role's min/max; the stabilisation
 windows (up to the lowest recommendation of the up window, down to the highest of
@@ -202,6 +203,15 @@ def _latencies(settings: Settings, observation: Observation, role: api.Role) -> 
     return out
 
 
+def _unjudged(settings: Settings, observation: Observation, role: api.Role) -> bool:
+    """Whether the role has a latency target the window holds too few requests to judge
+    (long streams end rarely: their latencies are counted when they end)."""
+    if (observation.requests or 0.0) >= settings.policy.min_requests:
+        return False
+    slo = settings.slo
+    return slo.ttft is not None or (role == "decode" and slo.itl is not None)
+
+
 def _loads(settings: Settings, observation: Observation, role: api.Role) -> list[Pressure]:
     """The load pressures of a role, per worker."""
     load, policy = observation.load(role), settings.policy
@@ -240,6 +250,10 @@ def recommend(
         return wanted, worst.reason, worst.describe()
     if observation.request_rate == 0.0 and not any(p.value for p in loads):
         return 0, "Idle", "no requests in the window"
+    if _unjudged(settings, observation, role) and any(p.value for p in loads):
+        requests = observation.requests or 0.0
+        why = f"{requests:.0f} requests ended in the window, fewer than minRequests"
+        return current, "TooFewRequests", f"{why}: latencies not judged, workers busy"
     ratio = settings.policy.scale_down_latency_ratio
     high_latency = next((p for p in latencies if p.ratio >= ratio), None)
     if current <= 0 or high_latency is not None:
