@@ -19,28 +19,23 @@ from pathlib import Path
 import pytest
 
 from pdserve.operator.local_scaling import LocalScaler
-from pdserve.workers.faults import Fault, environment
 from support.results import publish
-from support.router import BOUNDARY, pool_manifest
 from support.scaling import (
+    LONG,
+    TTFT_TARGET_S,
     Load,
-    percentile_now,
     scaled_pool,
-    scaling_policy,
+    stalled,
     status,
     timed_wait,
+    ttft_p90,
+    ttft_pool,
     workers,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
-TARGET_S = 2.5
-LONG = list(range(5, 5 + 2 * BOUNDARY))
 STEADY_S = float(os.environ.get("PDSERVE_BENCH_STEADY_S", "120"))
-
-
-def ttft_p90(scaler: LocalScaler) -> float | None:
-    return percentile_now(scaler, lambda q: q.ttft_quantile(0.9, "disaggregated"))
 
 
 def wanted_prefill(scaler: LocalScaler) -> int | None:
@@ -52,27 +47,17 @@ def wanted_prefill(scaler: LocalScaler) -> int | None:
 def test_slo_breach_to_decision_and_recovery_and_a_steady_run(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    engine = {"maxNumBatchedTokens": 1024, "maxNumSeqs": 16, "numKvBlocks": 256}
-    pool = pool_manifest(
-        "bench", tiny_model_dir,
-        prefill={"replicas": 1, "engine": engine},
-        slo={"ttft": {"seconds": TARGET_S, "percentile": 90}},
-        autoscaling={
-            "enabled": True, "prefill": {"minReplicas": 1, "maxReplicas": 2},
-            "decode": {"minReplicas": 1, "maxReplicas": 1}, "policy": scaling_policy(),
-        },
-    )  # fmt: skip
-    stall = environment({"engine.step": Fault(delay_per_request_s=0.5)})
-    with scaled_pool(pool, tmp_path, env={"prefill": stall}) as (local, scaler):
+    pool = ttft_pool("bench", tiny_model_dir)
+    with scaled_pool(pool, tmp_path, env={"prefill": stalled(0.5)}) as (local, scaler):
         with Load(local.url, 4, LONG, 2) as heavy:
             started = time.monotonic()
             breach = timed_wait(
-                lambda: (p := ttft_p90(scaler)) is not None and p > TARGET_S, 300, "the breach"
+                lambda: (p := ttft_p90(scaler)) is not None and p > TTFT_TARGET_S, 300, "the breach"
             )  # fmt: skip
             decision = timed_wait(lambda: wanted_prefill(scaler) == 2, 300, "the decision")
             ready = timed_wait(lambda: workers(local, "prefill") == 2, 300, "the new worker")
             recovered = timed_wait(
-                lambda: (p := ttft_p90(scaler)) is not None and p < TARGET_S, 600, "recovery"
+                lambda: (p := ttft_p90(scaler)) is not None and p < TTFT_TARGET_S, 600, "recovery"
             )  # fmt: skip
             history = []
             steady_end = time.monotonic() + STEADY_S
@@ -96,7 +81,7 @@ def test_slo_breach_to_decision_and_recovery_and_a_steady_run(
     publish(
         "scaling_slo", rows,
         {"steady_seconds": STEADY_S, "decisions_in_steady_run": decisions,
-         "steady_ttft_p90_s": steady_p90, "ttft_target_s": TARGET_S,
+         "steady_ttft_p90_s": steady_p90, "ttft_target_s": TTFT_TARGET_S,
          "requests_ok": heavy.outcomes.ok + light.outcomes.ok, "requests_failed": failed,
          "failures": heavy.outcomes.failed + light.outcomes.failed,
          "total_seconds": time.monotonic() - started,

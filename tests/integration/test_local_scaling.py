@@ -22,32 +22,25 @@ import aiohttp
 
 from pdserve.operator import api, planner
 from pdserve.operator.local_scaling import LocalScaler, read_status
-from pdserve.workers.faults import Fault, environment
 from support.prometheus import running_prometheus
-from support.router import BOUNDARY, pool_manifest
+from support.router import pool_manifest
 from support.scaling import (
+    LONG,
+    TTFT_TARGET_S,
     Load,
     condition,
     percentile_now,
     scaled_pool,
     scaling_policy,
+    stalled,
     status,
     timed_wait,
+    ttft_p90,
+    ttft_pool,
     workers,
 )
 
-LONG = list(range(5, 5 + 2 * BOUNDARY))  # disaggregated
 SHORT = [5, 6, 7, 8]  # colocated
-
-
-def stalled(delay_per_request_s: float) -> dict[str, str]:
-    """Engine steps stalled by this much per request they carry."""
-    return environment({"engine.step": Fault(delay_per_request_s=delay_per_request_s)})
-
-
-def ttft_p90(scaler: LocalScaler) -> float | None:
-    """TTFT p90 of the disaggregated requests over the planner's window."""
-    return percentile_now(scaler, lambda q: q.ttft_quantile(0.9, "disaggregated"))
 
 
 def itl_p90(scaler: LocalScaler) -> float | None:
@@ -58,18 +51,7 @@ def itl_p90(scaler: LocalScaler) -> float | None:
 def test_a_ttft_breach_adds_a_prefill_worker_and_low_load_takes_it_away(
     small_model_dir: Path, tmp_path: Path
 ) -> None:
-    # One prefill step holds every waiting prompt (1024 tokens): 4 clients make 2 s
-    # steps on one worker, 1 s on two; the target, 2.5 s at p90, lies between.
-    prefill_engine = {"maxNumBatchedTokens": 1024, "maxNumSeqs": 16, "numKvBlocks": 256}
-    pool = pool_manifest(
-        "ttft", small_model_dir,
-        prefill={"replicas": 1, "engine": prefill_engine},
-        slo={"ttft": {"seconds": 2.5, "percentile": 90}},
-        autoscaling={
-            "enabled": True, "prefill": {"minReplicas": 1, "maxReplicas": 2},
-            "decode": {"minReplicas": 1, "maxReplicas": 1}, "policy": scaling_policy(),
-        },
-    )  # fmt: skip
+    pool = ttft_pool("ttft", small_model_dir)
     with scaled_pool(pool, tmp_path, env={"prefill": stalled(0.5)}) as (local, scaler):
         with Load(local.url, 4, LONG, 2) as heavy:
             timed_wait(lambda: workers(local, "prefill") == 2, 300, "a second prefill worker")
@@ -78,7 +60,7 @@ def test_a_ttft_breach_adds_a_prefill_worker_and_low_load_takes_it_away(
             assert decided.prefill.reason in ("TTFTAboveTarget", "PrefillQueueHigh")
             assert condition(local, "ScalingActive").status == "True"  # type: ignore[union-attr]
             timed_wait(
-                lambda: (p := ttft_p90(scaler)) is not None and p < 2.5, 300,
+                lambda: (p := ttft_p90(scaler)) is not None and p < TTFT_TARGET_S, 300,
                 "TTFT p90 back under its target",
             )  # fmt: skip
         assert workers(local, "prefill") == 2

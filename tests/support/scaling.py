@@ -18,10 +18,36 @@ from pdserve.operator import api
 from pdserve.operator.local import LocalPool, Monitoring, watched
 from pdserve.operator.local_scaling import STATUS_FILE, LocalScaler, read_status
 from pdserve.operator.promql import PoolQueries
+from pdserve.workers.faults import Fault, environment
 from support.prometheus import SCRAPE_INTERVAL_S, ask
-from support.router import stream
+from support.router import BOUNDARY, pool_manifest, stream
 from support.tools import prometheus as prometheus_binary
 from support.waiting import wait_until
+
+LONG = list(range(5, 5 + 2 * BOUNDARY))  # a prompt of a disaggregated bucket
+TTFT_TARGET_S = 2.5
+
+
+def stalled(delay_per_request_s: float) -> dict[str, str]:
+    """Engine steps stalled by this much per request they carry."""
+    return environment({"engine.step": Fault(delay_per_request_s=delay_per_request_s)})
+
+
+def ttft_pool(name: str, model_dir: Path) -> api.ServingPool:
+    """A pool whose TTFT target one prefill worker breaks under 4 clients of LONG
+    prompts, with `stalled(0.5)` prefill steps, and two keep: one prefill step holds
+    every waiting prompt (1024 tokens), so 4 clients make 2 s steps on one worker, 1 s
+    on two; the target, 2.5 s at p90, lies between."""
+    engine = {"maxNumBatchedTokens": 1024, "maxNumSeqs": 16, "numKvBlocks": 256}
+    return pool_manifest(
+        name, model_dir,
+        prefill={"replicas": 1, "engine": engine},
+        slo={"ttft": {"seconds": TTFT_TARGET_S, "percentile": 90}},
+        autoscaling={
+            "enabled": True, "prefill": {"minReplicas": 1, "maxReplicas": 2},
+            "decode": {"minReplicas": 1, "maxReplicas": 1}, "policy": scaling_policy(),
+        },
+    )  # fmt: skip
 
 
 def scaling_policy(**policy: Any) -> dict[str, Any]:
@@ -44,6 +70,11 @@ def scaled_pool(
     monitoring = Monitoring(prometheus=True, scrape_interval_s=SCRAPE_INTERVAL_S)
     with LocalPool(pool, run_dir, env=env) as local, watched(local, monitoring, binary) as scaler:
         yield local, scaler
+
+
+def ttft_p90(scaler: LocalScaler) -> float | None:
+    """TTFT p90 of the disaggregated requests over the planner's window."""
+    return percentile_now(scaler, lambda q: q.ttft_quantile(0.9, "disaggregated"))
 
 
 def percentile_now(scaler: LocalScaler, query: Callable[[PoolQueries], str]) -> float | None:
