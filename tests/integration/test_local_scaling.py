@@ -75,12 +75,14 @@ def test_an_itl_breach_adds_a_decode_worker_and_low_load_takes_it_away(
     small_model_dir: Path, tmp_path: Path
 ) -> None:
     # Every decode step stalls 0.1 s per running stream: 8 streams make 0.8 s gaps
-    # on one worker, 0.4 s on two; the target, 0.6 s at p90, lies between. Streams are
+    # on one worker, 0.4 s on two; the target, 0.75 s at p90, lies between, on a
+    # bucket bound of the histogram (0.5, 0.75, 1.0), so the work of a busy machine on
+    # top of the stall moves neither percentile across it. Streams are
     # short and the window long enough that requests end in every window (latencies
     # are counted when a request ends).
     pool = pool_manifest(
         "itl", small_model_dir, prefill=None, routing={"buckets": [{"mode": "colocated"}]},
-        slo={"ttft": {"seconds": 30.0}, "itl": {"seconds": 0.6, "percentile": 90}},
+        slo={"ttft": {"seconds": 30.0}, "itl": {"seconds": 0.75, "percentile": 90}},
         autoscaling={
             "enabled": True, "decode": {"minReplicas": 1, "maxReplicas": 2},
             "policy": scaling_policy(windowSeconds=10),
@@ -93,7 +95,7 @@ def test_an_itl_breach_adds_a_decode_worker_and_low_load_takes_it_away(
             assert decided is not None and decided.decode is not None
             assert decided.decode.reason == "ITLAboveTarget"
             timed_wait(
-                lambda: (p := itl_p90(scaler)) is not None and p < 0.6, 300,
+                lambda: (p := itl_p90(scaler)) is not None and p < 0.75, 300,
                 "ITL p90 back under its target",
             )  # fmt: skip
         with Load(local.url, 1, SHORT, 6) as light:
