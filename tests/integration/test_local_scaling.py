@@ -74,31 +74,30 @@ def test_a_ttft_breach_adds_a_prefill_worker_and_low_load_takes_it_away(
 def test_an_itl_breach_adds_a_decode_worker_and_low_load_takes_it_away(
     small_model_dir: Path, tmp_path: Path
 ) -> None:
-    # Every decode step stalls 0.1 s per running stream: 8 streams make 0.8 s gaps
-    # on one worker, 0.4 s on two; the target, 0.75 s at p90, lies between, on a
-    # bucket bound of the histogram (0.5, 0.75, 1.0), so the work of a busy machine on
-    # top of the stall moves neither percentile across it. Streams are
-    # short and the window long enough that requests end in every window (latencies
-    # are counted when a request ends).
+    # Every decode step stalls 0.3 s per running stream: 8 streams make 2.4 s gaps
+    # on one worker, 1.2 s on two; the target, 2 s at p90, lies between, on a bucket
+    # bound of the histogram (1.5, 2, 3), so the work of a busy machine on top of the
+    # stall moves neither percentile across it. Streams are short and the window long
+    # enough that requests end in every window (latencies count when a request ends).
     pool = pool_manifest(
         "itl", small_model_dir, prefill=None, routing={"buckets": [{"mode": "colocated"}]},
-        slo={"ttft": {"seconds": 30.0}, "itl": {"seconds": 0.75, "percentile": 90}},
+        slo={"ttft": {"seconds": 30.0}, "itl": {"seconds": 2.0, "percentile": 90}},
         autoscaling={
             "enabled": True, "decode": {"minReplicas": 1, "maxReplicas": 2},
-            "policy": scaling_policy(windowSeconds=10),
+            "policy": scaling_policy(windowSeconds=20),
         },
     )  # fmt: skip
-    with scaled_pool(pool, tmp_path, env={"decode": stalled(0.1)}) as (local, scaler):
-        with Load(local.url, 8, SHORT, 6) as heavy:
+    with scaled_pool(pool, tmp_path, env={"decode": stalled(0.3)}) as (local, scaler):
+        with Load(local.url, 8, SHORT, 4) as heavy:
             timed_wait(lambda: workers(local, "decode") == 2, 300, "a second decode worker")
             decided = status(local).autoscaling
             assert decided is not None and decided.decode is not None
             assert decided.decode.reason == "ITLAboveTarget"
             timed_wait(
-                lambda: (p := itl_p90(scaler)) is not None and p < 0.75, 300,
+                lambda: (p := itl_p90(scaler)) is not None and p < 2.0, 300,
                 "ITL p90 back under its target",
             )  # fmt: skip
-        with Load(local.url, 1, SHORT, 6) as light:
+        with Load(local.url, 1, SHORT, 4) as light:
             timed_wait(lambda: workers(local, "decode") == 1, 300, "the decode pool back to 1")
     assert heavy.outcomes.failed == [] and light.outcomes.failed == []
     assert heavy.outcomes.ok > 0 and light.outcomes.ok > 0
