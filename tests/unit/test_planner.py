@@ -210,9 +210,23 @@ def test_scale_down_waits_for_a_whole_window_of_low_load_then_steps_one_at_a_tim
 
 def test_no_scale_down_when_one_worker_fewer_would_be_too_busy() -> None:
     busy = RoleLoad(workers=2, waiting=0, running=4, kv_cache_usage=0.2)  # 4 of 9 slots
-    decisions = once(settings(), observe(decode=busy), replicas(1, 2), Memory(since=0.0))
+    fast = observe(decode=busy, ttft={"colocated": 0.2 * TTFT}, itl=0.2 * ITL)
+    decisions = once(settings(), fast, replicas(1, 2), Memory(since=0.0))
     assert decisions["decode"].direction == "none"
     assert "too busy for one worker fewer" in decisions["decode"].message
+
+
+def test_no_scale_down_when_one_worker_fewer_would_be_too_slow() -> None:
+    # TTFT 0.6 of target on two prefill workers: under the 0.7 line, but one worker
+    # doing the work of two would put it at 1.2, over the target: the pool would flap.
+    the_settings = settings({"scaleDownStabilizationSeconds": 0})
+    held = observe(ttft={"disaggregated": 0.6 * TTFT, "colocated": 0.2 * TTFT}, itl=0.2 * ITL)
+    decisions = once(the_settings, held, replicas(2, 1), Memory(since=0.0))
+    assert decisions["prefill"].direction == "none"
+    assert "too slow for one worker fewer" in decisions["prefill"].message
+    light = observe(ttft={"disaggregated": 0.3 * TTFT, "colocated": 0.2 * TTFT}, itl=0.2 * ITL)
+    decisions = once(the_settings, light, replicas(2, 1), Memory(since=0.0))
+    assert decisions["prefill"].desired == 1
 
 
 def test_busy_workers_stay_while_too_few_requests_end_to_judge_their_latency() -> None:

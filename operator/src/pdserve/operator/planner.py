@@ -11,9 +11,9 @@ over its threshold, 1.0 on the line):
            usage and running requests per decode worker (against maxNumSeqs).
 
 A pressure above 1 scales up in proportion (`ceil(replicas x pressure)`), as a
-HorizontalPodAutoscaler does. Scaling down needs every latency under
-`scaleDownLatencyRatio` of its target and every load, spread over one worker fewer,
-under the same fraction of its threshold: between the two lines the planner holds,
+HorizontalPodAutoscaler does. Scaling down needs every latency and every load, spread
+over one worker fewer (x replicas / (replicas - 1)), under `scaleDownLatencyRatio` of
+its target or threshold: between the two lines the planner holds,
 so noise around a target does not make it flap. Latency percentiles count only over
 windows with at least `minRequests` requests; with fewer, busy workers are not taken
 away (their latencies cannot be judged).
@@ -255,11 +255,16 @@ def recommend(
         why = f"{requests:.0f} requests ended in the window, fewer than minRequests"
         return current, "TooFewRequests", f"{why}: latencies not judged, workers busy"
     ratio = settings.policy.scale_down_latency_ratio
-    high_latency = next((p for p in latencies if p.ratio >= ratio), None)
+    # One worker fewer spreads the same work over fewer workers: loads and latencies
+    # are judged as they would be then (a latency that halves when the workers double
+    # would otherwise send a pool between N and N - 1 for ever).
+    spread = current / (current - 1) if current > 1 else math.inf
+    high_latency = next((p for p in latencies if p.ratio * spread >= ratio), None)
     if current <= 0 or high_latency is not None:
         why = high_latency.describe() if high_latency else "within targets"
+        if high_latency is not None and high_latency.ratio < ratio:
+            why += ", too slow for one worker fewer"
         return current, "WithinTarget", why
-    spread = current / (current - 1) if current > 1 else math.inf
     busy = next((p for p in loads if p.ratio * spread >= ratio), None)
     if busy is not None:
         return current, "WithinTarget", f"{busy.describe()}, too busy for one worker fewer"
