@@ -231,7 +231,8 @@ def check_the_charts_identity(
         assert can(cluster, account, verb, resource, "-n", pools_ns), (verb, resource)
     for verb, resource in [
         ("list", "secrets"), ("watch", "secrets"), ("delete", "secrets"),
-        ("create", "pods"), ("create", "servingpools"), ("delete", "servingpools"), ("update", "deployments"), ("escalate", "roles"),
+        ("create", "pods"), ("create", "servingpools"), ("delete", "servingpools"),
+        ("update", "deployments"), ("escalate", "roles"),
         ("bind", "clusterroles"), ("create", "clusterroles"), ("list", "nodes"),
         ("delete", "customresourcedefinitions"), ("impersonate", "serviceaccounts"),
     ]:  # fmt: skip

@@ -330,16 +330,23 @@ def test_pools_in_two_namespaces_do_not_touch_each_other(
 def test_unschedulable_pool_is_pending_not_ready(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
-    # More GPUs per worker than the node has: the pods stay Pending.
+    # More GPUs per worker than the node has: the pods stay Pending, and Ready says why.
     apply_pool(cluster, namespace, pool_manifest("big", decode={"replicas": 1, "gpus": 16}))
 
-    def pending() -> dict[str, Any] | None:
+    def unschedulable() -> dict[str, Any] | None:
         pool = get_pool(cluster, namespace, "big")
-        return pool if pool.get("status", {}).get("phase") == "Pending" else None
+        status = pool.get("status", {})
+        ready = [c for c in status.get("conditions", []) if c["type"] == "Ready"]
+        named = (
+            ready and ready[0]["reason"] == "Unschedulable" and "router 1/1" in ready[0]["message"]
+        )
+        return pool if named and status.get("phase") == "Pending" else None
 
-    pool = wait_until(pending, WAIT, "phase Pending")
+    pool = wait_until(unschedulable, WAIT, "phase Pending, Ready naming the scheduler's reason")
     ready = condition(pool, "Ready")
-    assert (ready["status"], ready["reason"]) == ("False", "ReplicasNotReady")
+    assert ready["status"] == "False"
+    assert ready["message"].startswith("decode 0/1, router 1/1 ready: decode: 1 pod Unschedulable")
+    assert "Insufficient nvidia.com/gpu" in ready["message"]
     assert condition(pool, "Progressing")["status"] == "True"
     assert pool["status"]["decode"] == {"desiredReplicas": 1, "readyReplicas": 0, "summary": "0/1"}
 

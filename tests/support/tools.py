@@ -36,3 +36,9 @@ def promtool() -> Path:
 def container_tools() -> Path:
     """The directory of the buildah and podman wrappers (root only)."""
     return _script_output("ensure-container-tools.sh")
+
+
+@functools.cache
+def prometheus() -> Path:
+    """Debian's prometheus server, unpacked once per machine."""
+    return _script_output("ensure-prometheus.sh") / "prometheus"

@@ -25,12 +25,18 @@ def test_paths_of_core_and_group_kinds() -> None:
     assert (kube.SERVICE.group, kube.SERVICE.version) == ("", "v1")
 
 
+WRITTEN_KINDS = [k for k in (*kube.WATCHED_KINDS, *kube.OPTIONAL_KINDS) if k != kube.POD]
+
+
 def test_the_operator_knows_every_kind_render_makes() -> None:
     manifest = yaml.safe_load((ROOT / "deploy/examples/disaggregated.yaml").read_text())
-    spec = api.parse_spec(manifest["spec"])
-    kinds = {obj["kind"] for obj in render.render("p", "ns", spec)}
-    known = {k.kind for k in (*kube.WATCHED_KINDS, kube.SERVICE_MONITOR)}
-    assert kinds == known
+    kinds = set()
+    for scaler in ("planner", "hpa", "keda"):
+        manifest["spec"]["autoscaling"]["policy"] = {"type": scaler}
+        spec = api.parse_spec(manifest["spec"])
+        objects = render.render("p", "ns", spec, prometheus_url="http://prometheus:9090")
+        kinds |= {obj["kind"] for obj in objects}
+    assert kinds == {k.kind for k in WRITTEN_KINDS}
 
 
 def test_the_rbac_manifest_grants_every_kind_the_operator_writes() -> None:
@@ -42,9 +48,10 @@ def test_the_rbac_manifest_grants_every_kind_the_operator_writes() -> None:
         for group in rule["apiGroups"]
         for resource in rule["resources"]
     }
-    for kind in (*kube.WATCHED_KINDS, kube.SERVICE_MONITOR):
+    for kind in WRITTEN_KINDS:
         verbs = granted[(kind.group, kind.plural)]
         assert {"list", "watch", "patch", "delete"} <= verbs, kind
+    assert granted[("", "pods")] == {"get", "list", "watch"}
     assert {"patch"} <= granted[("pdserve.dev", "servingpools/status")]
     # The routers' Role grants these; only a holder may grant them.
     assert {"get", "list", "watch"} <= granted[("discovery.k8s.io", "endpointslices")]

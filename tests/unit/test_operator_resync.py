@@ -112,7 +112,7 @@ def servingpool() -> Obj:
 def operator(pool: Obj | None = None) -> tuple[FakeApi, Reconciler, Resync, Clock]:
     api = FakeApi(pool or servingpool())
     clock = Clock()
-    reconciler = Reconciler(api, Events(), monitors=False)  # type: ignore[arg-type]
+    reconciler = Reconciler(api, Events())  # type: ignore[arg-type]
     loop = Resync(reconciler, api, namespaces=[NAMESPACE], interval=300.0, clock=clock)  # type: ignore[arg-type]
     return api, reconciler, loop, clock
 

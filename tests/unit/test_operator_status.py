@@ -5,6 +5,8 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import pytest
+
 from pdserve.operator import api, status
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
@@ -202,3 +204,124 @@ def test_an_invalid_spec_fails_the_pool_and_keeps_its_counts() -> None:
     degraded = s.condition("Degraded")
     assert degraded is not None and degraded.message == "spec.decode.replicas: too many"
     assert s.decode == before.decode
+
+
+# --- why replicas are not ready --------------------------------------------------------
+
+
+def pod(component: str, status: Obj, **meta: Any) -> Obj:
+    labels = {"app.kubernetes.io/component": component}
+    return {"kind": "Pod", "metadata": {"name": f"{component}-x", "labels": labels, **meta},
+            "status": status}  # fmt: skip
+
+
+def unschedulable(message: str) -> Obj:
+    condition = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                 "message": message}  # fmt: skip
+    return {"phase": "Pending", "conditions": [condition]}
+
+
+def waiting(reason: str, message: str = "", **container: Any) -> Obj:
+    state = {"waiting": {"reason": reason, "message": message}}
+    return {"phase": "Pending", "containerStatuses": [
+        {"name": "decode", "image": "pdserve:0.1.0", "state": state, **container}
+    ]}  # fmt: skip
+
+
+NO_CLAIM = '0/1 nodes are available: persistentvolumeclaim "models" not found.'
+NO_GPU = "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."
+
+
+def test_ready_names_the_schedulers_reason() -> None:
+    deployments = healthy()
+    deployments["p-decode"] = deployment("p-decode", 2, ready=0)
+    pods = [pod("decode", unschedulable(NO_CLAIM)), pod("decode", unschedulable(NO_CLAIM))]
+    s = compute(deployments, pods=pods)
+    ready = s.condition("Ready")
+    assert ready is not None and (ready.status, ready.reason) == ("False", "Unschedulable")
+    assert (
+        ready.message == f"decode 0/2, router 1/1 ready: decode: 2 pods Unschedulable ({NO_CLAIM})"
+    )
+    assert s.phase == "Pending"
+
+
+@pytest.mark.parametrize(
+    ("pod_status", "reason", "words"),
+    [
+        (waiting("ImagePullBackOff", 'Back-off pulling image "pdserve:0.1.0"'), "ImagePullFailed",
+         'pdserve:0.1.0: ImagePullBackOff: Back-off pulling image "pdserve:0.1.0"'),
+        (waiting("ErrImagePull", "not found"), "ImagePullFailed",
+         "pdserve:0.1.0: ErrImagePull: not found"),
+        (waiting("CrashLoopBackOff", restartCount=5,
+                 lastState={"terminated": {"reason": "OOMKilled", "exitCode": 137}}),
+         "CrashLooping", "container decode restarted 5 times; last exit: OOMKilled (code 137)"),
+        (waiting("CreateContainerConfigError", 'secret "hf" not found'), "ContainerCreateFailed",
+         'CreateContainerConfigError: secret "hf" not found'),
+    ],
+)  # fmt: skip
+def test_ready_names_what_the_kubelet_says(pod_status: Obj, reason: str, words: str) -> None:
+    deployments = healthy()
+    deployments["p-decode"] = deployment("p-decode", 2, ready=1)
+    s = compute(deployments, pods=[pod("decode", pod_status)])
+    ready = s.condition("Ready")
+    assert ready is not None and ready.reason == reason
+    assert f"decode: 1 pod {reason} ({words})" in ready.message
+
+
+def test_the_cause_to_fix_first_leads() -> None:
+    deployments = healthy()
+    deployments["p-decode"] = deployment("p-decode", 3, ready=0)
+    pods = [
+        pod("decode", waiting("CrashLoopBackOff")),
+        pod("decode", unschedulable(NO_GPU)),
+        pod("decode", {"phase": "Pending"}),  # just starting: no trouble
+        pod("decode", unschedulable(NO_GPU), deletionTimestamp="2026-01-01T00:00:00Z"),
+    ]
+    ready = compute(deployments, pods=pods).condition("Ready")
+    assert ready is not None and ready.reason == "Unschedulable"
+    assert ready.message.endswith(
+        f"decode: 1 pod Unschedulable ({NO_GPU}); decode: 1 pod CrashLooping "
+        "(container decode restarted 0 times)"
+    )
+
+
+def test_pods_of_ready_components_are_not_blamed() -> None:
+    deployments = healthy()
+    deployments["p-decode"] = deployment("p-decode", 2, ready=1)
+    pods = [pod("router", waiting("CrashLoopBackOff"))]  # the router has its replica
+    ready = compute(deployments, pods=pods).condition("Ready")
+    assert ready is not None and ready.reason == "ReplicasNotReady"
+    assert compute(healthy(), pods=pods).phase == "Ready"
+
+
+# --- the autoscaler's part ----------------------------------------------------------------
+
+
+def test_the_autoscalers_conditions_are_set_kept_and_removed() -> None:
+    scaling = status.ScalingReport(
+        {
+            "ScalingActive": status.Verdict("False", "NoMetrics", "no series"),
+            "DisaggregationActive": status.Verdict("Unknown", "NoMetrics", "no series"),
+        },
+        api.AutoscalingStatus(decode=api.RoleScalingStatus(replicas=3, reason="ITLAboveTarget")),
+    )
+    reported = status.with_scaling(compute(healthy()), scaling, now=LATER)
+    assert conditions(reported)["ScalingActive"] == ("False", "NoMetrics")
+    # A reconcile's status keeps what the autoscaler wrote.
+    again = compute(healthy(), previous=reported, now=LATER)
+    assert conditions(again)["DisaggregationActive"] == ("Unknown", "NoMetrics")
+    assert again.autoscaling == scaling.autoscaling
+    cleared = status.with_scaling(again, status.ScalingReport({}, None))
+    assert set(conditions(cleared)) == {"Ready", "Progressing", "Degraded"}
+    assert cleared.autoscaling is None
+
+
+def test_planned_replicas_are_the_desired_ones() -> None:
+    autoscaled = spec(
+        slo={"itl": {"seconds": 0.05}},
+        autoscaling={"enabled": True, "decode": {"minReplicas": 1, "maxReplicas": 5}},
+    )
+    deployments = healthy()
+    deployments["p-decode"] = deployment("p-decode", 4, ready=2)
+    s = compute(deployments, the_spec=autoscaled, replicas={"decode": 4})
+    assert s.decode is not None and s.decode.summary == "2/4"

@@ -231,7 +231,7 @@ def test_rendering_is_deterministic() -> None:
 
 
 def test_replicas_override_and_zero_replicas() -> None:
-    p = pool("disaggregated")
+    p = with_patch(pool("disaggregated"), {"autoscaling": {"enabled": False}})
     objects = by_key(rendered(p, replicas={"prefill": 0, "decode": 6}))
     assert ("Deployment", "llama-pd-prefill") not in objects
     assert ("Service", "llama-pd-prefill") not in objects
@@ -433,21 +433,121 @@ def test_the_worker_and_the_crd_default_to_the_same_hand_off() -> None:
     assert defaults["transfer_failure_policy"] == spec.failure_policy
 
 
+# --- autoscaling, draining, scraping ---------------------------------------------------
+
+
+def autoscaled(scaler: str = "planner", **policy: Any) -> api.ServingPool:
+    return with_patch(
+        pool("disaggregated"), {"autoscaling": {"policy": {"type": scaler, **policy}}}
+    )
+
+
+def test_planner_counts_stay_within_the_bounds_and_a_role_scaled_to_zero_keeps_its_deployment() -> (
+    None
+):
+    p = with_patch(autoscaled(), {"autoscaling": {"prefill": {"minReplicas": 0}}})
+    objects = by_key(rendered(p, replicas={"prefill": 0, "decode": 20}))
+    assert objects[("Deployment", "llama-pd-prefill")]["spec"]["replicas"] == 0
+    assert objects[("Deployment", "llama-pd-decode")]["spec"]["replicas"] == 8  # maxReplicas
+    # Without a decision the spec's count, brought within the bounds.
+    low = with_patch(autoscaled(), {"decode": {"replicas": 1}})
+    assert by_key(rendered(low))[("Deployment", "llama-pd-decode")]["spec"]["replicas"] == 2
+
+
+@pytest.mark.parametrize("scaler", ["hpa", "keda"])
+def test_hpa_and_keda_own_the_worker_counts(scaler: str) -> None:
+    objects = by_key(rendered(autoscaled(scaler), prometheus_url="http://prom:9090"))
+    for role in ("prefill", "decode"):
+        assert "replicas" not in objects[("Deployment", f"llama-pd-{role}")]["spec"]
+    assert objects[("Deployment", "llama-pd-router")]["spec"]["replicas"] == 1
+    kind = "HorizontalPodAutoscaler" if scaler == "hpa" else "ScaledObject"
+    scaler_spec = objects[(kind, "llama-pd-prefill")]["spec"]
+    assert scaler_spec["scaleTargetRef"] == {
+        "apiVersion": "apps/v1", "kind": "Deployment", "name": "llama-pd-prefill"
+    }  # fmt: skip
+
+
+def test_hpa_reads_external_metrics_against_the_slo() -> None:
+    hpa = by_key(rendered(autoscaled("hpa", maxScaleUpStep=3, cooldownSeconds=90)))
+    decode = hpa[("HorizontalPodAutoscaler", "llama-pd-decode")]["spec"]
+    assert (decode["minReplicas"], decode["maxReplicas"]) == (2, 8)
+    metrics = {m["external"]["metric"]["name"]: m["external"] for m in decode["metrics"]}
+    ttft = metrics["pdserve_time_to_first_token_seconds_p95"]
+    assert ttft["metric"]["selector"]["matchLabels"] == {
+        "pool": "llama-pd", "namespace": "serving", "mode": "colocated"
+    }  # fmt: skip
+    assert ttft["target"] == {"type": "Value", "value": "2000m"}
+    assert metrics["pdserve_inter_token_latency_seconds_p95"]["target"]["value"] == "50m"
+    assert metrics["pdserve_kv_cache_usage_ratio_per_worker"]["target"]["value"] == "850m"
+    up = decode["behavior"]["scaleUp"]
+    assert up["policies"] == [{"type": "Pods", "value": 3, "periodSeconds": 90}]
+    assert decode["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 300
+
+
+def test_keda_triggers_carry_the_planners_queries() -> None:
+    objects = by_key(rendered(autoscaled("keda", windowSeconds=30), prometheus_url="http://p:9090"))
+    decode = objects[("ScaledObject", "llama-pd-decode")]["spec"]
+    assert (decode["minReplicaCount"], decode["maxReplicaCount"]) == (2, 8)
+    triggers = {t["name"]: t for t in decode["triggers"]}
+    assert set(triggers) == {"ttft-colocated", "itl", "kv-cache-usage"}
+    itl = triggers["itl"]
+    assert itl["metricType"] == "Value"
+    assert itl["metadata"]["serverAddress"] == "http://p:9090"
+    assert itl["metadata"]["threshold"] == "0.05"
+    assert "histogram_quantile(0.95" in itl["metadata"]["query"]
+    assert '{pool="llama-pd",namespace="serving",role="router"}[30s]' in itl["metadata"]["query"]
+    # The pool's own Prometheus wins; without any, no ScaledObject can be made.
+    own = with_patch(
+        autoscaled("keda"), {"autoscaling": {"policy": {"prometheusUrl": "http://mine"}}}
+    )
+    found = by_key(rendered(own, prometheus_url="http://p:9090"))[
+        ("ScaledObject", "llama-pd-decode")
+    ]
+    assert found["spec"]["triggers"][0]["metadata"]["serverAddress"] == "http://mine"
+    assert not [o for o in rendered(autoscaled("keda")) if o["kind"] == "ScaledObject"]
+
+
+def test_workers_drain_within_a_grace_period_sized_from_the_spec() -> None:
+    p = with_patch(pool("disaggregated"), {"decode": {"drainSeconds": 100}})
+    objects = by_key(rendered(p))
+    decode = objects[("Deployment", "llama-pd-decode")]
+    pod_spec = decode["spec"]["template"]["spec"]
+    assert pod_spec["terminationGracePeriodSeconds"] == render.PRE_STOP_SECONDS + 100 + 5
+    assert container(decode)["lifecycle"] == {
+        "preStop": {"sleep": {"seconds": render.PRE_STOP_SECONDS}}
+    }
+    assert flag(container(decode)["args"], "--drain-timeout") == "100"
+    prefill = objects[("Deployment", "llama-pd-prefill")]
+    assert flag(container(prefill)["args"], "--drain-timeout") == "60"  # the default
+
+
+def test_pods_carry_scrape_annotations_unless_turned_off() -> None:
+    objects = by_key(rendered(pool("disaggregated")))
+    for component in ("prefill", "decode", "router"):
+        template = objects[("Deployment", f"llama-pd-{component}")]["spec"]["template"]
+        assert template["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+        assert template["metadata"]["annotations"]["prometheus.io/port"] == str(render.PORT)
+    off = with_patch(pool("disaggregated"), {"monitoring": {"scrapeAnnotations": False}})
+    template = by_key(rendered(off))[("Deployment", "llama-pd-decode")]["spec"]["template"]
+    assert "prometheus.io/scrape" not in template["metadata"]["annotations"]
+
+
+def cluster_args(name: str, spec: api.ServingPoolSpec, role: api.Role) -> list[str]:
+    """A role's worker command line as the cluster runs it."""
+    return render.worker_args(name, spec, role, render.cluster_wiring(name, "default", spec))
+
+
 def test_adaptive_token_budget_reaches_the_worker_with_the_slo_as_target() -> None:
     p = with_patch(
         pool("disaggregated"),
         {"decode": {"engine": {"tokenBudget": {"mode": "adaptive", "min": 64, "max": 1024}}}},
     )
-    args = render.worker_args(
-        "llama-pd", p.spec, "decode", render.cluster_wiring("llama-pd", "serving", p.spec)
-    )
+    args = cluster_args("llama-pd", p.spec, "decode")
     assert flag(args, "--token-budget") == "adaptive"
     assert flag(args, "--target-itl-ms") == "50"  # spec.slo.itl: 0.05 s
     assert (flag(args, "--min-budget"), flag(args, "--max-budget")) == ("64", "1024")
     # The prefill pool keeps its static budget; the target only counts overruns there.
-    prefill = render.worker_args(
-        "llama-pd", p.spec, "prefill", render.cluster_wiring("llama-pd", "serving", p.spec)
-    )
+    prefill = cluster_args("llama-pd", p.spec, "prefill")
     assert "--token-budget" not in prefill and flag(prefill, "--target-itl-ms") == "50"
 
 
@@ -456,16 +556,9 @@ def test_a_role_target_overrides_the_slo_and_no_target_renders_none() -> None:
         pool("disaggregated"),
         {"decode": {"engine": {"tokenBudget": {"mode": "adaptive", "targetItlMs": 72.5}}}},
     )
-    args = render.worker_args(
-        "llama-pd", own.spec, "decode", render.cluster_wiring("llama-pd", "serving", own.spec)
-    )
+    args = cluster_args("llama-pd", own.spec, "decode")
     assert flag(args, "--target-itl-ms") == "72.5" and "--max-budget" not in args
-    tiny = render.worker_args(
-        "tiny",
-        pool("tiny-colocated").spec,
-        "decode",
-        render.cluster_wiring("tiny", "serving", pool("tiny-colocated").spec),
-    )
+    tiny = cluster_args("tiny", pool("tiny-colocated").spec, "decode")
     assert "--target-itl-ms" not in tiny and "--token-budget" not in tiny
 
 
@@ -480,9 +573,7 @@ def test_adaptive_worker_args_parse_with_the_worker_command() -> None:
         pool("tiny-colocated"),
         {"decode": {"engine": {"tokenBudget": {"mode": "adaptive", "targetItlMs": 80}}}},
     )
-    args = render.worker_args(
-        "tiny", p.spec, "decode", render.cluster_wiring("tiny", "serving", p.spec)
-    )
+    args = cluster_args("tiny", p.spec, "decode")
     options = options_from(parser.parse_args(args), WorkerOptions)
     assert (options.token_budget, options.target_itl_ms, options.min_budget) == ("adaptive", 80, 32)
 

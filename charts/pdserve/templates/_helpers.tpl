@@ -93,6 +93,17 @@ ClusterRole, or by a Role in each watched namespace.
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["servicemonitors"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# Workers scaled by an HPA or KEDA instead of the operator's planner.
+- apiGroups: ["autoscaling"]
+  resources: ["horizontalpodautoscalers"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["keda.sh"]
+  resources: ["scaledobjects"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The workers' pods: read for why replicas are not ready.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
 # The routers' Role grants these; Kubernetes lets only a holder grant them.
 - apiGroups: ["discovery.k8s.io"]
   resources: ["endpointslices"]

@@ -79,6 +79,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """A number >= 0."""
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def port_number(text: str) -> int:
     """A TCP port, 0 meaning one the system picks at bind time."""
     value = int(text)

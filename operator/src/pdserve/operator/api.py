@@ -58,7 +58,8 @@ RoutingMode = Literal["colocated", "disaggregated"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer"]
 Phase = Literal["Pending", "Progressing", "Ready", "Degraded", "Failed"]
-ConditionType = Literal["Ready", "Progressing", "Degraded"]
+ConditionType = Literal["Ready", "Progressing", "Degraded", "ScalingActive", "DisaggregationActive"]
+Scaler = Literal["planner", "hpa", "keda"]
 ConditionStatus = Literal["True", "False", "Unknown"]
 
 # Kubernetes' resource.Quantity, without a sign (no resource is negative).
@@ -218,6 +219,19 @@ ENV_VALUE_ONCE = Rule(
 ENV_SOURCE_ONE = Rule(
     "has(self.secretKeyRef) != has(self.configMapKeyRef)",
     "valueFrom needs exactly one of secretKeyRef or configMapKeyRef",
+)
+HPA_NEEDS_ONE_REPLICA = Rule(
+    "!has(self.policy) || !has(self.policy.type) || self.policy.type != 'hpa'"
+    " || ((!has(self.prefill) || !has(self.prefill.minReplicas) || self.prefill.minReplicas >= 1)"
+    " && (!has(self.decode) || !has(self.decode.minReplicas) || self.decode.minReplicas >= 1))",
+    "policy type hpa needs minReplicas of at least 1 (a HorizontalPodAutoscaler does "
+    "not scale to zero)",
+    ".policy.type",
+)
+RATIO_MIN_NOT_ABOVE_MAX = Rule(
+    "!has(self.min) || !has(self.max) || self.min <= self.max",
+    "min must not exceed max",
+    ".min",
 )
 EXISTS_TAKES_NO_VALUE = Rule(
     "!has(self.operator) || self.operator != 'Exists' || !has(self.value)",
@@ -423,6 +437,11 @@ class WorkerPool(Placement):
     replicas: int = Field(default=1, ge=0, le=1000, description="Workers (0: none of this role).")
     gpus: int = Field(default=0, ge=0, le=16, description=f"GPUs ({GPU_RESOURCE}) per worker.")
     engine: EngineSettings = EngineSettings()
+    drain_seconds: int = Field(
+        default=60, ge=0, le=3600,
+        description="How long a stopping worker lets its requests in flight and its KV "
+        "hand-offs finish (sizes the pods' terminationGracePeriodSeconds).",
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _check(self) -> WorkerPool:
@@ -519,26 +538,98 @@ class RoleScaling(ApiModel):
         return self
 
 
-class ScalingPolicy(ApiModel):
-    """How fast and on what the autoscaler acts."""
+class RatioBound(ApiModel):
+    """Bounds on prefill workers per decode worker (e.g. max 0.5: at most one prefill
+    worker for every two decode workers)."""
 
-    prometheus_url: str | None = Field(default=None, max_length=2048)
-    interval_seconds: int = Field(default=30, ge=5, le=3600)
-    scale_up_stabilization_seconds: int = Field(default=0, ge=0, le=3600)
-    scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=3600)
-    cooldown_seconds: int = Field(default=60, ge=0, le=3600)
-    max_scale_up_step: int = Field(default=2, ge=1, le=100)
-    max_scale_down_step: int = Field(default=1, ge=1, le=100)
-    kv_cache_usage_high: float = Field(default=0.85, gt=0, le=1)
+    model_config = ConfigDict(json_schema_extra=cel(RATIO_MIN_NOT_ABOVE_MAX))
+
+    min: float | None = Field(default=None, ge=0, le=100)
+    max: float | None = Field(default=None, gt=0, le=100)
+
+    @model_validator(mode="after")
+    def _check(self) -> RatioBound:
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise refuse(RATIO_MIN_NOT_ABOVE_MAX)
+        return self
+
+
+class ScalingPolicy(ApiModel):
+    """What scales the workers, how fast, and on what."""
+
+    type: Scaler = Field(
+        default="planner",
+        description="planner: the operator's SLO planner; hpa: HorizontalPodAutoscalers on "
+        "external metrics (an external metrics adapter must serve them); keda: KEDA "
+        "ScaledObjects with Prometheus triggers.",
+    )
+    prometheus_url: str | None = Field(
+        default=None,
+        max_length=2048,
+        pattern=r"^https?://[^\s]+$",
+        description="Prometheus scraping the pool (default: the operator's --prometheus-url).",
+    )
+    interval_seconds: int = Field(default=30, ge=1, le=3600, description="Time between decisions.")
+    window_seconds: int = Field(
+        default=60, ge=2, le=3600, description="Latencies and rates are taken over this window."
+    )
+    scale_up_stabilization_seconds: int = Field(
+        default=0, ge=0, le=3600,
+        description="Scale up to the lowest recommendation of this window.",
+    )  # fmt: skip
+    scale_down_stabilization_seconds: int = Field(
+        default=300, ge=0, le=3600,
+        description="Scale down to the highest recommendation of this window.",
+    )  # fmt: skip
+    cooldown_seconds: int = Field(
+        default=60, ge=0, le=3600, description="No change to a role this soon after its last one."
+    )
+    max_scale_up_step: int = Field(
+        default=2, ge=1, le=100, description="Most workers added at once."
+    )
+    max_scale_down_step: int = Field(
+        default=1, ge=1, le=100, description="Most workers removed at once."
+    )
+    kv_cache_usage_high: float = Field(
+        default=0.85, gt=0, le=1, description="Decode KV cache usage that calls for more workers."
+    )
+    prefill_queue_high: float = Field(
+        default=4.0, gt=0, le=10000,
+        description="Requests waiting per prefill worker that call for more workers.",
+    )  # fmt: skip
+    scale_down_latency_ratio: float = Field(
+        default=0.7, gt=0, lt=1,
+        description="Scale down only while latencies stay under this fraction of their target.",
+    )  # fmt: skip
+    min_requests: int = Field(
+        default=10, ge=1, le=1000000,
+        description="Requests a window needs before its latency percentiles count.",
+    )  # fmt: skip
+    prefill_decode_ratio: RatioBound | None = Field(
+        default=None, description="Bounds on prefill workers per decode worker."
+    )
 
 
 class AutoscalingSpec(ApiModel):
     """SLO-driven scaling of each role, within its bounds."""
 
+    model_config = ConfigDict(json_schema_extra=cel(HPA_NEEDS_ONE_REPLICA))
+
     enabled: bool = False
     prefill: RoleScaling = RoleScaling()
     decode: RoleScaling = RoleScaling()
     policy: ScalingPolicy = ScalingPolicy()
+
+    @model_validator(mode="after")
+    def _check(self) -> AutoscalingSpec:
+        lowest = min(self.prefill.min_replicas, self.decode.min_replicas)
+        if self.policy.type == "hpa" and lowest < 1:
+            raise refuse(HPA_NEEDS_ONE_REPLICA)
+        return self
+
+    def bounds(self, role: Role) -> RoleScaling:
+        """The replica bounds of a role."""
+        return self.prefill if role == "prefill" else self.decode
 
 
 class ServiceMonitorSpec(ApiModel):
@@ -553,6 +644,11 @@ class MonitoringSpec(ApiModel):
     """Monitoring objects rendered with the pool."""
 
     service_monitor: ServiceMonitorSpec = ServiceMonitorSpec()
+    scrape_annotations: bool = Field(
+        default=True,
+        description="Annotate the pool's pods with prometheus.io/scrape, port and path, for "
+        "a Prometheus that discovers pods by them.",
+    )
 
 
 class ServingPoolSpec(ApiModel):
@@ -668,6 +764,42 @@ class RoleStatus(ApiModel):
         return data
 
 
+class ScalingInputs(ApiModel):
+    """What a scaling decision read from Prometheus, over the policy's window (absent:
+    no data). Latencies are at the SLO's percentile; loads are per worker."""
+
+    request_rate: float | None = Field(default=None, description="Requests per second.")
+    ttft_colocated_seconds: float | None = None
+    ttft_disaggregated_seconds: float | None = None
+    itl_seconds: float | None = None
+    prefill_waiting: float | None = None
+    prefill_running: float | None = None
+    decode_running: float | None = None
+    kv_cache_usage: float | None = None
+
+
+class RoleScalingStatus(ApiModel):
+    """The autoscaler's last word on one role."""
+
+    replicas: int = Field(ge=0, description="Workers the autoscaler wants.")
+    reason: str = Field(max_length=64)
+    message: str = Field(default="", max_length=1024)
+    last_scale_time: datetime | None = None
+
+
+class AutoscalingStatus(ApiModel):
+    """The autoscaler's last decision: its inputs and, per role, its outcome."""
+
+    last_decision_time: datetime | None = None
+    inputs: ScalingInputs | None = None
+    prefill: RoleScalingStatus | None = None
+    decode: RoleScalingStatus | None = None
+
+    def role(self, role: Role) -> RoleScalingStatus | None:
+        """The outcome for one role."""
+        return self.prefill if role == "prefill" else self.decode
+
+
 class ServingPoolStatus(ApiModel):
     """What the operator observed and did."""
 
@@ -685,6 +817,7 @@ class ServingPoolStatus(ApiModel):
     decode: RoleStatus | None = None
     router: RoleStatus | None = None
     router_endpoint: str | None = Field(default=None, max_length=1024)
+    autoscaling: AutoscalingStatus | None = None
 
     def condition(self, type_: ConditionType) -> Condition | None:
         """The condition of a type, if set."""
@@ -718,6 +851,13 @@ def with_condition(
     if previous is None:
         return (*conditions, new)
     return tuple(new if c.type == type_ else c for c in conditions)
+
+
+def without_condition(
+    conditions: Sequence[Condition], type_: ConditionType
+) -> tuple[Condition, ...]:
+    """Conditions without the one of a type."""
+    return tuple(c for c in conditions if c.type != type_)
 
 
 # --- the whole object ----------------------------------------------------------------

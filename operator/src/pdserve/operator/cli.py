@@ -36,6 +36,12 @@ class OperatorOptions:
     port_file: Path | None = option(
         None, parse=Path, metavar="PATH", help="once listening, write the port here"
     )
+    prometheus_url: str | None = option(
+        None, metavar="URL",
+        help="Prometheus scraping the pools: the planner reads it, KEDA's triggers ask it, "
+        "and it tells whether disaggregation works (a pool's "
+        "spec.autoscaling.policy.prometheusUrl overrides it)",
+    )  # fmt: skip
     resync_interval: float = option(
         300.0, parse=positive_float, metavar="SECONDS",
         help="reconcile every pool from a fresh read this often, catching drift the "
@@ -67,8 +73,23 @@ class LocalOptions:
     )  # fmt: skip
     run_dir: Path | None = option(
         None, parse=Path, metavar="DIR",
-        help="folder for the logs, the routing file and the run's credential "
-        "(default: a new temporary folder)",
+        help="folder for the logs, the routing file, the run's credential and the pool's "
+        "status (status.json) (default: a new temporary folder)",
+    )  # fmt: skip
+    prometheus: bool = option(
+        False,
+        help="start a Prometheus (Debian's package, see scripts/ensure-prometheus.sh) "
+        "scraping the router and the workers: the planner scales on it "
+        "(spec.autoscaling) and the status says whether disaggregation works",
+    )  # fmt: skip
+    scrape_interval: float = option(
+        5.0, parse=positive_float, metavar="SECONDS",
+        help="how often the Prometheus of --prometheus scrapes the pool",
+    )  # fmt: skip
+    prometheus_url: str | None = option(
+        None, metavar="URL",
+        help="a Prometheus already scraping the pool, instead of --prometheus "
+        "(spec.autoscaling.policy.prometheusUrl overrides it)",
     )  # fmt: skip
 
 
@@ -120,10 +141,11 @@ def _operator(args: argparse.Namespace) -> int:
 
 
 def _local(args: argparse.Namespace) -> int:
-    from pdserve.operator.local import serve
+    from pdserve.operator.local import Monitoring, serve
 
     options = options_from(args, LocalOptions)
+    monitoring = Monitoring(options.prometheus, options.scrape_interval, options.prometheus_url)
     return serve(
         options.file, options.model_dir, options.host, options.port, options.port_file,
-        options.run_dir, options.api_key_file,
+        options.run_dir, options.api_key_file, monitoring,
     )  # fmt: skip

@@ -22,6 +22,7 @@ from typing import Any, cast
 import kopf
 
 from pdserve.operator import api, kube, metrics, render
+from pdserve.operator.autoscaler import Autoscaler
 from pdserve.operator.cli import OperatorOptions
 from pdserve.operator.kube import ApiError, Credentials, KubeClient
 from pdserve.operator.reconcile import Reconciler
@@ -101,6 +102,12 @@ def resync(memo: Mapping[str, Any]) -> Resync:
     return found
 
 
+def autoscaler(memo: Mapping[str, Any]) -> Autoscaler:
+    """The pools' autoscaler loops that start-up put in the operator's memo."""
+    found: Autoscaler = memo["autoscaler"]
+    return found
+
+
 # --- start and stop ----------------------------------------------------------------------
 
 
@@ -112,16 +119,19 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     configure(settings, options.namespace)
     client = KubeClient(memo["credentials"])
     try:
-        monitors = await client.serves(kube.SERVICE_MONITOR)
+        served = [kind for kind in kube.OPTIONAL_KINDS if await client.serves(kind)]
     except BaseException:
         await client.close()
         raise
+    recorder = KopfRecorder()
     memo["reconciler"] = found = Reconciler(
-        client, KopfRecorder(), monitors=monitors, default_image=options.default_image
-    )
+        client, recorder, served=served, default_image=options.default_image,
+        prometheus_url=options.prometheus_url,
+    )  # fmt: skip
     memo["resync"] = loop = Resync(
         found, client, namespaces=options.namespace, interval=options.resync_interval
     )
+    memo["autoscaler"] = Autoscaler(found, loop, recorder, prometheus_url=options.prometheus_url)
     metrics.POOLS.set_function(lambda: len(found.tracked()))
     metrics.RETRIES_PENDING.set_function(loop.pending)
 
@@ -145,7 +155,9 @@ def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:
 
 @kopf.on.cleanup()
 async def stop(memo: kopf.Memo, **_: Any) -> None:
-    """Stop the resync loop; close the reconciler's connections."""
+    """Stop the autoscaler and resync loops; close the reconciler's connections."""
+    if "autoscaler" in memo:
+        await autoscaler(memo).close()
     if "resync" in memo:
         await resync(memo).close()
     if "reconciler" in memo:
@@ -201,17 +213,26 @@ async def reconcile_pool(
 
 @kopf.on.event(*POOL)
 async def pool_event(
-    type: str | None, uid: str, namespace: str | None, name: str, memo: Any, **_: Any
+    type: str | None,
+    uid: str,
+    namespace: str | None,
+    name: str,
+    body: kopf.Body,
+    memo: Any,
+    **_: Any,
 ) -> None:
     """Forget a deleted pool; start the resync loop once there is a pool to keep (a
-    retry scheduled for a pool before its first event here waits for that)."""
+    retry scheduled for a pool before its first event here waits for that); give the
+    autoscaler the pool's latest state."""
     if "resync" not in memo:
         return
     if type == "DELETED":
         reconciler(memo).forget(uid)
         resync(memo).forget((namespace or "", name))
+        autoscaler(memo).forget((namespace or "", name))
     else:
         resync(memo).start()
+        autoscaler(memo).track(plain(body))
 
 
 # --- children ------------------------------------------------------------------------------

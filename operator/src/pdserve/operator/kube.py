@@ -73,11 +73,17 @@ SECRET = Kind("v1", "Secret", "secrets")
 NETWORK_POLICY = Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies")
 DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments")
 POD_DISRUPTION_BUDGET = Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
+HORIZONTAL_POD_AUTOSCALER = Kind(
+    "autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"
+)
 SERVICE_MONITOR = Kind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors")
+SCALED_OBJECT = Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects")
 SERVING_POOL = Kind("pdserve.dev/v1alpha1", "ServingPool", "servingpools")
+# Not a child the operator writes: the workers' pods, read for why they are not ready.
+POD = Kind("v1", "Pod", "pods")
 
-# Watched (and cached) by the operator; ServiceMonitors are read on demand instead,
-# since their CRD is often absent.
+# Watched (and cached) by the operator; the kinds of CRDs a cluster may lack are read
+# on demand instead (OPTIONAL_KINDS).
 WATCHED_KINDS = (
     CONFIG_MAP,
     SERVICE_ACCOUNT,
@@ -87,9 +93,13 @@ WATCHED_KINDS = (
     NETWORK_POLICY,
     DEPLOYMENT,
     POD_DISRUPTION_BUDGET,
+    HORIZONTAL_POD_AUTOSCALER,
+    POD,
 )
+OPTIONAL_KINDS = (SERVICE_MONITOR, SCALED_OBJECT)
+OPTIONAL_NAMES = frozenset(kind.kind for kind in OPTIONAL_KINDS)
 # Secrets are not watched: the operator only makes the pool's credential, once.
-KINDS = {kind.kind: kind for kind in (*WATCHED_KINDS, SERVICE_MONITOR, SERVING_POOL, SECRET)}
+KINDS = {kind.kind: kind for kind in (*WATCHED_KINDS, *OPTIONAL_KINDS, SERVING_POOL, SECRET)}
 
 
 def kind_of(obj: Mapping[str, Any]) -> Kind:

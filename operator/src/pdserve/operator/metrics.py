@@ -43,6 +43,18 @@ API_REQUESTS = Counter(
     ["verb", "resource"],
 )
 
+SCALING_ROUNDS = Counter(
+    "pdserve_operator_scaling_rounds_total",
+    "Autoscaler rounds (one per pool and interval), by what Prometheus gave: ok, "
+    "unreachable, no_metrics (no series of the pool), no_url (no Prometheus configured).",
+    ["result"],
+)
+SCALING_DECISIONS = Counter(
+    "pdserve_operator_scaling_decisions_total",
+    "Replica changes the planner decided, by role, direction (up, down) and reason.",
+    ["role", "direction", "reason"],
+)
+
 POOLS = Gauge(
     "pdserve_operator_pools",
     "ServingPools the operator holds state for (a deleted pool leaves it).",

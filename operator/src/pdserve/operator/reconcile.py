@@ -13,13 +13,14 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pdserve.operator import api, drift, kube, metrics, render
 from pdserve.operator import status as pool_status
 from pdserve.operator.kube import ApiError, KubeClient
+from pdserve.operator.scaling import planner_scales
 
 Obj = dict[str, Any]
 Key = tuple[str, str]  # (kind, name)
@@ -44,8 +45,11 @@ class _PoolState:
     credential: bool = False  # the pool's credential Secret is known to exist
     failure: str | None = None  # why the last reconcile had a write refused
     generation: int | None = None  # the pool's generation the last reconcile applied
-    # The spec and rendered children of one generation: child events need them often.
-    rendered: tuple[int | None, api.ServingPoolSpec, dict[Key, Obj]] | None = None
+    # The planner's replica counts (None: not read from the status yet).
+    replicas: dict[api.Role, int] | None = None
+    # The spec and rendered children of one generation and replica counts: child
+    # events need them often.
+    rendered: tuple[object, api.ServingPoolSpec, dict[Key, Obj]] | None = None
     # (generation, resourceVersion) of each child as the last write left it: tells
     # stale watch events and writes that changed nothing.
     written: dict[Key, tuple[int | None, str]] = field(default_factory=dict)
@@ -77,12 +81,34 @@ def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
     return any(ref.get("uid") == uid for ref in refs)
 
 
-def desired_objects(pool: Mapping[str, Any], spec: api.ServingPoolSpec) -> dict[Key, Obj]:
-    """The pool's children as they should be: rendered, owned, stamped with their hash."""
+def desired_objects(
+    pool: Mapping[str, Any],
+    spec: api.ServingPoolSpec,
+    replicas: Mapping[api.Role, int] | None = None,
+    prometheus_url: str | None = None,
+) -> dict[Key, Obj]:
+    """The pool's children as they should be: rendered (with the planner's replica
+    counts), owned, stamped with their hash."""
     meta = pool["metadata"]
-    rendered = render.render(meta["name"], meta["namespace"], spec)
+    rendered = render.render(
+        meta["name"], meta["namespace"], spec, replicas, prometheus_url=prometheus_url
+    )
     objects = (drift.stamped(render.with_owner(obj, meta)) for obj in rendered)
     return {key_of(obj): obj for obj in objects}
+
+
+def planned_replicas(pool: Mapping[str, Any]) -> dict[api.Role, int]:
+    """The replica counts of the planner's last decisions, as the pool's status keeps
+    them (so a restarted operator goes on from there)."""
+    scaling = pool_status.previous_status(pool.get("status")).autoscaling
+    if scaling is None:
+        return {}
+    counts: dict[api.Role, int] = {}
+    for role in render.ROLES:
+        decided = scaling.role(role)
+        if decided is not None:
+            counts[role] = decided.replicas
+    return counts
 
 
 def describe(changes: Iterable[tuple[str, Obj]]) -> str:
@@ -98,13 +124,16 @@ class Reconciler:
         client: KubeClient,
         recorder: Recorder,
         *,
-        monitors: bool,
+        served: Collection[kube.Kind] = (),
         default_image: str | None = None,
+        prometheus_url: str | None = None,
     ) -> None:
         self._client = client
         self._recorder = recorder
-        self._monitors = monitors  # whether the cluster serves ServiceMonitors
+        # The kinds of kube.OPTIONAL_KINDS the cluster serves (their CRDs are installed).
+        self._served = [kind for kind in kube.OPTIONAL_KINDS if kind in served]
         self._default_image = default_image  # for pools that name no image
+        self._prometheus_url = prometheus_url  # for KEDA, where a pool names none
         self._pools: dict[str, _PoolState] = {}
 
     async def close(self) -> None:
@@ -120,13 +149,44 @@ class Reconciler:
     def _rendered(
         self, pool: Mapping[str, Any], state: _PoolState
     ) -> tuple[api.ServingPoolSpec, dict[Key, Obj]]:
-        """The pool's parsed spec and desired children (cached per generation; callers
-        must not modify them). Raises api.InvalidPoolError."""
+        """The pool's parsed spec and desired children (cached per generation and
+        replica counts; callers must not modify them). Raises api.InvalidPoolError."""
         generation = pool["metadata"].get("generation")
-        if state.rendered is None or state.rendered[0] != generation or generation is None:
+        if state.replicas is None:
+            state.replicas = planned_replicas(pool)
+        key = (generation, tuple(sorted(state.replicas.items())))
+        if state.rendered is None or state.rendered[0] != key or generation is None:
             spec = api.with_image(api.parse_spec(pool["spec"]), self._default_image)
-            state.rendered = (generation, spec, desired_objects(pool, spec))
+            planned = state.replicas if planner_scales(spec) else None
+            desired = desired_objects(pool, spec, planned, self._prometheus_url)
+            state.rendered = (key, spec, desired)
         return state.rendered[1], state.rendered[2]
+
+    def replicas(self, pool: Mapping[str, Any]) -> dict[api.Role, int]:
+        """The planner's replica counts of a pool (from its status after a restart)."""
+        state = self._state(pool)
+        if state.replicas is None:
+            state.replicas = planned_replicas(pool)
+        return dict(state.replicas)
+
+    def status_of(self, pool: Mapping[str, Any]) -> api.ServingPoolStatus:
+        """The pool's status as the operator last wrote (or, before that, read) it."""
+        state = self._pools.get(pool["metadata"]["uid"])
+        written = state.status if state is not None and state.status is not None else None
+        return pool_status.previous_status(written or pool.get("status"))
+
+    def scale(self, pool: Mapping[str, Any], replicas: Mapping[api.Role, int]) -> None:
+        """Set the planner's replica counts; the next reconcile applies them."""
+        state = self._state(pool)
+        state.replicas = {**(state.replicas or planned_replicas(pool)), **replicas}
+
+    async def report(self, pool: Mapping[str, Any], report: pool_status.ScalingReport) -> None:
+        """Write what the autoscaler found (its conditions and decision) to the status."""
+        state = self._state(pool)
+        async with state.lock:
+            previous = pool_status.previous_status(self._last_status(pool, state))
+            new = pool_status.with_scaling(previous, report)
+            await self._patch_status(pool, state, new)
 
     def forget(self, uid: str) -> None:
         """Drop what is remembered about a deleted pool."""
@@ -171,7 +231,7 @@ class Reconciler:
             raise
         desired = self._servable(pool, desired)
         live = {key_of(obj): obj for obj in children}
-        live.update(await self._monitor_of(pool))
+        live.update(await self._optional_children(pool))
         changes: list[tuple[str, Obj]] = []
         errors: list[ApiError] = []
         try:
@@ -246,7 +306,7 @@ class Reconciler:
                 self._report(pool, [change], "Repaired")
                 if change[0] != "deleted":
                     live[key] = change[1]
-            if change is not None or key[0] == kube.DEPLOYMENT.kind:
+            if change is not None or key[0] in (kube.DEPLOYMENT.kind, kube.POD.kind):
                 await self._write_status(pool, state, spec, live.values())
 
     async def _repair(
@@ -319,21 +379,23 @@ class Reconciler:
         )
 
     def _servable(self, pool: Mapping[str, Any], desired: dict[Key, Obj]) -> dict[Key, Obj]:
-        """The desired objects the cluster can hold (ServiceMonitors need their CRD)."""
-        if self._monitors or not any(k[0] == kube.SERVICE_MONITOR.kind for k in desired):
-            return desired
-        self._recorder.warning(
-            pool, "NoServiceMonitorCRD", "the cluster serves no ServiceMonitors: skipped"
-        )
-        return {k: v for k, v in desired.items() if k[0] != kube.SERVICE_MONITOR.kind}
+        """The desired objects the cluster can hold (ServiceMonitors and ScaledObjects
+        need their CRDs)."""
+        served = {kind.kind for kind in self._served}
+        missing = {key[0] for key in desired if key[0] in kube.OPTIONAL_NAMES} - served
+        for kind in sorted(missing):
+            self._recorder.warning(pool, f"No{kind}CRD", f"the cluster serves no {kind}s: skipped")
+        return {k: v for k, v in desired.items() if k[0] not in missing}
 
-    async def _monitor_of(self, pool: Mapping[str, Any]) -> dict[Key, Obj]:
-        """The pool's live ServiceMonitor, read on demand (it is not watched)."""
-        if not self._monitors:
-            return {}
+    async def _optional_children(self, pool: Mapping[str, Any]) -> dict[Key, Obj]:
+        """The pool's objects of optional kinds, read on demand (they are not watched)."""
         meta = pool["metadata"]
-        monitor = await self._client.get(kube.SERVICE_MONITOR, meta["namespace"], meta["name"])
-        return {} if monitor is None else {key_of(monitor): monitor}
+        found: dict[Key, Obj] = {}
+        for kind in self._served:
+            selector = f"{render.POOL_LABEL}={meta['name']}"
+            for obj in await self._client.list_objects(kind, meta["namespace"], selector):
+                found[key_of(obj)] = obj
+        return found
 
     def _report(self, pool: Mapping[str, Any], changes: list[tuple[str, Obj]], reason: str) -> None:
         for action, obj in changes:
@@ -359,6 +421,7 @@ class Reconciler:
         children: Iterable[Obj],
     ) -> None:
         meta = pool["metadata"]
+        children = list(children)
         deployments = {
             obj["metadata"]["name"]: obj for obj in children if obj["kind"] == kube.DEPLOYMENT.kind
         }
@@ -373,6 +436,8 @@ class Reconciler:
             generation=generation,
             spec=spec,
             deployments=deployments,
+            pods=[obj for obj in children if obj["kind"] == kube.POD.kind],
+            replicas=state.replicas if planner_scales(spec) else None,
             written={
                 name: gen
                 for (kind, name), (gen, _) in state.written.items()

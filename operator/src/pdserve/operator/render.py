@@ -14,6 +14,11 @@ Objects, in apply order (a role with 0 replicas, or without a pool, has none):
   Deployment      <pool>-prefill, <pool>-decode, <pool>-router
   PodDisruptionBudget (maxUnavailable 1) per Deployment
   ServiceMonitor  <pool>            when spec.monitoring.serviceMonitor.enabled
+  HorizontalPodAutoscaler or ScaledObject <pool>-prefill, <pool>-decode
+                  when autoscaling.policy.type is hpa or keda (see scalers.py); the
+                  workers' Deployments then carry no replica count
+With autoscaling enabled a role's Deployment stays at 0 replicas (the autoscaler
+may bring it back); otherwise a role with 0 replicas renders nothing.
 Not rendered here, since it holds a random value: the Secret <pool>-internal with the
 pool's internal credential (`credential_secret`), which the reconciler creates once
 and the router and workers mount.
@@ -42,7 +47,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pdserve.operator import api
+from pdserve.operator import api, scalers
 
 Obj = dict[str, Any]
 Component = Literal["prefill", "decode", "router"]
@@ -59,6 +64,10 @@ POOL_LABEL = "pdserve.dev/pool"
 MANAGER = "pdserve-operator"
 RUN_AS = 1000
 ROLES = api.ROLES
+# A deleted worker pod keeps serving this long before it is told to stop: its endpoint
+# is gone from the EndpointSlice at once, and the router's watch needs a moment.
+PRE_STOP_SECONDS = 5
+EXIT_MARGIN_SECONDS = 5  # after draining, for the engine and the process to end
 
 
 # --- names and labels ------------------------------------------------------------------
@@ -180,6 +189,7 @@ def worker_args(pool: str, spec: api.ServingPoolSpec, role: api.Role, wiring: Wi
             args += ["--prefill-peer", peer]
         if wiring.prefill_peers_file is not None:
             args += ["--prefill-peers-file", wiring.prefill_peers_file]
+    args += ["--drain-timeout", str(workers.drain_seconds)]
     return args
 
 
@@ -389,20 +399,34 @@ def _pod_spec(placement: api.Placement, container: Obj, volumes: list[Obj]) -> O
     return pod
 
 
+def _scrape_annotations(spec: api.ServingPoolSpec) -> Obj:
+    if not spec.monitoring.scrape_annotations:
+        return {}
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(PORT),
+            "prometheus.io/path": "/metrics"}  # fmt: skip
+
+
 def _deployment(
-    pool: str, namespace: str, component: Component, replicas: int, pod: Obj, annotations: Obj
+    pool: str,
+    namespace: str,
+    component: Component,
+    replicas: int | None,
+    pod: Obj,
+    annotations: Obj,
 ) -> Obj:
+    """A Deployment; `replicas` None leaves the count to an autoscaler (HPA, KEDA)."""
     template_meta: Obj = {"labels": labels(pool, component)}
     template_meta["annotations"] = {
         "kubectl.kubernetes.io/default-container": component,
         **annotations,
     }
+    counted = {} if replicas is None else {"replicas": replicas}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": _meta(object_name(pool, component), namespace, labels(pool, component)),
         "spec": {
-            "replicas": replicas,
+            **counted,
             "selector": {"matchLabels": selector_labels(pool, component)},
             "strategy": {
                 "type": "RollingUpdate",
@@ -414,9 +438,13 @@ def _deployment(
 
 
 def worker_deployment(
-    pool: str, namespace: str, spec: api.ServingPoolSpec, role: api.Role, replicas: int
+    pool: str, namespace: str, spec: api.ServingPoolSpec, role: api.Role, replicas: int | None
 ) -> Obj:
-    """The Deployment of one role's workers."""
+    """The Deployment of one role's workers (`replicas` None: an HPA or KEDA sets it).
+
+    A worker told to stop (SIGTERM) drains: readiness fails, it takes no new requests
+    and ends those in flight and its KV hand-offs. The preStop pause lets the router
+    see the pod go first; the grace period covers the pause and the drain."""
     workers = spec.pool(role)
     assert workers is not None, f"no {role} pool"
     model_volumes, model_mounts = _model_volume(spec)
@@ -436,9 +464,12 @@ def worker_deployment(
     args = worker_args(pool, spec, role, cluster_wiring(pool, namespace, spec))
     env = _env(workers)
     container = _container(role, spec, args, env, _resources(workers, workers.gpus), mounts)
+    container["lifecycle"] = {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}}
     pod = _pod_spec(workers, container, volumes)
     pod["automountServiceAccountToken"] = False  # workers never call the API server
-    return _deployment(pool, namespace, role, replicas, pod, {})
+    grace = PRE_STOP_SECONDS + workers.drain_seconds + EXIT_MARGIN_SECONDS
+    pod["terminationGracePeriodSeconds"] = grace
+    return _deployment(pool, namespace, role, replicas, pod, _scrape_annotations(spec))
 
 
 def router_deployment(pool: str, namespace: str, spec: api.ServingPoolSpec, table: Obj) -> Obj:
@@ -461,7 +492,7 @@ def router_deployment(pool: str, namespace: str, spec: api.ServingPoolSpec, tabl
     pod = _pod_spec(spec.router, container, volumes)
     pod["serviceAccountName"] = object_name(pool, "router")
     digest = hashlib.sha256(routing_json(table).encode()).hexdigest()[:16]
-    annotations = {ROUTING_HASH_ANNOTATION: digest}
+    annotations = {ROUTING_HASH_ANNOTATION: digest, **_scrape_annotations(spec)}
     return _deployment(pool, namespace, "router", spec.router.replicas, pod, annotations)
 
 
@@ -597,19 +628,58 @@ def service_monitor(pool: str, namespace: str, spec: api.ServingPoolSpec) -> Obj
     }
 
 
+def scaler(
+    pool: str, namespace: str, spec: api.ServingPoolSpec, role: api.Role, prometheus_url: str | None
+) -> Obj | None:
+    """The HorizontalPodAutoscaler or KEDA ScaledObject of a role (see scalers.py); None
+    for KEDA without a Prometheus to ask."""
+    name = object_name(pool, role)
+    meta = _meta(name, namespace, labels(pool, role))
+    if spec.autoscaling.policy.type == "hpa":
+        body = scalers.hpa_spec(pool, namespace, spec, role, name)
+        return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+                "metadata": meta, "spec": body}  # fmt: skip
+    url = spec.autoscaling.policy.prometheus_url or prometheus_url
+    if url is None:
+        return None
+    body = scalers.scaled_object_spec(pool, namespace, spec, role, name, url)
+    return {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": meta,
+            "spec": body}  # fmt: skip
+
+
 # --- the whole pool --------------------------------------------------------------------
+
+
+def externally_scaled(spec: api.ServingPoolSpec) -> bool:
+    """Whether an HPA or KEDA sets the workers' replica counts."""
+    return spec.autoscaling.enabled and spec.autoscaling.policy.type != "planner"
 
 
 def desired_replicas(
     spec: api.ServingPoolSpec, overrides: Mapping[api.Role, int] | None = None
 ) -> dict[Component, int]:
-    """Replicas per component: the spec's, or the autoscaler's where it decided."""
+    """Replicas per component: the spec's, or the autoscaler's where it decided, kept
+    within the autoscaling bounds when autoscaling is enabled."""
     counts: dict[Component, int] = {}
     for role in ROLES:
         workers = spec.pool(role)
-        counts[role] = 0 if workers is None else (overrides or {}).get(role, workers.replicas)
+        wanted = 0 if workers is None else (overrides or {}).get(role, workers.replicas)
+        if workers is not None and spec.autoscaling.enabled:
+            bounds = spec.autoscaling.bounds(role)
+            wanted = min(max(wanted, bounds.min_replicas), bounds.max_replicas)
+        counts[role] = wanted
     counts["router"] = spec.router.replicas
     return counts
+
+
+def rendered_roles(spec: api.ServingPoolSpec, counts: Mapping[Component, int]) -> list[api.Role]:
+    """The roles that have a Deployment: any with workers, and every role of a pool
+    with autoscaling (its Deployment may be scaled to 0 and back)."""
+    return [
+        role
+        for role in ROLES
+        if spec.pool(role) is not None and (counts[role] > 0 or spec.autoscaling.enabled)
+    ]
 
 
 def render(
@@ -617,11 +687,15 @@ def render(
     namespace: str,
     spec: api.ServingPoolSpec,
     replicas: Mapping[api.Role, int] | None = None,
+    *,
+    prometheus_url: str | None = None,
 ) -> list[Obj]:
     """Every object of a pool, in apply order. `replicas` overrides the spec's counts
-    (the autoscaler's decisions); a component with 0 replicas renders nothing."""
+    (the planner's decisions); `prometheus_url` is the Prometheus KEDA asks when the
+    pool names none."""
     counts = desired_replicas(spec, replicas)
-    roles = [role for role in ROLES if counts[role] > 0]
+    roles = rendered_roles(spec, counts)
+    external = externally_scaled(spec)
     with_router = counts["router"] > 0
     table = routing_table(pool, namespace, spec)
     objects: list[Obj] = []
@@ -631,10 +705,14 @@ def render(
     objects += [service(pool, namespace, c, spec) for c in components]
     if roles:
         objects.append(network_policy(pool, namespace))
-    objects += [worker_deployment(pool, namespace, spec, r, counts[r]) for r in roles]
+    objects += [
+        worker_deployment(pool, namespace, spec, r, None if external else counts[r]) for r in roles
+    ]
     if with_router:
         objects.append(router_deployment(pool, namespace, spec, table))
     objects += [pod_disruption_budget(pool, namespace, c) for c in components]
     if spec.monitoring.service_monitor.enabled:
         objects.append(service_monitor(pool, namespace, spec))
+    if external:
+        objects += [obj for r in roles if (obj := scaler(pool, namespace, spec, r, prometheus_url))]
     return objects

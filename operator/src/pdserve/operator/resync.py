@@ -9,7 +9,8 @@ ServiceMonitors are not watched at all. So one background loop
   failure (1 s, 2 s, ... up to 5 min), reading the pool and its children afresh;
 - every `interval` seconds lists every pool and child in the watched namespaces and
   reconciles each pool with what it read. An up-to-date pool costs no write
-  (drift.py); pools that no longer exist are forgotten.
+  (drift.py); pools that no longer exist are forgotten;
+- reconciles a pool at once when the autoscaler changed its replica counts (`soon`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def pool_key(pool: Mapping[str, Any]) -> PoolKey:
 class _Retry:
     attempt: int  # failures so far, less one
     due: float  # on the loop's clock
+    trigger: str = "retry"  # what the reconcile counts as (metrics)
 
 
 class Resync:
@@ -97,6 +99,15 @@ class Resync:
         self._gone.discard(key)
         if key not in self._retries:
             self._schedule(key, 0)
+
+    def soon(self, key: PoolKey, trigger: str) -> None:
+        """Reconcile the pool from a fresh read as soon as the loop can (e.g. the
+        autoscaler changed its replicas); a failure retries with backoff."""
+        self._gone.discard(key)
+        pending = self._retries.get(key)
+        attempt = pending.attempt if pending is not None else 0
+        self._retries[key] = _Retry(attempt, self._clock(), trigger)
+        self._wakeup.set()
 
     def forget(self, key: PoolKey) -> None:
         """Drop a deleted pool: its pending retry, and its turn in a pass under way."""
@@ -149,9 +160,9 @@ class Resync:
             for key in due:
                 retry = self._retries.pop(key, None)
                 if retry is not None:  # else deleted meanwhile
-                    await self._retry(key, retry.attempt)
+                    await self._retry(key, retry.attempt, retry.trigger)
 
-    async def _retry(self, key: PoolKey, attempt: int) -> None:
+    async def _retry(self, key: PoolKey, attempt: int, trigger: str) -> None:
         try:
             pool, children = await self._read_pool(key)
         except ApiError as error:
@@ -160,7 +171,7 @@ class Resync:
                 self._schedule(key, attempt + 1)
             return
         if pool is not None:
-            await self._attempt(key, pool, children, "retry", attempt + 1)
+            await self._attempt(key, pool, children, trigger, attempt + 1)
 
     async def resync(self) -> None:
         """Reconcile every pool with what the API server holds now; forget pools gone."""

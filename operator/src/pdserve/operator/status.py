@@ -1,17 +1,22 @@
-"""A ServingPool's status from what its Deployments report (pure).
+"""A ServingPool's status from what its Deployments and pods report (pure).
 
 Conditions:
-  Ready        every component has its desired replicas, updated and ready
+  Ready        every component has its desired replicas, updated and ready; when
+               not, the reason and message name what the pods say keeps them (the
+               scheduler's reason, image pulls, crash loops)
   Progressing  a rollout or scale is under way
   Degraded     something needs a person: an invalid spec, a refused apply, a
                Deployment that cannot make progress (deadline exceeded, pods refused)
+  ScalingActive, DisaggregationActive
+               written by the autoscaler (autoscaler.py), kept as they are here
 The phase sums them up for `kubectl get sp`: Failed (invalid spec), Degraded, Ready,
 Pending (no decode worker ready: the pool cannot answer yet) or Progressing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -42,7 +47,8 @@ def rollout(deployment: Obj | None, desired: int, written: int = 0) -> Rollout:
     hold the pool back: the replica counts still tell a rollout of theirs.
     """
     if desired == 0:
-        return Rollout(0, 0, settled=deployment is None)
+        gone = deployment is None or not deployment.get("status", {}).get("replicas")
+        return Rollout(0, 0, settled=gone)
     if deployment is None:
         return Rollout(desired, 0, settled=False)
     spec, status = deployment["spec"], deployment.get("status", {})
@@ -73,15 +79,91 @@ def rollouts(
     spec: api.ServingPoolSpec,
     deployments: Mapping[str, Obj],
     written: Mapping[str, int] | None = None,
+    replicas: Mapping[api.Role, int] | None = None,
 ) -> dict[render.Component, Rollout]:
     """The rollout of every component, keyed prefill/decode/router; `written` maps
-    Deployment names to the generation of the operator's last write."""
-    counts = render.desired_replicas(spec)
+    Deployment names to the generation of the operator's last write, `replicas` are
+    the planner's counts. Workers an HPA or KEDA scales want what their Deployment says."""
+    counts = render.desired_replicas(spec, replicas)
     out = {}
     for component, desired in counts.items():
         name = render.object_name(pool, component)
-        out[component] = rollout(deployments.get(name), desired, (written or {}).get(name, 0))
+        deployment = deployments.get(name)
+        if component != "router" and deployment is not None and render.externally_scaled(spec):
+            desired = deployment["spec"].get("replicas", desired)
+        out[component] = rollout(deployment, desired, (written or {}).get(name, 0))
     return out
+
+
+# --- why pods are not ready -------------------------------------------------------------
+
+IMAGE_PULL = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"}
+CREATE = {"CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
+# The order causes are named in: the one a person must fix first comes first.
+CAUSES = ("Unschedulable", "ImagePullFailed", "CrashLooping", "ContainerCreateFailed")
+
+
+@dataclass(frozen=True)
+class PodTrouble:
+    """What keeps one pod from being ready."""
+
+    component: str
+    reason: str  # one of CAUSES
+    detail: str  # the scheduler's or the kubelet's words
+
+
+def _terminated(container: Obj) -> str:
+    last = container.get("lastState", {}).get("terminated") or {}
+    if not last:
+        return ""
+    return f"; last exit: {last.get('reason', 'Error')} (code {last.get('exitCode', '?')})"
+
+
+def pod_trouble(pod: Obj) -> PodTrouble | None:
+    """Why a pod is not ready, when it says why (None: starting, or fine)."""
+    meta, status = pod.get("metadata", {}), pod.get("status", {})
+    if meta.get("deletionTimestamp"):
+        return None
+    component = meta.get("labels", {}).get("app.kubernetes.io/component", "?")
+    for condition in status.get("conditions", []):
+        refused = (condition.get("type"), condition.get("reason")) == (
+            "PodScheduled", "Unschedulable",
+        )  # fmt: skip
+        if refused and condition.get("status") == "False":
+            return PodTrouble(component, "Unschedulable", condition.get("message", ""))
+    containers = [*status.get("initContainerStatuses", []), *status.get("containerStatuses", [])]
+    for container in containers:
+        waiting = container.get("state", {}).get("waiting") or {}
+        reason, message = waiting.get("reason", ""), waiting.get("message", "")
+        if reason in IMAGE_PULL:
+            detail = f"{container.get('image', '?')}: {reason}" + (
+                f": {message}" if message else ""
+            )
+            return PodTrouble(component, "ImagePullFailed", detail)
+        if reason == "CrashLoopBackOff":
+            restarts = container.get("restartCount", 0)
+            detail = f"container {container.get('name')} restarted {restarts} times"
+            return PodTrouble(component, "CrashLooping", detail + _terminated(container))
+        if reason in CREATE:
+            return PodTrouble(component, "ContainerCreateFailed", f"{reason}: {message}")
+    return None
+
+
+def pod_troubles(pods: Iterable[Obj], components: Iterable[str]) -> list[PodTrouble]:
+    """The troubles of the pods of `components`, in the order of CAUSES."""
+    wanted = set(components)
+    found = [t for pod in pods if (t := pod_trouble(pod)) is not None and t.component in wanted]
+    return sorted(found, key=lambda t: (CAUSES.index(t.reason), t.component))
+
+
+def describe_troubles(troubles: Sequence[PodTrouble]) -> str:
+    """ "decode: 4 pods Unschedulable (0/1 nodes are available: ...)" per distinct cause."""
+    counts = Counter((t.component, t.reason, t.detail) for t in troubles)
+    parts = []
+    for (component, reason, detail), count in counts.items():
+        pods = "1 pod" if count == 1 else f"{count} pods"
+        parts.append(f"{component}: {pods} {reason}" + (f" ({detail})" if detail else ""))
+    return "; ".join(parts)
 
 
 def previous_status(raw: Mapping[str, Any] | None) -> api.ServingPoolStatus:
@@ -112,13 +194,18 @@ def pool_status(
     written: Mapping[str, int] | None = None,
     failure: str | None = None,
     now: datetime | None = None,
+    pods: Iterable[Obj] = (),
+    replicas: Mapping[api.Role, int] | None = None,
 ) -> api.ServingPoolStatus:
-    """The status after applying `spec` (generation `generation`); `written` as for
-    rollouts(); `failure` says why the last apply failed, if it did."""
-    components = rollouts(pool, spec, deployments, written)
+    """The status after applying `spec` (generation `generation`); `written` and
+    `replicas` as for rollouts(); `failure` says why the last apply failed, if it did;
+    `pods` tell why replicas are not ready."""
+    components = rollouts(pool, spec, deployments, written, replicas)
     ready = all(r.settled for r in components.values())
     problems = [r.problem for r in components.values() if r.problem]
     summary = _summary(components)
+    unready = [c for c, r in components.items() if r.ready < r.desired]
+    troubles = pod_troubles(pods, unready) if not ready else []
     conditions = previous.conditions
 
     def put(type_: api.ConditionType, status: bool, reason: str, message: str) -> None:
@@ -128,7 +215,10 @@ def pool_status(
             conditions, type_, flag, reason, message, generation=generation, now=now
         )
 
-    put("Ready", ready, "AllReplicasReady" if ready else "ReplicasNotReady", summary)
+    if troubles:
+        put("Ready", False, troubles[0].reason, f"{summary}: {describe_troubles(troubles)}")
+    else:
+        put("Ready", ready, "AllReplicasReady" if ready else "ReplicasNotReady", summary)
     put("Progressing", not ready, "RollingOut" if not ready else "RolloutComplete", summary)
     if failure is not None:
         put("Degraded", True, "ApplyFailed", failure)
@@ -152,6 +242,7 @@ def pool_status(
         decode=_role(components["decode"]),
         router=_role(components["router"]),
         router_endpoint=render.router_endpoint(pool, namespace) if spec.router.replicas else None,
+        autoscaling=previous.autoscaling,
     )
 
 
@@ -188,3 +279,44 @@ def status_patch(old: Mapping[str, Any], new: api.ServingPoolStatus) -> dict[str
     if wanted == dict(old):
         return None
     return {**{key: None for key in old if key not in wanted}, **wanted}
+
+
+# --- what the autoscaler writes ---------------------------------------------------------
+
+# The conditions the autoscaler owns.
+SCALING_CONDITIONS: tuple[api.ConditionType, ...] = ("ScalingActive", "DisaggregationActive")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A condition's status, reason and message."""
+
+    status: api.ConditionStatus
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class ScalingReport:
+    """What the autoscaler found: its conditions (absent: removed) and its last
+    decision (None: removed)."""
+
+    conditions: Mapping[api.ConditionType, Verdict]
+    autoscaling: api.AutoscalingStatus | None
+
+
+def with_scaling(
+    previous: api.ServingPoolStatus, report: ScalingReport, now: datetime | None = None
+) -> api.ServingPoolStatus:
+    """The status with the autoscaler's conditions and decision replaced."""
+    conditions = previous.conditions
+    for type_ in SCALING_CONDITIONS:
+        verdict = report.conditions.get(type_)
+        if verdict is None:
+            conditions = api.without_condition(conditions, type_)
+        else:
+            conditions = api.with_condition(
+                conditions, type_, verdict.status, verdict.reason, verdict.message,
+                generation=previous.observed_generation, now=now,
+            )  # fmt: skip
+    return previous.model_copy(update={"conditions": conditions, "autoscaling": report.autoscaling})

@@ -5,7 +5,9 @@ Off unless the environment variable PDSERVE_FAULTS holds a JSON object that maps
 point's name to what happens there, e.g.
 `{"prefill.before_write": {"delay_s": 2.0}}` or `{"engine.step": {"error": "boom"}}`.
 A fault with `when` set to a path acts only while that file exists, so a test decides
-the moment it strikes; a point may carry a list of faults, applied in order (e.g. a
+the moment it strikes; `delay_per_request_s` stalls longer the more requests a step
+carries (`engine.step`), as an accelerator's step costs more with a larger batch, so
+latency follows load by construction; a point may carry a list of faults, applied in order (e.g. a
 stall on every step, and an error once a file appears). Each point is named where it
 is called; `POINTS` lists them.
 """
@@ -52,6 +54,7 @@ class Fault:
     delay_s: float = 0.0
     error: str | None = None
     when: str | None = None  # a path: the fault acts only while this file exists
+    delay_per_request_s: float = 0.0  # more stall per request the point is told of
 
     def active(self) -> bool:
         """Whether the fault acts now."""
@@ -86,14 +89,16 @@ async def point(name: str) -> None:
             raise InjectedFault(fault.error)
 
 
-def blocking_point(name: str) -> None:
-    """An injection point on a thread of its own."""
+def blocking_point(name: str, requests: int = 0) -> None:
+    """An injection point on a thread of its own; `requests` is how many requests the
+    work that follows carries (for `delay_per_request_s`)."""
     for fault in configured().get(name, ()):
         if not fault.active():
             continue
         log.warning(MESSAGE, name, fault)
-        if fault.delay_s:
-            time.sleep(fault.delay_s)
+        delay = fault.delay_s + fault.delay_per_request_s * requests
+        if delay:
+            time.sleep(delay)
         if fault.error is not None:
             raise InjectedFault(fault.error)
 

@@ -201,11 +201,18 @@ class AsyncEngine:
                     self._wake.wait(timeout=self._idle_wait())
                     self._wake.clear()
                     continue
-                faults.blocking_point("engine.step")
+                faults.blocking_point("engine.step", self._batch_size())
                 self._deliver(self.engine.step())
         except BaseException as error:  # the loop must report, not vanish
             log.exception("engine step loop failed")
             self._die(error)
+
+    def _batch_size(self) -> int:
+        """The requests the next step carries: those running, and those waiting that
+        fit beside them."""
+        scheduler = self.engine.scheduler
+        waiting = len(scheduler.waiting)
+        return min(len(scheduler.running) + waiting, scheduler.config.max_num_seqs)
 
     def _die(self, error: BaseException) -> None:
         """Answer every request and every queued command with the engine's death."""

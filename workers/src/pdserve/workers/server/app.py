@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.workers.api_errors import error_middleware
 from pdserve.workers.handoff.prefill import PrefillService
+from pdserve.workers.server.drain import Drain
 from pdserve.workers.server.load import LoadTracker
 from pdserve.workers.server.openapi import openapi_spec
 from pdserve.workers.server.serving import OpenAIServing
@@ -37,11 +38,13 @@ class WorkerServer:
         self.load = load
         self.max_body_size = max_body_size
         self.ready = False
+        self.drain = Drain()
 
     def app(self) -> web.Application:
         """The aiohttp application."""
         middlewares = [
             error_middleware(self.metrics.observe_error),
+            self.drain.middleware(),
             self.serving.internal.middleware(),
             self.load.middleware(),
         ]
@@ -74,14 +77,19 @@ class WorkerServer:
         return web.json_response({"status": "ok"})
 
     async def readiness(self, _: web.Request) -> web.Response:
-        """GET /ready: 200 once the model is loaded and warmed up, while the engine runs."""
+        """GET /ready: 200 once the model is loaded and warmed up, while the engine runs
+        and the worker is not stopping."""
+        if self.drain.draining:
+            return web.json_response({"status": "draining"}, status=503)
         if not (self.ready and self.engine.healthy):
             return web.json_response({"status": "not ready"}, status=503)
         return web.json_response({"status": "ready", "role": self.model.role})
 
     async def load_report(self, _: web.Request) -> web.Response:
         """GET /load: what the router weighs when it picks a worker (503 while not
-        ready, as /ready, so the router's probe keeps traffic off it)."""
+        ready or draining, as /ready, so the router's probe keeps traffic off it)."""
+        if self.drain.draining:
+            return web.json_response({"status": "draining"}, status=503)
         if not (self.ready and self.engine.healthy):
             return web.json_response({"status": "not ready"}, status=503)
         return self.load.answer(self.engine.num_queued)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pdserve.cli.options import (
     OptionError,
+    non_negative_float,
     option,
     parse_bytes,
     port_number,
@@ -150,6 +151,11 @@ class WorkerOptions:
     queue_timeout: float = option(
         60.0, parse=positive_float, metavar="SECONDS", group=LIMITS,
         help="a request still waiting for its first engine step after this long gets 503",
+    )  # fmt: skip
+    drain_timeout: float = option(
+        30.0, parse=non_negative_float, metavar="SECONDS",
+        help="once told to stop (SIGTERM), refuse new requests (503) and let those in flight "
+        "and their KV hand-offs finish for at most this long",
     )  # fmt: skip
     log_level: str = option("info", choices=("debug", "info", "warning", "error"), help="log level")
 

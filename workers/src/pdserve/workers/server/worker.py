@@ -155,7 +155,7 @@ async def warm_up(server: WorkerServer) -> None:
 
 
 async def run_server(server: WorkerServer, options: WorkerOptions) -> None:
-    """Serve until SIGINT/SIGTERM, then stop the engine."""
+    """Serve until SIGINT/SIGTERM, then drain (see `drain`) and stop the engine."""
     server.engine.start()
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -173,6 +173,7 @@ async def run_server(server: WorkerServer, options: WorkerOptions) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     server.ready = False
+    await server.drain.drain(options.drain_timeout)
     await runner.cleanup()
     if server.handoff is not None:
         await server.handoff.close()
