@@ -22,6 +22,7 @@ import aiohttp
 from pdserve.workers.engine.async_engine import Admit, AsyncEngine
 from pdserve.workers.engine.engine import LLMEngine
 from pdserve.workers.engine.leases import Reservation
+from pdserve.workers.engine.sampler import Sampled
 from pdserve.workers.engine.sampling import SamplingParams
 from pdserve.workers.engine.stats import RequestOutput
 from pdserve.workers.handoff.errors import HandoffError
@@ -179,8 +180,8 @@ class DecodeHandoff:
         )
         first_token = answer.first_token
 
-        def adopt(engine: LLMEngine) -> RequestOutput:
-            return engine.adopt(request_id, first_token)
+        def adopt(engine: LLMEngine) -> list[RequestOutput]:
+            return engine.adopt(request_id, Sampled([first_token]))
 
         return adopt
 
