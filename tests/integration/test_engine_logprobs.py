@@ -8,37 +8,27 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from pdserve.workers.engine.logprobs import TokenLogprob
 from pdserve.workers.engine.sampling import SamplingParams
 from pdserve.workers.engine.stats import RequestOutput
 from support.engine import make_engine, run_outputs
+from support.scoring import LOGPROB_ATOL, reference_logprobs, reference_model
 
-# float32 on both sides: logits agree within 2e-4 (see test_engine_parity), so a
-# log-softmax, which subtracts a log-sum-exp of them, within twice that.
-LOGPROB_ATOL = 5e-4
 PROMPT_LEN = 200
 TOP = 5
 
 
 @pytest.fixture(scope="module")
 def reference(small_model_dir: Path) -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(small_model_dir, dtype=torch.float32)
-    return model.eval()
+    model: torch.nn.Module = reference_model(small_model_dir)
+    return model
 
 
 @pytest.fixture(scope="module")
 def prompt() -> list[int]:
     generator = torch.Generator().manual_seed(11)
     return torch.randint(3, 1000, (PROMPT_LEN,), generator=generator).tolist()
-
-
-def reference_logprobs(reference: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
-    """Transformers' log-softmax at every position of `tokens` [len, vocab]."""
-    with torch.no_grad():
-        logits = reference(torch.tensor([tokens])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1)
 
 
 def assert_matches(entry: TokenLogprob, expected_row: torch.Tensor, token: int) -> None:

@@ -1,6 +1,7 @@
-"""A worker's HTTP API: the OpenAI-compatible endpoints (see `serving`), the P/D
-hand-off endpoints of a prefill worker, `/v1/models`, `/openapi.json`, the probes
-`/health` and `/ready`, and `/metrics`. Every error, from any of them, is answered in
+"""A worker's HTTP API: the OpenAI-compatible endpoints (see `serving`), `/tokenize`
+and `/detokenize` (see `tokenization`), the P/D hand-off endpoints of a prefill
+worker, `/v1/models`, `/openapi.json`, the probes `/health` and `/ready`, and
+`/metrics`. Every error, from any of them, is answered in
 OpenAI's shape by one middleware (`pdserve.workers.api_errors`)."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pdserve.workers.api_errors import error_middleware
 from pdserve.workers.handoff.prefill import PrefillService
 from pdserve.workers.server.openapi import openapi_spec
 from pdserve.workers.server.serving import OpenAIServing
+from pdserve.workers.server.tokenization import TokenizationServing
 
 
 class WorkerServer:
@@ -33,6 +35,9 @@ class WorkerServer:
         self.prefill = prefill
         self.max_body_size = max_body_size
         self.ready = False
+        self.tokenization = TokenizationServing(
+            serving.tokenizer, self.model.max_model_len, serving.check_model
+        )
 
     def app(self) -> web.Application:
         """The aiohttp application."""
@@ -40,6 +45,8 @@ class WorkerServer:
         app = web.Application(middlewares=middlewares, client_max_size=self.max_body_size)
         app.router.add_post("/v1/completions", self.serving.completions)
         app.router.add_post("/v1/chat/completions", self.serving.chat_completions)
+        app.router.add_post("/tokenize", self.tokenization.tokenize)
+        app.router.add_post("/detokenize", self.tokenization.detokenize)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/openapi.json", self.openapi)
         app.router.add_get("/health", self.health)

@@ -18,9 +18,12 @@ class RequestLimits:
     max_stop_strings: int = 16
     max_stop_length: int = 256
     max_stop_token_ids: int = 256
+    max_logprobs: int = 20
+    max_n: int = 16
 
     def check(self, params: SamplingParams) -> None:
         """A 400 naming the first limit `params` exceeds."""
+        self._check_choices(params)
         if len(params.stop) > self.max_stop_strings:
             raise APIError(
                 400, f"stop: at most {self.max_stop_strings} stop strings, got {len(params.stop)}"
@@ -35,6 +38,16 @@ class RequestLimits:
             raise APIError(
                 400, f"stop_token_ids: at most {self.max_stop_token_ids} ids, "
                 f"got {len(params.stop_token_ids)}",
+            )  # fmt: skip
+
+    def _check_choices(self, params: SamplingParams) -> None:
+        if params.n > self.max_n:
+            raise APIError(400, f"n: at most {self.max_n} choices per request, got {params.n}")
+        widest = max(params.logprobs or 0, params.prompt_logprobs or 0)
+        if widest > self.max_logprobs:
+            raise APIError(
+                400, f"logprobs/top_logprobs: at most {self.max_logprobs} alternatives per token "
+                f"(--max-logprobs), got {widest}",
             )  # fmt: skip
 
 

@@ -17,6 +17,8 @@ DEFAULT_MIN_BUDGET = 32
 # The same default as the ServingPool's `spec.kvTransfer.backend`.
 DEFAULT_KV_TRANSFER = "nixl"
 KV_TRANSFER_BACKENDS = ("nixl", "torch")
+# As in pdserve.workers.engine.logprobs (vLLM's names).
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
@@ -101,6 +103,12 @@ class WorkerOptions:
     )  # fmt: skip
     device: str = option("cpu", group=_ENGINE, help="cpu, cuda or cuda:N")
     seed: int = option(0, group=_ENGINE, help="seed of requests that give none")
+    logprobs_mode: str = option(
+        "raw_logprobs", choices=LOGPROBS_MODES, group=_ENGINE,
+        help="log-probabilities requests get: raw_logprobs, the model's own distribution; "
+        "processed_logprobs, the one tokens are drawn from (after temperature, top-k, top-p "
+        "and min_tokens)",
+    )  # fmt: skip
     threads: int | None = option(
         None, parse=positive_int, group=_ENGINE, help="torch CPU threads (default on CPU: 1)"
     )
@@ -149,6 +157,15 @@ class WorkerOptions:
     max_stop_token_ids: int = option(
         256, parse=positive_int, group=_LIMITS, help="most stop_token_ids per request (400)"
     )
+    max_logprobs: int = option(
+        20, parse=positive_int, group=_LIMITS,
+        help="most alternatives per token in logprobs, top_logprobs and an echoed "
+        "prompt's logprobs (400)",
+    )  # fmt: skip
+    max_n: int = option(
+        16, parse=positive_int, group=_LIMITS,
+        help="most choices per request, n (400; at most --max-num-seqs)",
+    )  # fmt: skip
     max_queued_requests: int = option(
         1024, parse=positive_int, group=_LIMITS,
         help="requests waiting for their first engine step; past this, new ones get 429",

@@ -46,6 +46,9 @@ def engine_config(options: WorkerOptions) -> EngineConfig:
         max_model_len=options.max_model_len,
         handoff_lease_s=options.handoff_timeout,
         seed=options.seed,
+        logprobs_mode="processed_logprobs"
+        if options.logprobs_mode == "processed_logprobs"
+        else "raw_logprobs",
         cache=CacheConfig(
             block_size=options.block_size,
             num_blocks=options.num_kv_blocks,
@@ -95,6 +98,8 @@ def build_server(options: WorkerOptions) -> WorkerServer:
         max_stop_strings=options.max_stop_strings,
         max_stop_length=options.max_stop_length,
         max_stop_token_ids=options.max_stop_token_ids,
+        max_logprobs=options.max_logprobs,
+        max_n=options.max_n,
     )
     admission = Admission(options.max_queued_requests, lambda: async_engine.num_queued)
     serving = OpenAIServing(async_engine, tokenizer, metrics, model, limits, admission, handoff)
