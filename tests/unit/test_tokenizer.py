@@ -195,3 +195,18 @@ def test_sentencepiece_style_directory(sentencepiece_dir: Path) -> None:
     )
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert rendered == "<s>[user] hi</s>[assistant] "
+
+
+def test_token_bytes_add_up_to_the_text(tokenizer: Tokenizer, sentencepiece_dir: Path) -> None:
+    # Byte-level BPE: tokens that split a character hold part of its bytes.
+    ids = tokenizer.encode(MULTIBYTE_TEXT, add_special_tokens=False)
+    pieces = [tokenizer.token_bytes(token) for token in ids]
+    assert b"".join(pieces) == MULTIBYTE_TEXT.encode()
+    assert any(piece.decode("utf-8", "replace") == "\ufffd" for piece in pieces)
+    # SentencePiece: the word marker stands for a space, <0xNN> pieces for a byte.
+    pieced = Tokenizer.from_dir(sentencepiece_dir)
+    text = "the model answers 你好 quickly"
+    ids = pieced.encode(text, add_special_tokens=False)
+    assert b"".join(pieced.token_bytes(token) for token in ids).lstrip(b" ") == text.encode()
+    assert pieced.token_bytes(pieced.token_to_id("<0xE4>") or 0) == b"\xe4"
+    assert pieced.token_bytes(1) == b"<s>"  # a special token is its text
