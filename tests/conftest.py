@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -25,4 +26,13 @@ def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small random Llama checkpoint with its tokenizer."""
     directory = tmp_path_factory.mktemp("models") / "small-llama"
     write_tiny_checkpoint(directory, SMALL_SPEC)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def other_weights_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The small model's architecture with other weights (another seed): what a
+    rolling update to a fine-tuned checkpoint looks like to a worker."""
+    directory = tmp_path_factory.mktemp("models") / "small-llama-other"
+    write_tiny_checkpoint(directory, dataclasses.replace(SMALL_SPEC, seed=SMALL_SPEC.seed + 1))
     return directory

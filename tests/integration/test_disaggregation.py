@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 import torch
 
+from pdserve.workers.engine.identity import weights_digest
 from pdserve.workers.engine.sampling import SamplingParams
 from pdserve.workers.faults import Fault
 from pdserve.workers.server.process import ServerProcess, start_worker
@@ -190,7 +191,9 @@ def test_prefill_killed_mid_handoff(
 ) -> None:
     prompt, colocated = long_prompt
     for policy in ("recompute", "fail"):
-        decode_args = ["--transfer-failure-policy", policy, "--handoff-timeout", "20"]
+        # The reserved blocks stay until the lease and its margin are over: a prefill
+        # worker that vanished never confirmed that its write stopped.
+        decode_args = ["--transfer-failure-policy", policy, "--handoff-timeout", "4"]
         logs = tmp_path / policy
         logs.mkdir()
         with pd_workers(
@@ -208,7 +211,7 @@ def test_prefill_killed_mid_handoff(
                 assert status == 200 and token_ids(answer) == colocated
             else:
                 assert status == 502 and "hand-off failed" in str(answer)
-            assert wait_for(lambda d=decode: kv_usage(d) == 0.0)  # type: ignore[misc]
+            assert wait_for(lambda d=decode: kv_usage(d) == 0.0, 20)  # type: ignore[misc]
             assert metric(decode, "pdserve_kv_transfer_failures_total") == 1
 
 
@@ -256,6 +259,31 @@ def test_lease_that_expires_frees_both_sides(
         assert wait_for(lambda: kv_usage(prefill) == 0.0)
 
 
+def test_the_prefill_workers_own_timeout_bounds_its_write(
+    small_model_dir: Path, tmp_path: Path
+) -> None:
+    # The decode worker grants a long lease; the prefill worker allows itself 1 s and
+    # stalls longer before its write: it must not write on the caller's word.
+    with pd_workers(
+        small_model_dir, tmp_path, "nixl",
+        prefill_args=["--handoff-timeout", "1"], prefill_faults=stall_before_write(1.5),
+        decode_args=["--handoff-timeout", "60", "--transfer-failure-policy", "fail"],
+    ) as workers:  # fmt: skip
+        decode, prefill = workers.decode[0], workers.prefill[0]
+
+        async def one() -> tuple[int, dict[str, object]]:
+            async with aiohttp.ClientSession() as session:
+                return await complete(session, decode.url, [5] * 40, prefill.url)
+
+        started = time.monotonic()
+        status, answer = asyncio.run(one())
+        assert status == 502 and "deadline passed before the write" in str(answer)
+        assert time.monotonic() - started < 30  # not the 48 s the lease would allow
+        assert metric(decode, "pdserve_kv_transfer_failures_total", reason="lease_expired") == 1
+        assert metric(prefill, "pdserve_kv_transfer_bytes_total") == 0
+        assert wait_for(lambda: kv_usage(prefill) == 0.0 and kv_usage(decode) == 0.0)
+
+
 def test_mismatched_handoffs_are_rejected_with_a_reason(pair: PDPair) -> None:
     prefill = pair.prefill[0]
 
@@ -287,19 +315,23 @@ MISMATCHES = [
 
 
 def test_mismatched_configuration_is_refused_at_connect(
-    small_model_dir: Path, tmp_path: Path
+    small_model_dir: Path, other_weights_model_dir: Path, tmp_path: Path
 ) -> None:
     common = ["--threads", "1", "--kv-transfer", "nixl", "--served-model-name", "small"]
     prefill = start_worker(
         small_model_dir, tmp_path / "prefill.log", [*common, "--role", "prefill"]
     )
+    # Same shapes, same name, other weights (a rolling update): refused by digest.
+    ours, theirs = weights_digest(other_weights_model_dir), weights_digest(small_model_dir)
+    cases = [(small_model_dir, args, named) for args, named in MISMATCHES]
+    cases.append((other_weights_model_dir, [], ("weights", ours, theirs)))
     decodes = [
         start_worker(
-            small_model_dir,
+            model_dir,
             tmp_path / f"decode-{index}.log",
             [*common, "--role", "decode", "--transfer-failure-policy", "fail", *args],
         )
-        for index, (args, _) in enumerate(MISMATCHES)
+        for index, (model_dir, args, _) in enumerate(cases)
     ]
     try:
         for worker in [prefill, *decodes]:
@@ -309,7 +341,7 @@ def test_mismatched_configuration_is_refused_at_connect(
             async with aiohttp.ClientSession() as session:
                 return await complete(session, decode.url, [5] * 40, prefill.url)
 
-        for decode, (_, named) in zip(decodes, MISMATCHES, strict=True):
+        for decode, (_, _, named) in zip(decodes, cases, strict=True):
             status, answer = asyncio.run(one(decode))
             assert status == 502
             message = str(answer)

@@ -204,3 +204,63 @@ def test_torch_receive_failures_surface_in_time_and_the_pair_reconnects(pair: Pa
         prefill.kill()
         decode.send("wait", "t-dead", DEADLINE_S)
         assert assert_fails_in_time(decode) < DEADLINE_S
+
+
+def test_a_declined_transfer_leaves_the_pair_and_its_other_transfers_alone(pair: Pair) -> None:
+    before = pair.decode.call("cache")
+    source = pair.prefill.call("cache")
+    declined, written = ([1, 2], [3]), ([4, 5], [6, 7])
+    pair.decode.call("expect", pair.peer, declined[1], "t-declined")
+    pair.decode.call("expect", pair.peer, written[1], "t-written")
+
+    # The prefill worker gives up on one hand-off (say its client left) and serves
+    # the other.
+    pair.prefill.call("decline", pair.peer, declined[1], "t-declined", DEADLINE_S)
+    pair.prefill.call("write", pair.peer, *written, "t-written", DEADLINE_S)
+    pair.decode.call("wait", "t-written", DEADLINE_S)
+    certain = pair.decode.call("withdraw", "t-declined", DEADLINE_S)
+
+    after = pair.decode.call("cache")
+    assert torch.equal(after[:, written[1]], source[:, written[0]])
+    # torch filled the declined receive (it is over); NIXL never had one.
+    assert certain is (pair.backend == "torch")
+    untouched = [b for b in range(DECODE_SPEC.num_blocks) if b not in declined[1] + written[1]]
+    assert torch.equal(after[:, untouched], before[:, untouched])
+    # The pair is still the same connection.
+    transfer(pair, [8], [9], "t-after-decline")
+    assert torch.equal(pair.decode.call("cache")[:, [9]], source[:, [8]])
+
+
+def test_a_spent_budget_fails_at_once_and_harms_nothing(pair: Pair) -> None:
+    source = pair.prefill.call("cache")
+    pair.prefill.send("write", pair.peer, [1], [1], "t-no-time", 0.0)
+    assert assert_fails_in_time(pair.prefill) < SLACK_S
+    if pair.backend == "torch":  # meeting takes a rendezvous (NIXL's never waits)
+        # A meeting with no time left fails too, instead of waiting without end.
+        metadata = pair.decode.call("metadata")
+        pair.prefill.send("connect", "pair-no-time", metadata, 0.0)
+        assert assert_fails_in_time(pair.prefill) < SLACK_S
+    transfer(pair, [2], [3], "t-after-no-time")
+    assert torch.equal(pair.decode.call("cache")[:, [3]], source[:, [2]])
+
+
+def test_peers_beyond_the_bound_go_least_recently_used_first(pair: Pair) -> None:
+    small = CacheSpec(num_blocks=20, max_peers=2)
+    with agent_process(pair.backend, "prefill-bounded", small, seed=6) as prefill:
+        for name in ("pair-b0", "pair-b1"):
+            connect(pair.decode, prefill, name)
+        transfer(Pair(pair.backend, pair.decode, prefill, "pair-b0"), [1], [2], "t-b0")
+        connect(pair.decode, prefill, "pair-b2")  # pair-b1 was used least recently
+        with pytest.raises(AgentCallError) as dropped:
+            prefill.call("write", "pair-b1", [1], [2], "t-b1", DEADLINE_S)
+        assert dropped.value.kind == "NotConnectedError"
+        for name in ("pair-b0", "pair-b2"):
+            transfer(Pair(pair.backend, pair.decode, prefill, name), [3], [4], f"t-{name}")
+        # A pair the decode worker dropped is dropped here when it says so.
+        prefill.call("disconnect", "pair-b0")
+        with pytest.raises(AgentCallError, match="NotConnectedError"):
+            prefill.call("write", "pair-b0", [1], [2], "t-b0-gone", DEADLINE_S)
+        # torch: pair-b2's group; NIXL: the one decode agent all the ids name.
+        assert prefill.call("peers") == 1
+    for name in ("pair-b0", "pair-b1", "pair-b2"):
+        pair.decode.call("disconnect", name)

@@ -34,6 +34,8 @@ class CacheSpec:
     head_dim: int = 8
     dtype: str = "float32"
     model: str = "test-model"
+    weights: str = "0123456789abcdef"
+    max_peers: int = 128  # connections the agent keeps
 
 
 class AgentCallError(Exception):
@@ -132,7 +134,8 @@ def serve(
     shape = (spec.num_layers, spec.num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
     generator = torch.Generator().manual_seed(seed)
     cache = torch.rand(shape, generator=generator).to(getattr(torch, spec.dtype))
-    agent = create_agent(backend, name, cache, KVLayout.of(cache, model=spec.model))
+    layout = KVLayout.of(cache, model=spec.model, weights=spec.weights)
+    agent = create_agent(backend, name, cache, layout, max_peers=spec.max_peers)
     commands = _commands(agent, cache)
     conn.send(("ok", None))
     while True:
@@ -181,8 +184,11 @@ def _commands(agent: Any, cache: Any) -> dict[str, Callable[..., Any]]:
         "connect": agent.connect,
         "expect": expect,
         "wait": wait,
-        "cancel": lambda transfer_id: pending.pop(transfer_id).cancel(),
+        "withdraw": lambda transfer_id, timeout_s: pending.pop(transfer_id).withdraw(timeout_s),
         "write": write,
+        "decline": agent.decline,
+        "disconnect": agent.disconnect,
+        "peers": agent.num_peers,
         "cache": lambda: cache.clone(),
         "checksum": checksum,
         "memcpy": memcpy_seconds,

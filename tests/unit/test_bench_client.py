@@ -12,6 +12,7 @@ from aiohttp import web
 
 from pdserve.workers.bench.client import CompletionsClient, chunk_token_count
 from pdserve.workers.bench.records import RequestRecord
+from support.network import serving
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -55,13 +56,8 @@ async def base_url() -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    yield f"http://{host}:{port}"
-    await runner.cleanup()
+    async with serving(app) as url:
+        yield url
 
 
 async def send(base_url: str, model: str) -> RequestRecord:

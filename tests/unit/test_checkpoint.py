@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import shutil
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,8 @@ from transformers import AutoModelForCausalLM
 
 from pdserve.workers.engine import checkpoint, checkpoint_cli
 from pdserve.workers.engine.checkpoint import TinyModelSpec, write_tiny_checkpoint
+from pdserve.workers.engine.config import ConfigError
+from pdserve.workers.engine.identity import weights_digest
 
 # Smaller than the default, for the tests that write several checkpoints.
 SPEC = TinyModelSpec(
@@ -177,3 +182,23 @@ def test_cli_explains_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert _run_cli("model", "init", "--tiny", "--heads", "3", str(tmp_path / "m")) == 2
     assert "multiple of heads" in capsys.readouterr().err
     assert not (tmp_path / "m").exists()
+
+
+def test_the_weights_digest_tells_checkpoints_apart_cheaply(tmp_path: Path) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    write_tiny_checkpoint(first, SPEC)
+    write_tiny_checkpoint(second, dataclasses.replace(SPEC, seed=SPEC.seed + 1))
+    copy = tmp_path / "copy"
+    shutil.copytree(first, copy)
+
+    assert weights_digest(first) == weights_digest(copy)
+    assert weights_digest(first) != weights_digest(second)  # same shapes, other values
+    weights = copy / "model.safetensors"
+    (header_bytes,) = struct.unpack("<Q", weights.read_bytes()[:8])
+    with weights.open("r+b") as file:  # one value of the first tensor changes
+        file.seek(8 + header_bytes)
+        file.write(b"\x00\x00\x80\x7f")
+    assert weights_digest(copy) != weights_digest(first)
+    weights.write_bytes(b"not safetensors")
+    with pytest.raises(ConfigError, match="not a safetensors file"):
+        weights_digest(copy)

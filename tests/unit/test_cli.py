@@ -47,6 +47,20 @@ def test_bad_flags_are_refused(argv: tuple[str, ...]) -> None:
         parse(*argv)
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+def test_a_hand_off_timeout_must_be_a_finite_positive_number(value: str) -> None:
+    parser = argparse.ArgumentParser(prog="worker")
+    add_options(parser, WorkerOptions)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--handoff-timeout", value])
+    assert (
+        options_from(
+            parser.parse_args(["--model", "m", "--handoff-timeout", "0.25"]), WorkerOptions
+        ).handoff_timeout
+        == 0.25
+    )
+
+
 def test_help_shows_each_default(capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser(prog="worker")
     add_options(parser, WorkerOptions)

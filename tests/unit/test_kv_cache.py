@@ -120,3 +120,28 @@ def test_children_without_a_block_for_their_copy_get_no_table() -> None:
     manager.free("c0")
     manager.free("c1")
     assert manager.pool.usage == 0.0
+
+
+def test_the_canary_catches_a_write_into_a_free_block_and_spares_cached_ones() -> None:
+    torch = pytest.importorskip("torch")
+    from pdserve.workers.engine.canary import KVCanary
+
+    kv = torch.zeros((2, 6, 2, 4, 1, 2))
+    canary = KVCanary(kv, 1234.5)
+    manager = KVCacheManager(BlockPool(6, watcher=canary), block_size=4)
+    canary.freed(range(6))
+
+    assert manager.allocate("a", 8)  # two blocks, checked when taken: intact
+    kv[:, manager.block_table("a")] = 0.25  # the request's own KV
+    manager.cache_full_blocks("a", list(range(8)), 8)  # prefix-cached: kept when freed
+    manager.allocate("b", 4)
+    freed = manager.block_table("b")
+    manager.free("b")
+    manager.free("a")
+    assert (kv[:, freed] == 1234.5).all()  # a free block holds the pattern
+    assert (kv[:, manager.pool.lookup(hash_block(None, [0, 1, 2, 3])) or 0] == 0.25).all()
+    assert canary.sweep() == 0
+
+    kv[1, freed[0], 0, 3] = 7.0  # a late write into a free block
+    assert canary.sweep() == 1
+    assert canary.sweep() == 1  # reported once

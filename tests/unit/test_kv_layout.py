@@ -22,7 +22,7 @@ def cache(
 
 
 def layout_of(tensor: torch.Tensor, model: str = "m") -> KVLayout:
-    return KVLayout.of(tensor, model=model)
+    return KVLayout.of(tensor, model=model, weights="w")
 
 
 @pytest.mark.parametrize(
@@ -126,3 +126,25 @@ def test_nixl_descriptors_are_the_segments_layer_by_layer() -> None:
     assert rows == expected
     far = nixl.descriptors(merged, layout, 1 << 40, 2, "dst")
     assert far[1] == ((1 << 40) + layout.offset(0, 7), layout.block_bytes, 2)
+
+
+def test_a_peers_layout_is_checked_field_by_field() -> None:
+    good = layout_of(cache()).to_json()
+    for field, bad in [
+        ("num_layers", "3"), ("num_blocks", True), ("block_size", 0), ("head_dim", -8),
+        ("dtype", "complex128"), ("model", ""), ("weights", 7), ("num_kv_heads", 2**50),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=f"malformed KV layout: bad .*{field}"):
+            KVLayout.from_json({**good, field: bad})
+    with pytest.raises(ValueError, match="not an object"):
+        KVLayout.from_json([good])
+
+
+def test_other_weights_are_refused_naming_both_digests() -> None:
+    ours = KVLayout.of(cache(), model="m", weights="aaaa1111")
+    theirs = KVLayout.of(cache(), model="m", weights="bbbb2222")
+    with pytest.raises(LayoutMismatchError) as refused:
+        ours.check_compatible(theirs, local="decode", remote="prefill")
+    assert str(refused.value) == (
+        "KV cache layouts differ: weights: decode has aaaa1111, prefill has bbbb2222"
+    )

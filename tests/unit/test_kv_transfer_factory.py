@@ -11,7 +11,7 @@ from pdserve.workers.kv_transfer.factory import create_agent
 from pdserve.workers.kv_transfer.layout import KVLayout
 
 CACHE = torch.zeros((2, 4, 2, 4, 2, 8))
-LAYOUT = KVLayout.of(CACHE, model="m")
+LAYOUT = KVLayout.of(CACHE, model="m", weights="w")
 
 
 def test_an_unknown_backend_is_named_with_the_known_ones() -> None:

@@ -15,16 +15,28 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
 
+log = logging.getLogger(__name__)
+
 ENV = "PDSERVE_FAULTS"
+# Logged each time a point fires: a test can wait for it to know the race is on.
+MESSAGE = "fault injected at %s: %s"
 
 POINTS = frozenset(
     {
-        "prefill.before_write",  # prefill side: prompt computed, blocks held, not yet sent
-        "engine.step",  # the engine thread, before each step
+        # The prefill worker has computed the prompt and holds its blocks; the write
+        # has not begun (a cancel or the deadline can still stop it).
+        "prefill.before_write",
+        # Inside a transfer agent's write, after its last check of the deadline and
+        # of a cancel: what follows lands in the peer's blocks. A stall here is a
+        # write that lands late, whatever the writer checked before.
+        "kv_transfer.before_post",
+        # The engine thread, before each step.
+        "engine.step",
     }
 )
 
@@ -67,6 +79,7 @@ async def point(name: str) -> None:
     for fault in configured().get(name, ()):
         if not fault.active():
             continue
+        log.warning(MESSAGE, name, fault)
         if fault.delay_s:
             await asyncio.sleep(fault.delay_s)
         if fault.error is not None:
@@ -78,6 +91,7 @@ def blocking_point(name: str) -> None:
     for fault in configured().get(name, ()):
         if not fault.active():
             continue
+        log.warning(MESSAGE, name, fault)
         if fault.delay_s:
             time.sleep(fault.delay_s)
         if fault.error is not None:

@@ -100,6 +100,8 @@ class AsyncEngine:
         self._commands.put(None)
         self._wake.set()
         self._thread.join(timeout=30)
+        if self.engine.canary is not None and not self._thread.is_alive():
+            self.engine.canary.sweep()  # a last look at the blocks left free
 
     @property
     def healthy(self) -> bool:

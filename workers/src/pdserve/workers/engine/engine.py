@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from pdserve.workers.engine.budget import budget_policy
+from pdserve.workers.engine.canary import KVCanary, pattern_from_environment
 from pdserve.workers.engine.choices import (
     add_prompt_logprobs,
     all_ended,
@@ -19,6 +20,7 @@ from pdserve.workers.engine.choices import (
 from pdserve.workers.engine.config import EngineConfig, ModelConfig
 from pdserve.workers.engine.kv_cache import BlockPool, KVCacheManager
 from pdserve.workers.engine.leases import LeaseBook, LeaseError, Reservation
+from pdserve.workers.engine.logprobs import PromptLogprobs
 from pdserve.workers.engine.request import FinishReason, Request, RequestStatus
 from pdserve.workers.engine.runner import ModelRunner, resolve_kv_dtype
 from pdserve.workers.engine.sampler import Sampled
@@ -52,8 +54,13 @@ class LLMEngine:
         itemsize = resolve_kv_dtype(config, self.model_config).itemsize
         self.num_blocks = cache.resolve_num_blocks(self.model_config, itemsize)
         self.runner = ModelRunner(config, self.model_config, self.num_blocks, self.block_size)
+        pattern = pattern_from_environment()
+        self.canary = None if pattern is None else KVCanary(self.runner.kv_cache, pattern)
+        if self.canary is not None:
+            log.warning("KV canary on: free blocks hold %s until handed out", pattern)
+            self.canary.freed(range(self.num_blocks))
         self.kv_cache = KVCacheManager(
-            BlockPool(self.num_blocks, cache.enable_prefix_caching), self.block_size
+            BlockPool(self.num_blocks, cache.enable_prefix_caching, self.canary), self.block_size
         )
         # The cost model learns in every mode: its metrics show a static pool what an
         # adaptive budget would believe.
@@ -153,10 +160,13 @@ class LLMEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         lease_s: float,
+        margin_s: float = 0.0,
     ) -> Reservation | None:
         """Decode side: reserve blocks for a prompt a prefill worker will compute.
-        Blocks already here (prefix cache) are kept and need no transfer. None when
-        the cache has no room now."""
+        Blocks already here (prefix cache) are kept and need no transfer. The blocks
+        can be adopted for `lease_s` seconds and stay allocated `margin_s` longer
+        unless released (a late write must not land in freed blocks). None when the
+        cache has no room now."""
         request = self._new_request(request_id, prompt_token_ids, params)
         cached = self.kv_cache.find_cached_prefix(request_id, request.prompt_token_ids)
         if not self.kv_cache.allocate(request_id, request.num_prompt_tokens):
@@ -164,23 +174,34 @@ class LLMEngine:
             self._forget(request)
             return None
         request.num_cached_tokens = cached
-        self.leases.hold(request, lease_s)
+        lease = self.leases.hold(request, lease_s, margin_s)
         first_block = cached // self.block_size
-        assert request.lease_deadline is not None
         return Reservation(
             request_id=request_id,
             block_ids=self.kv_cache.block_table(request_id)[first_block:],
             first_block=first_block,
             num_cached_tokens=cached,
-            deadline=request.lease_deadline,
+            deadline=lease.deadline,
+            hold_until=lease.hold_until,
         )
 
-    def adopt(self, request_id: str, first: Sampled) -> list[RequestOutput]:
-        """Decode side: the reserved blocks now hold the prompt's KV; continue the
-        request from its first token (one per choice for n > 1: it forks here) as if
-        it had been prefilled here. Raises LeaseError if the reservation is gone
-        (expired or released)."""
-        request = self.leases.take(request_id)
+    def adopt(
+        self, request_id: str, first: Sampled, prompt: PromptLogprobs | None = None
+    ) -> list[RequestOutput]:
+        """Decode side: the reserved blocks now hold the prompt's KV (the write is
+        over); continue the request from its first token (one per choice for n > 1:
+        it forks here; none for max_tokens 0) as if it had been prefilled here, with
+        the log-probabilities the prefill worker computed. If the lease is gone
+        (LeaseError) or the tokens do not fit the request (InvalidRequestError), the
+        blocks are freed and the request ends."""
+        try:
+            self._check_first(request_id, first, prompt)
+            request = self.leases.take(request_id)
+        except (LeaseError, InvalidRequestError):
+            self.release(request_id)
+            raise
+        if prompt is not None and request.prompt_logprobs is not None:
+            request.prompt_logprobs = [entry for entry in prompt[1:] if entry is not None]
         request.num_computed_tokens = request.num_prompt_tokens
         request.first_scheduled_time = time.monotonic()
         self.kv_cache.cache_full_blocks(
@@ -190,6 +211,21 @@ class LLMEngine:
         outputs, _ = self._take_sampled([(request, first)], time.monotonic())
         return outputs
 
+    def _check_first(self, request_id: str, first: Sampled, prompt: PromptLogprobs | None) -> None:
+        """The drawn tokens' count (n, or none for max_tokens 0) and range; prompt
+        log-probabilities, if any, one per prompt token."""
+        request = self._requests.get(request_id)
+        if request is None or request_id not in self.leases:
+            raise LeaseError(f"no lease for request {request_id!r} (unknown or expired)")
+        expected = request.params.n if request.samples else 0
+        if len(first.tokens) != expected:
+            raise InvalidRequestError(f"{len(first.tokens)} first tokens, {expected} expected")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= token < vocab for token in first.tokens):
+            raise InvalidRequestError(f"first tokens must be in [0, {vocab})")
+        if prompt is not None and len(prompt) != request.num_prompt_tokens:
+            raise InvalidRequestError("prompt log-probabilities do not match the prompt")
+
     def held_blocks(self, request_id: str) -> list[int]:
         """Prefill side: the blocks of a finished request that holds them (in prompt
         order). Raises LeaseError if its lease is gone."""
@@ -198,13 +234,14 @@ class LLMEngine:
         return self.kv_cache.block_table(request_id)
 
     def release(self, request_id: str) -> None:
-        """Either side: end a hand-off's lease and free its blocks."""
+        """Either side: end a hand-off's lease and free its blocks now (on the decode
+        side: once no write into them can still be running)."""
         request = self.leases.release(request_id)
         if request is not None:
             self._forget(request)
 
     def expire_leases(self) -> int:
-        """Free blocks whose lease ran out; the number of leases that expired."""
+        """Free blocks held past their lease and its margin; how many leases ended."""
         expired = self.leases.expire()
         for request in expired:
             self._forget(request)
@@ -232,7 +269,6 @@ class LLMEngine:
             return None
         choice = request.choices[index]
         self.scheduler.finish(choice, FinishReason.ABORT)
-        self.runner.sampler.forget(choice.request_id)
         if all_ended(request):
             self._forget(request)
         return self._output(choice, (), time.monotonic())
@@ -356,8 +392,6 @@ class LLMEngine:
         self.scheduler.finish(request, reason, free_blocks=not request.hold_blocks)
         if request.hold_blocks:
             self.leases.hold(request, self.config.handoff_lease_s)
-        else:
-            self.runner.sampler.forget(request.request_id)
         whole = request.parent or request
         if all_ended(whole):
             finished.append(finished_request(whole, reason, now))
@@ -411,8 +445,6 @@ class LLMEngine:
 
     def _forget(self, request: Request) -> None:
         self._requests.pop(request.request_id, None)
-        for part in [request, *(request.choices or [])]:
-            self.runner.sampler.forget(part.request_id)
 
     @staticmethod
     def _output(

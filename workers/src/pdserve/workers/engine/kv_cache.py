@@ -13,9 +13,20 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 BlockHash = bytes
+
+
+class BlockWatcher(Protocol):
+    """Told when blocks change hands (the KV canary, see canary.py)."""
+
+    def freed(self, blocks: Iterable[int]) -> None:
+        """Blocks became free holding nothing worth keeping."""
+
+    def taken(self, blocks: Iterable[int]) -> None:
+        """Free blocks were handed out again."""
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
@@ -29,11 +40,17 @@ class BlockPool:
     """Fixed-size blocks with reference counts, a free list in LRU order, and the
     hash -> block map of prefix caching."""
 
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_prefix_caching: bool = True,
+        watcher: BlockWatcher | None = None,
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self.watcher = watcher
         self._ref_counts = [0] * num_blocks
         self._hashes: list[BlockHash | None] = [None] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -62,6 +79,8 @@ class BlockPool:
             self._ref_counts[block] = 1
             blocks.append(block)
         self.num_allocated_total += count
+        if self.watcher is not None:
+            self.watcher.taken(blocks)
         return blocks
 
     def lookup(self, block_hash: BlockHash) -> int | None:
@@ -77,12 +96,17 @@ class BlockPool:
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one user of each block. Pass a request's blocks last first, so that the
         tail of a sequence is evicted before its (more shareable) head."""
+        emptied = []
         for block in blocks:
             self._ref_counts[block] -= 1
             if self._ref_counts[block] < 0:
                 raise AssertionError(f"block {block} released more often than acquired")
             if self._ref_counts[block] == 0:
                 self._free[block] = None
+                if self._hashes[block] is None:
+                    emptied.append(block)
+        if self.watcher is not None:
+            self.watcher.freed(emptied)
 
     def register(self, block: int, block_hash: BlockHash) -> None:
         """Record that `block` now holds the full block `block_hash`."""

@@ -219,7 +219,9 @@ def load_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device:
     return model.eval()
 
 
-def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's weight files, in a fixed order (the shards its index names, or
+    every *.safetensors file). ConfigError when there are none."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -228,7 +230,11 @@ def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
         files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"no safetensors weights in {model_dir}")
+    return files
+
+
+def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
-    for file in files:
+    for file in safetensors_files(model_dir):
         state.update(load_file(str(file)))
     return state

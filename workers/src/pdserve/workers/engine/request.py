@@ -43,10 +43,9 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
-    # P/D hand-off: a prefill worker's request keeps its blocks when it finishes
-    # (until they are sent), and both sides' held blocks expire at this deadline.
+    # P/D hand-off: a prefill worker's request keeps its blocks when it finishes,
+    # under a lease (see leases.py), until they are sent.
     hold_blocks: bool = False
-    lease_deadline: float | None = None
     # Choices (n > 1): a choice knows the request it forked from and its index; the
     # request knows its choices once it forked.
     index: int = 0
@@ -59,11 +58,6 @@ class Request:
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = []
-
-    @property
-    def client_id(self) -> str:
-        """The id the request's outputs carry: a choice's is its request's."""
-        return self.parent.request_id if self.parent is not None else self.request_id
 
     @property
     def forks(self) -> bool:

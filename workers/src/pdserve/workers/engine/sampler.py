@@ -3,6 +3,8 @@ log-probabilities of what was drawn, for the requests that ask for them."""
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -27,9 +29,11 @@ class Sampled:
 
 
 class Sampler:
-    """Samples tokens from rows of logits. A request with a seed owns a generator,
-    so its tokens do not depend on what else is in the batch; each choice of a
-    request with n > 1 owns one too (seeded seed + its index)."""
+    """Samples tokens from rows of logits. A seeded request draws each token with a
+    generator seeded from its seed and the token's position, so its tokens depend
+    neither on what else is in the batch nor on where its earlier tokens were drawn
+    (a prefill worker, before a preemption). Choice i of a request with n > 1 draws
+    as a request with seed + i."""
 
     def __init__(
         self,
@@ -43,7 +47,7 @@ class Sampler:
         self.logprobs_mode = logprobs_mode
         self._shared = torch.Generator(device=device)
         self._shared.manual_seed(seed)
-        self._seeded: dict[str, torch.Generator] = {}
+        self._seeded = torch.Generator(device=device)
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[Sampled]:
         """What each request draws from its row of float32 logits [N, vocab]."""
@@ -60,7 +64,8 @@ class Sampler:
             if params.greedy:
                 tokens = [int(greedy[row])] * (params.n if request.forks else 1)
             else:
-                tokens = [self._draw(row_logits, choice, key) for key, choice in _draws(request)]
+                position = len(request.output_token_ids)
+                tokens = [self._draw(row_logits, choice, position) for choice in _draws(request)]
             logprobs = None
             if params.logprobs is not None:
                 source = raw[row] if row in raw else self.processed(row_logits, params)
@@ -77,10 +82,6 @@ class Sampler:
             return torch.log_softmax(logits, dim=-1)
         return torch.log(_distribution(logits, params))
 
-    def forget(self, request_id: str) -> None:
-        """Drop a finished request's generator."""
-        self._seeded.pop(request_id, None)
-
     def _raw_logprobs(
         self, logits: torch.Tensor, requests: list[Request]
     ) -> dict[int, torch.Tensor]:
@@ -94,19 +95,15 @@ class Sampler:
         values = torch.log_softmax(logits[index], dim=-1)
         return {row: values[i] for i, row in enumerate(rows)}
 
-    def _draw(self, row: torch.Tensor, params: SamplingParams, key: str) -> int:
+    def _draw(self, row: torch.Tensor, params: SamplingParams, position: int) -> int:
         probs = _distribution(row, params)
-        return int(torch.multinomial(probs, 1, generator=self._generator(key, params.seed)))
+        return int(torch.multinomial(probs, 1, generator=self._generator(params.seed, position)))
 
-    def _generator(self, key: str, seed: int | None) -> torch.Generator:
+    def _generator(self, seed: int | None, position: int) -> torch.Generator:
         if seed is None:
             return self._shared
-        generator = self._seeded.get(key)
-        if generator is None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed)
-            self._seeded[key] = generator
-        return generator
+        self._seeded.manual_seed(draw_seed(seed, position))
+        return self._seeded
 
     def _suppress_stops(self, row: torch.Tensor, request: Request) -> torch.Tensor:
         """Hide end-of-sequence and stop tokens until min_tokens are out."""
@@ -118,12 +115,19 @@ class Sampler:
         return row.masked_fill(mask, float("-inf"))
 
 
-def _draws(request: Request) -> list[tuple[str, SamplingParams]]:
-    """(generator key, parameters) of each token a request draws now: one per choice
-    when it forks, else its own."""
+def _draws(request: Request) -> list[SamplingParams]:
+    """The parameters of each token a request draws now: one per choice when it
+    forks, else its own."""
     if not request.forks:
-        return [(request.request_id, request.params)]
-    return [(request.choice_id(i), request.params.choice(i)) for i in range(request.params.n)]
+        return [request.params]
+    return [request.params.choice(i) for i in range(request.params.n)]
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's token at `position` (0: the first
+    generated): a hash, so that nearby seeds and positions draw unrelated numbers."""
+    digest = hashlib.blake2b(struct.pack("<QQ", seed, position), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def _distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

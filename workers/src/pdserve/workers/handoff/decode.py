@@ -2,98 +2,92 @@
 
 For a request that names a prefill worker, the decode worker reserves blocks for the
 prompt under a lease, asks the prefill worker to compute the prompt into them, waits
-for the data, then adopts the blocks and decodes on as if it had prefilled the prompt
-itself. If any step fails, the reservation is released and the pool's policy
-decides: prefill here after all (`recompute`), or end the request with the reason
-(`fail`).
+for the data, checks the answer against what it asked for, then adopts the blocks
+and decodes on as if it had prefilled the prompt itself. If any step fails, the
+pool's policy decides: prefill here after all (`recompute`), or end the request with
+the reason (`fail`). A bad peer costs one request, never the engine.
+
+Blocks a peer may still be writing into are never freed early. A hand-off that
+ends without adoption (failure, the client gone, the lease run out) releases its
+blocks only once the write has provably stopped: the prefill worker answered, or
+acknowledged a cancel (`/pd/cancel`), and the agent's receive is over. A peer that
+never says so keeps them until the lease plus a margin has passed; the prefill
+worker's own deadline ends its write well before that.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from pydantic import ValidationError
 
-from pdserve.workers.engine.async_engine import Admit, AsyncEngine
-from pdserve.workers.engine.engine import LLMEngine
-from pdserve.workers.engine.leases import Reservation
+from pdserve.workers.api_errors import validation_message
+from pdserve.workers.engine.async_engine import AsyncEngine
+from pdserve.workers.engine.leases import LeaseError, Reservation
+from pdserve.workers.engine.logprobs import PromptLogprobs
 from pdserve.workers.engine.sampler import Sampled
-from pdserve.workers.engine.sampling import SamplingParams
+from pdserve.workers.engine.sampling import InvalidRequestError, SamplingParams
 from pdserve.workers.engine.stats import RequestOutput
+from pdserve.workers.handoff.answers import drawn_inconsistencies
+from pdserve.workers.handoff.blocking import BlockingCalls
 from pdserve.workers.handoff.errors import HandoffError
 from pdserve.workers.handoff.observer import HandoffObserver
+from pdserve.workers.handoff.peer_http import NoReply, Reply, post_json
+from pdserve.workers.handoff.peers import PrefillPeers
 from pdserve.workers.handoff.protocol import (
-    ConnectAnswer,
-    ConnectRequest,
+    CancelAnswer,
+    CancelRequest,
     PrefillAnswer,
     PrefillRequest,
     WireSampling,
 )
 from pdserve.workers.kv_transfer.base import (
     KVTransferAgent,
+    NotConnectedError,
     PendingReceive,
     TransferError,
     TransferStats,
 )
-from pdserve.workers.kv_transfer.layout import KVLayout, LayoutMismatchError
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("recompute", "fail")
+# How long past its lease a reservation nobody confirmed as safe stays allocated:
+# the prefill worker writes within a share of the lease, counted from when it got
+# the request; the margin covers that request's time on the way and more.
+MIN_RELEASE_MARGIN_S = 5.0
+RELEASE_MARGIN_SHARE = 0.5
 
 
-class PrefillPeers:
-    """Connections from this decode worker's agent to prefill workers, by URL."""
+def release_margin(lease_s: float) -> float:
+    """Seconds past the lease before unconfirmed blocks are freed anyway."""
+    return max(MIN_RELEASE_MARGIN_S, RELEASE_MARGIN_SHARE * lease_s)
 
-    def __init__(self, agent: KVTransferAgent, timeout_s: float) -> None:
-        self.agent = agent
-        self.timeout_s = timeout_s
-        self._pairs: dict[str, str] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
 
-    async def pair(self, session: aiohttp.ClientSession, url: str) -> str:
-        """The pair id shared with the prefill worker at `url`, connecting first if
-        needed. Raises HandoffError."""
-        lock = self._locks.setdefault(url, asyncio.Lock())
-        async with lock:
-            if url not in self._pairs:
-                self._pairs[url] = await self._connect(session, url)
-            return self._pairs[url]
+@dataclass(frozen=True)
+class _Attempt:
+    """One hand-off under way: where, over which pair, into which blocks."""
 
-    def forget(self, url: str) -> None:
-        """Drop a connection (the peer failed); the next hand-off reconnects."""
-        self._pairs.pop(url, None)
+    url: str
+    pair: str
+    reservation: Reservation
+    prompt: list[int]
+    params: SamplingParams
 
-    async def _connect(self, session: aiohttp.ClientSession, url: str) -> str:
-        pair = uuid.uuid4().hex
-        # The agent's side of the meeting may block until the peer joins, so it runs
-        # beside the request that makes the peer join.
-        accepting = asyncio.ensure_future(
-            asyncio.to_thread(self.agent.accept, pair, self.timeout_s)
-        )
-        body = ConnectRequest(peer=pair, metadata=self.agent.metadata()).model_dump()
-        try:
-            raw = await _post(session, f"{url}/pd/connect", body, self.timeout_s)
-            answer = ConnectAnswer.model_validate(raw)
-            peer_layout = KVLayout.from_json(answer.metadata["layout"])
-            self.agent.layout.check_compatible(
-                peer_layout, local="the decode worker", remote="the prefill worker"
-            )
-            await accepting
-        except LayoutMismatchError as error:
-            raise HandoffError(str(error), "layout_mismatch") from error
-        except (TransferError, ValueError, KeyError) as error:
-            raise HandoffError(f"could not connect to {url}: {error}", "connect_failed") from error
-        finally:
-            if not accepting.done():
-                accepting.cancel()
-        log.info("connected to prefill worker %s (pair %s)", url, pair)
-        return pair
+    @property
+    def last_chance(self) -> float:
+        """When settling must be done: a little before the lease book frees the
+        blocks on its own."""
+        hold_until = self.reservation.hold_until
+        return hold_until - min(0.5, (hold_until - self.reservation.deadline) / 4)
 
 
 class DecodeHandoff:
@@ -109,18 +103,31 @@ class DecodeHandoff:
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown transfer failure policy {policy!r}; known: {POLICIES}")
+        if not (lease_s > 0 and math.isfinite(lease_s)):
+            raise ValueError(
+                f"the hand-off lease must be a positive number of seconds, not {lease_s}"
+            )
         self.engine = engine
         self.agent = agent
         self.metrics = metrics
         self.policy = policy
         self.lease_s = lease_s
-        self.peers = PrefillPeers(agent, timeout_s=lease_s)
+        self.margin_s = release_margin(lease_s)
+        self.calls = BlockingCalls()
+        self.peers = PrefillPeers(agent, self.calls)
+        self.vocab = engine.engine.model_config.vocab_size
         self._session: aiohttp.ClientSession | None = None
+        self._settling: set[asyncio.Task[None]] = set()
 
     async def close(self) -> None:
-        """Close the HTTP session to prefill workers."""
+        """Stop settling hand-offs, close the HTTP session and the threads."""
+        for task in list(self._settling):
+            task.cancel()
+        await asyncio.gather(*self._settling, return_exceptions=True)
+        await self.peers.close()
         if self._session is not None:
             await self._session.close()
+        self.calls.close()
 
     async def generate(
         self,
@@ -135,7 +142,7 @@ class DecodeHandoff:
         prompt is prefilled here instead."""
         started = time.monotonic()
         try:
-            adopt = await self._prefill_remotely(request_id, list(prompt), params, prefill_url)
+            outputs = await self._handed_off(request_id, list(prompt), params, prefill_url)
         except HandoffError as error:
             self.metrics.observe_transfer_failure(error.code)
             if self.policy == "fail":
@@ -146,71 +153,223 @@ class DecodeHandoff:
                 yield output
             return
         self.metrics.observe_kv_wait(time.monotonic() - started)
-        async for output in self.engine.stream(request_id, adopt):
-            yield output
+        try:
+            async for output in outputs:
+                yield output
+        finally:
+            await outputs.aclose()
+
+    async def _handed_off(
+        self, request_id: str, prompt: list[int], params: SamplingParams, url: str
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The outputs of the request once its KV is adopted, the first one taken."""
+        # The engine's id of this hand-off: unique, whatever id the client gave.
+        transfer_id = f"{request_id[:64]}.kv-{uuid.uuid4().hex[:16]}"
+        drawn, prompt_logprobs = await self._prefill_remotely(transfer_id, prompt, params, url)
+        outputs = self.engine.stream(
+            transfer_id, lambda engine: engine.adopt(transfer_id, drawn, prompt_logprobs)
+        )
+        try:
+            first = await anext(outputs)
+        except LeaseError as error:  # adopt freed the blocks (the write is over)
+            raise HandoffError(
+                "the lease ran out before the KV was adopted", "lease_expired"
+            ) from error
+        except InvalidRequestError as error:
+            raise HandoffError(
+                f"{url} answered a hand-off this worker refuses: {error}", "bad_handoff"
+            ) from error
+        return _chain(first, outputs)
 
     async def _prefill_remotely(
-        self, request_id: str, prompt: list[int], params: SamplingParams, url: str
-    ) -> Admit:
+        self, transfer_id: str, prompt: list[int], params: SamplingParams, url: str
+    ) -> tuple[Sampled, PromptLogprobs | None]:
+        """Have the prefill worker at `url` write the prompt's KV into reserved blocks
+        (once, whatever n); the first token of each choice with the log-probabilities
+        asked for. On failure the blocks are released once that is safe."""
         session = self._http()
-        pair = await self.peers.pair(session, url)
-        reservation = await self.engine.call(
-            lambda engine: engine.reserve(request_id, prompt, params, self.lease_s)
-        )
-        if reservation is None:
-            raise HandoffError("no free KV blocks to reserve for the prompt", "no_blocks")
-        pending: PendingReceive | None = None
+        pair = await self.peers.hold(session, url, time.monotonic() + self.lease_s)
         try:
-            pending = self.agent.expect(pair, reservation.block_ids, request_id)
-            answer = await self._ask_prefill(session, url, pair, prompt, params, reservation)
-            remaining = max(0.0, reservation.deadline - time.monotonic())
-            await asyncio.to_thread(pending.wait, remaining)
-        except BaseException as error:
-            if pending is not None:
-                pending.cancel()
-            # A cancelled receive may end the connection (torch drops the pair's
-            # group): the next hand-off to this peer connects again.
-            self.peers.forget(url)
-            self.engine.abort(request_id)  # releases the reservation
-            if isinstance(error, TransferError):
-                raise HandoffError(f"KV transfer failed: {error}", "transfer_failed") from error
+            reservation = await self.engine.call(
+                lambda e: e.reserve(transfer_id, prompt, params, self.lease_s, self.margin_s)
+            )
+        except BaseException:
+            self.peers.let_go(url)
             raise
-        self.metrics.observe_transfer(
-            TransferStats(answer.bytes, answer.transfer_seconds, answer.descriptors)
-        )
-        first_token = answer.first_token
+        if reservation is None:
+            self.peers.let_go(url)
+            raise HandoffError("no free KV blocks to reserve for the prompt", "no_blocks")
+        try:
+            pair, pending = await self._expect(session, url, pair, reservation)
+        except BaseException:  # nothing was posted
+            self.engine.abort(transfer_id)
+            raise
+        attempt = _Attempt(url, pair, reservation, prompt, params)
+        asking = asyncio.ensure_future(self._ask_prefill(session, attempt))
+        try:
+            reply = await asyncio.shield(asking)
+            drawn = self._accept(reply, attempt)
+            await self.calls.move(reservation.deadline, pending.wait)
+        except BaseException as error:
+            self._settle_later(attempt, asking, pending)
+            failure = _failure(error, attempt, self.peers)
+            if failure is error:
+                raise
+            raise failure from error
+        self.peers.let_go(url)
+        self.metrics.observe_peers(self.agent.num_peers())
+        return drawn
 
-        def adopt(engine: LLMEngine) -> list[RequestOutput]:
-            return engine.adopt(request_id, Sampled([first_token]))
+    async def _expect(
+        self, session: aiohttp.ClientSession, url: str, pair: str, reservation: Reservation
+    ) -> tuple[str, PendingReceive]:
+        """Get the agent ready to receive into the reserved blocks; the pair held then.
+        A pair dropped here since it was met (a receive that timed out) is met again,
+        once."""
+        blocks, transfer_id = reservation.block_ids, reservation.request_id
+        try:
+            return pair, self.agent.expect(pair, blocks, transfer_id)
+        except NotConnectedError:
+            self.peers.forget(url, pair)
+            self.peers.let_go(url)
+        except (TransferError, ValueError) as error:
+            raise self._broken(url, pair, error) from error
+        pair = await self.peers.hold(session, url, reservation.deadline)
+        try:
+            return pair, self.agent.expect(pair, blocks, transfer_id)
+        except (TransferError, ValueError) as error:
+            raise self._broken(url, pair, error) from error
 
-        return adopt
+    def _broken(self, url: str, pair: str, error: Exception) -> HandoffError:
+        """Let go of a pair that cannot take a transfer, to be met again next time."""
+        self.peers.forget(url, pair)
+        self.peers.let_go(url)
+        return HandoffError(f"KV transfer failed: {error}", "transfer_failed")
 
-    async def _ask_prefill(
-        self,
-        session: aiohttp.ClientSession,
-        url: str,
-        pair: str,
-        prompt: list[int],
-        params: SamplingParams,
-        reservation: Reservation,
-    ) -> PrefillAnswer:
+    async def _ask_prefill(self, session: aiohttp.ClientSession, attempt: _Attempt) -> Reply:
+        reservation = attempt.reservation
+        left = reservation.deadline - time.monotonic()
         body = PrefillRequest(
-            peer=pair,
+            peer=attempt.pair,
             request_id=reservation.request_id,
-            prompt_token_ids=prompt,
-            sampling=WireSampling.of(params),
+            prompt_token_ids=attempt.prompt,
+            sampling=WireSampling.of(attempt.params),
             block_ids=reservation.block_ids,
             first_block=reservation.first_block,
-            lease_ms=int(self.lease_s * 1000),
+            lease_ms=max(1, int(left * 1000)),
         )
-        timeout = max(0.0, reservation.deadline - time.monotonic())
-        raw = await _post(session, f"{url}/pd/prefill", body.model_dump(), timeout)
+        return await post_json(
+            session, f"{attempt.url}/pd/prefill", body.model_dump(), reservation.deadline
+        )
+
+    def _accept(self, reply: Reply, attempt: _Attempt) -> tuple[Sampled, PromptLogprobs | None]:
+        """The first tokens of a prefill worker's answer and the log-probabilities,
+        once every field checks out against what was asked (HandoffError otherwise)."""
+        if not reply.ok:
+            error = reply.error()
+            if error.code == "unknown_peer":  # it forgot the pair: meet again next time
+                self.peers.forget(attempt.url, attempt.pair)
+            raise error
         try:
-            return PrefillAnswer.model_validate(raw)
-        except ValueError as error:
-            raise HandoffError(
-                f"{url} answered a malformed hand-off: {error}", "bad_handoff"
-            ) from error
+            answer = PrefillAnswer.model_validate(reply.body)
+        except ValidationError as error:
+            message = f"{attempt.url} answered a malformed hand-off: {validation_message(error)}"
+            raise HandoffError(message, "bad_handoff") from error
+        problems = self._inconsistencies(answer, attempt.reservation)
+        problems += drawn_inconsistencies(answer, attempt.prompt, attempt.params, self.vocab)
+        if problems:
+            message = f"{attempt.url} answered an inconsistent hand-off: {'; '.join(problems)}"
+            raise HandoffError(message, "bad_handoff")
+        stats = TransferStats(answer.bytes, answer.transfer_seconds, answer.descriptors)
+        self.metrics.observe_transfer(stats)
+        return answer.drawn()
+
+    def _inconsistencies(self, answer: PrefillAnswer, reservation: Reservation) -> list[str]:
+        """What in a well-formed answer contradicts the hand-off asked for."""
+        layout = self.agent.layout
+        blocks = len(reservation.block_ids)
+        copies = blocks * layout.num_layers  # most descriptors: one per block per layer
+        problems = []
+        if answer.blocks != blocks:
+            problems.append(f"{answer.blocks} blocks written, {blocks} asked for")
+        if answer.bytes != copies * layout.block_bytes:
+            problems.append(f"{answer.bytes} bytes written, {copies * layout.block_bytes} expected")
+        if not 0 < answer.descriptors <= copies:
+            problems.append(f"{answer.descriptors} descriptors for {copies} block copies")
+        if max(answer.transfer_seconds, answer.prefill_seconds) > self.lease_s:
+            problems.append("durations longer than the lease")
+        return problems
+
+    # -- settling a hand-off that was not adopted ------------------------------
+
+    def _settle_later(
+        self, attempt: _Attempt, asking: asyncio.Future[Reply], pending: PendingReceive
+    ) -> None:
+        task = asyncio.ensure_future(self._settle(attempt, asking, pending))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _settle(
+        self, attempt: _Attempt, asking: asyncio.Future[Reply], pending: PendingReceive
+    ) -> None:
+        """Release the reserved blocks once nothing can land in them any more; leave
+        them to the lease book (freed at the lease's end plus the margin) when that
+        cannot be known."""
+        request_id = attempt.reservation.request_id
+        try:
+            stopped = await self._writer_stopped(attempt, asking)
+            withdrawn = await self.calls.move(attempt.last_chance, pending.withdraw)
+            if stopped or withdrawn:
+                await self.engine.call(lambda engine: engine.release(request_id))
+            else:
+                log.warning(
+                    "hand-off %s: %s never confirmed that its write stopped; its blocks "
+                    "stay reserved until the lease and margin are over", request_id, attempt.url,
+                )  # fmt: skip
+        except TransferError as error:
+            log.warning("hand-off %s: could not withdraw its receive: %s", request_id, error)
+        finally:
+            self.peers.let_go(attempt.url)
+            self.metrics.observe_peers(self.agent.num_peers())
+
+    async def _writer_stopped(self, attempt: _Attempt, asking: asyncio.Future[Reply]) -> bool:
+        """Whether the prefill worker's write provably stopped: it answered the
+        hand-off (whatever the answer), or acknowledged a cancel, by the last chance."""
+        if asking.done():
+            return _answered(asking)
+        cancelling = asyncio.ensure_future(self._cancel(attempt))
+        waiting: set[asyncio.Future[Any]] = {asking, cancelling}
+        try:
+            while waiting:
+                left = attempt.last_chance - time.monotonic()
+                done, waiting = await asyncio.wait(
+                    waiting, timeout=max(0.0, left), return_when=asyncio.FIRST_COMPLETED
+                )
+                if not done:
+                    return False
+                if (asking in done and _answered(asking)) or (
+                    cancelling in done and cancelling.result()
+                ):
+                    return True
+            return False
+        finally:
+            asking.cancel()
+            cancelling.cancel()
+
+    async def _cancel(self, attempt: _Attempt) -> bool:
+        """Ask the prefill worker to stop; whether it says its write has stopped."""
+        reservation = attempt.reservation
+        body = CancelRequest(
+            peer=attempt.pair, request_id=reservation.request_id, block_ids=reservation.block_ids
+        )
+        try:
+            reply = await post_json(
+                self._http(), f"{attempt.url}/pd/cancel", body.model_dump(), attempt.last_chance
+            )
+            return reply.ok and CancelAnswer.model_validate(reply.body).stopped
+        except (NoReply, ValidationError) as error:
+            log.info("cancel of %s at %s failed: %s", reservation.request_id, attempt.url, error)
+            return False
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -218,22 +377,29 @@ class DecodeHandoff:
         return self._session
 
 
-async def _post(
-    session: aiohttp.ClientSession, url: str, body: dict[str, Any], timeout_s: float
-) -> Any:
-    """POST JSON; the answer's JSON, or HandoffError with the peer's reason."""
+def _answered(asking: asyncio.Future[Reply]) -> bool:
+    """Whether the prefill worker answered (it answers once its write has stopped)."""
+    return asking.done() and not asking.cancelled() and asking.exception() is None
+
+
+def _failure(error: BaseException, attempt: _Attempt, peers: PrefillPeers) -> BaseException:
+    """What a failed hand-off raises: HandoffError, or the error itself (a
+    cancellation; an error already a HandoffError)."""
+    if isinstance(error, NoReply):
+        code = "lease_expired" if error.timed_out else "prefill_failed"
+        return HandoffError(str(error), code)
+    if isinstance(error, TransferError):
+        peers.forget(attempt.url, attempt.pair)  # the pair may be broken: meet again
+        return HandoffError(f"KV transfer failed: {error}", "transfer_failed")
+    return error
+
+
+async def _chain(
+    first: RequestOutput, rest: AsyncGenerator[RequestOutput, None]
+) -> AsyncGenerator[RequestOutput, None]:
     try:
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with session.post(url, json=body, timeout=timeout) as response:
-            answer = await response.json(content_type=None)
-            if response.status == 200:
-                return answer
-            error = (answer or {}).get("error", {}) if isinstance(answer, dict) else {}
-            message = error.get("message", f"HTTP {response.status}")
-            raise HandoffError(f"{url}: {message}", str(error.get("code", "prefill_failed")))
-    except TimeoutError as error:
-        raise HandoffError(
-            f"{url} did not answer within the lease ({timeout_s:.1f}s)", "lease_expired"
-        ) from error
-    except (aiohttp.ClientError, ValueError) as error:
-        raise HandoffError(f"{url} failed: {error}", "prefill_failed") from error
+        yield first
+        async for output in rest:
+            yield output
+    finally:
+        await rest.aclose()  # aborts the request if it had not finished

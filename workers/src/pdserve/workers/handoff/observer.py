@@ -19,3 +19,6 @@ class HandoffObserver(Protocol):
 
     def observe_kv_wait(self, seconds: float) -> None:
         """Decode side: how long a request waited for its KV."""
+
+    def observe_peers(self, count: int) -> None:
+        """How many peers the transfer agent holds connections to now."""

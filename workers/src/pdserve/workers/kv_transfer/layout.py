@@ -31,15 +31,18 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str  # torch dtype name without the prefix, e.g. "float32"
-    model: str  # model identity (served name); prefill and decode must agree
+    model: str  # the served model name; prefill and decode must agree
+    # A digest of the weights (see engine/identity.py): KV computed by other weights,
+    # say during a rolling update, must not be adopted however alike the shapes.
+    weights: str
 
     @classmethod
-    def of(cls, kv_cache: torch.Tensor, model: str) -> KVLayout:
+    def of(cls, kv_cache: torch.Tensor, model: str, weights: str) -> KVLayout:
         """The layout of a cache tensor."""
         num_layers, num_blocks, two, block_size, kv_heads, head_dim = kv_cache.shape
         assert two == 2, "the cache holds K and V side by side"
         dtype = str(kv_cache.dtype).removeprefix("torch.")
-        return cls(num_layers, num_blocks, block_size, kv_heads, head_dim, dtype, model)
+        return cls(num_layers, num_blocks, block_size, kv_heads, head_dim, dtype, model, weights)
 
     @property
     def block_bytes(self) -> int:
@@ -59,7 +62,9 @@ class KVLayout:
     def check_compatible(self, peer: KVLayout, *, local: str, remote: str) -> None:
         """Raise LayoutMismatchError naming each setting where the two differ, with
         both values (the block count may differ: each side has its own cache)."""
-        fields = ("model", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
+        fields = (
+            "model", "weights", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype"
+        )  # fmt: skip
         problems = [
             f"{name}: {local} has {getattr(self, name)}, {remote} has {getattr(peer, name)}"
             for name in fields
@@ -73,12 +78,38 @@ class KVLayout:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> KVLayout:
-        """Parse what `to_json` wrote (raises ValueError on a malformed layout)."""
-        try:
-            return cls(**{name: raw[name] for name in cls.__dataclass_fields__})
-        except (KeyError, TypeError) as error:
-            raise ValueError(f"malformed KV layout: {error}") from error
+    def from_json(cls, raw: Any) -> KVLayout:
+        """Parse what `to_json` wrote, as a peer sent it: ValueError unless every field
+        is there with a value of its kind (counts positive, a known dtype)."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"malformed KV layout: not an object but {type(raw).__name__}")
+        missing = [name for name in cls.__dataclass_fields__ if name not in raw]
+        if missing:
+            raise ValueError(f"malformed KV layout: missing {missing}")
+        values = {name: raw[name] for name in cls.__dataclass_fields__}
+        bad = [
+            name
+            for name, value in values.items()
+            if not (
+                _is_count(value)
+                if name in _COUNTS
+                else isinstance(value, str) and 0 < len(value) <= _MAX_TEXT
+            )
+        ]
+        if values["dtype"] not in _DTYPES:
+            bad.append("dtype")
+        if bad:
+            raise ValueError(f"malformed KV layout: bad {sorted(set(bad))}")
+        return cls(**values)
+
+
+_COUNTS = frozenset({"num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim"})
+_DTYPES = frozenset({"float32", "float16", "bfloat16"})
+_MAX_TEXT = 256
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value < 2**40
 
 
 @dataclass(frozen=True)

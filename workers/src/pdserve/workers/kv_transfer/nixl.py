@@ -13,10 +13,16 @@ TCP. Connection set-up and NIXL's own messages need an active-message transport
 that can report a failed peer, which UCX's shared-memory ones cannot: on one host
 that is TCP over loopback, so `UCX_TLS` must keep `tcp` (plain `sm` fails to start).
 
-On failure (`TransferError`) the request is released, which asks UCX to cancel what it
-has not copied yet; the destination blocks then hold an unknown mix of old and new
-bytes, and the decode worker must not adopt them. Their lease outlives the write's
-deadline, so they are not handed to another request while this write may still run.
+On failure or cancel (`TransferError`) the request is released, which asks UCX to
+cancel what it has not copied yet; the destination blocks then hold an unknown mix of
+old and new bytes, and the decode worker must not adopt them. The decode side cannot
+withdraw a one-sided write (`withdraw` says so): it keeps the blocks until the prefill
+worker says its write has stopped, or until the lease and a margin have passed, which
+outlast the write's deadline.
+
+Peers: a decode agent loaded once is addressed by every pair id it met under; pair
+ids beyond `max_peers` go least recently used first, and remote agents no pair id
+refers to are unloaded once no write to them runs.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import base64
 import logging
 import threading
 import time
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,12 +39,16 @@ from typing import Any
 import torch
 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t, nixl_xfer_handle
 
+from pdserve.workers import faults
 from pdserve.workers.kv_transfer.base import (
+    MAX_PEERS,
     KVTransferAgent,
+    NotConnectedError,
     PendingReceive,
     TransferError,
     TransferStats,
     check_backend,
+    seconds_left,
 )
 from pdserve.workers.kv_transfer.blocks import check_blocks
 from pdserve.workers.kv_transfer.layout import KVLayout, Segment, segments
@@ -82,13 +93,13 @@ class NixlPeer:
 
 
 class _Landed(PendingReceive):
-    """A one-sided write needs nothing from the receiver."""
+    """A one-sided write needs nothing from the receiver, and cannot be stopped by it."""
 
     def wait(self, timeout_s: float) -> None:
         return None
 
-    def cancel(self) -> None:
-        return None
+    def withdraw(self, timeout_s: float) -> bool:
+        return False
 
 
 class NixlAgent(KVTransferAgent):
@@ -96,8 +107,11 @@ class NixlAgent(KVTransferAgent):
 
     backend = "nixl"
 
-    def __init__(self, name: str, kv_cache: torch.Tensor, layout: KVLayout) -> None:
+    def __init__(
+        self, name: str, kv_cache: torch.Tensor, layout: KVLayout, max_peers: int = MAX_PEERS
+    ) -> None:
         super().__init__(name, kv_cache, layout)
+        self.max_peers = max_peers
         if not kv_cache.is_contiguous():
             raise ValueError("the KV cache must be one contiguous tensor to be registered")
         self.memory, self.device_id = memory_kind(kv_cache)
@@ -118,8 +132,13 @@ class NixlAgent(KVTransferAgent):
         region = (self.base_address, kv_cache.numel() * kv_cache.element_size(), self.device_id, "")
         self._registered = self._agent.register_memory([region], self.memory, backends=[UCX])
         self._metadata = base64.b64encode(self._agent.get_agent_metadata()).decode()
-        self._peers: dict[str, NixlPeer] = {}
-        self._lock = threading.Lock()
+        self._peers: OrderedDict[str, NixlPeer] = OrderedDict()  # by pair id, LRU first
+        self._loaded: dict[str, bytes] = {}  # remote agents loaded: name -> metadata
+        self._writing: Counter[str] = Counter()  # writes running, by remote agent
+        self._lock = threading.Lock()  # the maps above; held briefly
+        # Loading and unloading remote agents, one at a time; a slow peer holds up
+        # other meetings, never writes.
+        self._meeting = threading.Lock()
         self._pump: _Pump | None = None  # started by the first accept
 
     def metadata(self) -> dict[str, Any]:
@@ -150,23 +169,45 @@ class NixlAgent(KVTransferAgent):
         self.layout.check_compatible(
             remote.layout, local=f"this worker ({self.name})", remote=f"peer {remote.agent_name}"
         )
-        with self._lock:
-            known = next(
-                (p for p in self._peers.values() if p.agent_name == remote.agent_name), None
-            )
+        name = remote.agent_name
+        with self._meeting:
+            with self._lock:
+                known = self._loaded.get(name)
             try:
-                if known is not None and known.agent_metadata != remote.agent_metadata:
-                    self._agent.remove_remote_agent(known.agent_name)
-                    self._peers = {k: p for k, p in self._peers.items() if p is not known}
+                if known is not None and known != remote.agent_metadata:
+                    self._unload([name])
                     known = None
                 if known is None:
                     self._agent.add_remote_agent(remote.agent_metadata)
+                    with self._lock:
+                        self._loaded[name] = remote.agent_metadata
                     # Sets up the UCX endpoint now rather than in the first write.
-                    self._agent.make_connection(remote.agent_name, [UCX])
+                    self._agent.make_connection(name, [UCX])
             except Exception as error:  # NIXL raises its own classes, all Exceptions
-                message = f"could not reach NIXL agent {remote.agent_name}: {error}"
+                message = f"could not reach NIXL agent {name}: {error}"
                 raise TransferError(message) from error
-            self._peers[peer] = remote
+            with self._lock:
+                self._peers[peer] = remote
+                while len(self._peers) > self.max_peers:
+                    self._peers.popitem(last=False)
+            self._unload(self._unused())
+
+    def disconnect(self, peer: str) -> None:
+        """Forget a pair id; its agent is unloaded once no pair id and no write uses it."""
+        with self._meeting:
+            with self._lock:
+                self._peers.pop(peer, None)
+            self._unload(self._unused())
+
+    def is_connected(self, peer: str) -> bool:
+        """Whether `peer` is a pair id this agent holds."""
+        with self._lock:
+            return peer in self._peers
+
+    def num_peers(self) -> int:
+        """Remote agents loaded."""
+        with self._lock:
+            return len(self._loaded)
 
     def expect(self, peer: str, blocks: list[int], transfer_id: str) -> PendingReceive:
         """The write is one-sided: nothing to wait for here."""
@@ -180,38 +221,76 @@ class NixlAgent(KVTransferAgent):
         remote_blocks: list[int],
         transfer_id: str,
         timeout_s: float,
+        cancelled: threading.Event | None = None,
     ) -> TransferStats:
         """One NIXL WRITE of every segment of every layer; returns once UCX reports
         it complete (the bytes are in the peer's memory)."""
         started = time.monotonic()
-        remote = self._peers.get(peer)
-        if remote is None:
-            raise TransferError(f"not connected to {peer}: connect first")
         merged = segments(local_blocks, remote_blocks)
-        if not merged:
-            return TransferStats(0, 0.0, 0)
-        if not _within(merged, "src", self.layout.num_blocks):
-            check_blocks(local_blocks, self.layout.num_blocks, "source")
-        if not _within(merged, "dst", remote.layout.num_blocks):
-            check_blocks(remote_blocks, remote.layout.num_blocks, "destination")
-        local = descriptors(merged, self.layout, self.base_address, self.device_id, "src")
-        far = descriptors(merged, remote.layout, remote.base_address, remote.device_id, "dst")
-        self._transfer(local, far, remote, transfer_id, started + timeout_s)
+        with self._lock:
+            remote = self._peers.get(peer)
+            if remote is None:
+                raise NotConnectedError(f"not connected to {peer}: connect first")
+            self._peers.move_to_end(peer)
+            if not merged:
+                return TransferStats(0, 0.0, 0)
+            self._writing[remote.agent_name] += 1
+        try:
+            if not _within(merged, "src", self.layout.num_blocks):
+                check_blocks(local_blocks, self.layout.num_blocks, "source")
+            if not _within(merged, "dst", remote.layout.num_blocks):
+                check_blocks(remote_blocks, remote.layout.num_blocks, "destination")
+            local = descriptors(merged, self.layout, self.base_address, self.device_id, "src")
+            far = descriptors(merged, remote.layout, remote.base_address, remote.device_id, "dst")
+            deadline = started + timeout_s
+            self._transfer(
+                local, far, remote, transfer_id, deadline, cancelled or threading.Event()
+            )
+        finally:
+            with self._lock:
+                self._writing[remote.agent_name] -= 1
         return TransferStats(
             bytes=sum(length for _, length, _ in local),
             seconds=time.monotonic() - started,
             descriptors=len(local),
         )
 
+    def decline(
+        self, peer: str, remote_blocks: list[int], transfer_id: str, timeout_s: float
+    ) -> None:
+        """A one-sided write that does not happen needs nothing from anyone."""
+        return None
+
     def close(self) -> None:
         """Forget peers and deregister the cache."""
-        with self._lock:
-            if self._pump is not None:
-                self._pump.stop()
-            for name in {peer.agent_name for peer in self._peers.values()}:
-                _quietly(self._agent.remove_remote_agent, name)
-            self._peers.clear()
+        with self._meeting:
+            with self._lock:
+                pump, self._pump = self._pump, None
+                names = list(self._loaded)
+                self._peers.clear()
+            if pump is not None:
+                pump.stop()
+            self._unload(names)
             _quietly(self._agent.deregister_memory, self._registered, [UCX])
+
+    def _unused(self) -> list[str]:
+        """Loaded remote agents that no pair id refers to and no write uses: no write
+        can start on them any more, so they are forgotten here at once."""
+        with self._lock:
+            used = {peer.agent_name for peer in self._peers.values()}
+            unused = [n for n in self._loaded if n not in used and not self._writing[n]]
+            for name in unused:
+                del self._loaded[name]
+                self._writing.pop(name, None)
+        return unused
+
+    def _unload(self, names: list[str]) -> None:
+        """Remove remote agents from NIXL (with `_meeting` held)."""
+        with self._lock:
+            for name in names:
+                self._loaded.pop(name, None)
+        for name in names:
+            _quietly(self._agent.remove_remote_agent, name)
 
     def _transfer(
         self,
@@ -220,6 +299,7 @@ class NixlAgent(KVTransferAgent):
         remote: NixlPeer,
         transfer_id: str,
         deadline: float,
+        cancelled: threading.Event,
     ) -> None:
         what = f"transfer {transfer_id} to {remote.agent_name}"
         handle: nixl_xfer_handle | None = None
@@ -229,7 +309,9 @@ class NixlAgent(KVTransferAgent):
             handle = self._agent.initialize_xfer(
                 "WRITE", local_list, far_list, remote.agent_name, backends=[UCX]
             )
-            _finish(self._agent, handle, self._agent.transfer(handle), deadline, what)
+            _check_going(deadline, cancelled, what)
+            faults.blocking_point("kv_transfer.before_post")
+            _finish(self._agent, handle, self._agent.transfer(handle), deadline, cancelled, what)
         except TransferError:
             raise
         except Exception as error:  # NIXL raises its own classes, all Exceptions
@@ -299,15 +381,27 @@ def _within(merged: Sequence[Segment], side: str, num_blocks: int) -> bool:
     return min(starts) >= 0 and max(ends) <= num_blocks
 
 
+def _check_going(deadline: float, cancelled: threading.Event, what: str) -> None:
+    """TransferError if the write was cancelled or its deadline passed."""
+    if cancelled.is_set():
+        raise TransferError(f"{what} was cancelled")
+    seconds_left(deadline, what)
+
+
 def _finish(
-    agent: nixl_agent, handle: nixl_xfer_handle, state: str, deadline: float, what: str
+    agent: nixl_agent,
+    handle: nixl_xfer_handle,
+    state: str,
+    deadline: float,
+    cancelled: threading.Event,
+    what: str,
 ) -> None:
-    """Poll a posted request until it is done; TransferError on error or deadline."""
+    """Poll a posted request until it is done; TransferError on error, cancel or
+    deadline (the caller then releases the request, which stops it)."""
     polls = 0
     sleep_s = 1e-5
     while state == "PROC":
-        if time.monotonic() > deadline:
-            raise TransferError(f"{what} did not finish before its deadline")
+        _check_going(deadline, cancelled, what)
         polls += 1
         if polls > _SPIN_POLLS:
             time.sleep(sleep_s)

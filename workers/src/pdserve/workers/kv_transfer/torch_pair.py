@@ -20,7 +20,7 @@ import torch
 from torch._C import _distributed_c10d as c10d
 from torch._C._distributed_c10d import Store, TCPStore, Work
 
-from pdserve.workers.kv_transfer.base import TransferError
+from pdserve.workers.kv_transfer.base import TransferError, seconds_left
 
 DECODE_RANK = 0
 PREFILL_RANK = 1
@@ -69,10 +69,9 @@ class StoreServer:
 
 def store_client(host: str, port: int, timeout_s: float) -> Store:
     """A client of a peer's store; TransferError when it cannot be reached in time."""
+    timeout = _timeout(timeout_s)
     try:
-        return TCPStore(
-            host, port, None, False, timedelta(seconds=timeout_s), wait_for_workers=False
-        )
+        return TCPStore(host, port, None, False, timeout, wait_for_workers=False)
     except (RuntimeError, ValueError) as error:  # DistError is a RuntimeError
         raise TransferError(
             f"cannot reach the decode worker's store {host}:{port}: {error}"
@@ -82,9 +81,10 @@ def store_client(host: str, port: int, timeout_s: float) -> Store:
 class Pair:
     """One peer's process group and the transfers in flight on it, by transfer id.
 
-    Failure or cancellation of any transfer closes the whole pair: the group and every
-    pending send and receive are dropped, which closes its connections, so no byte of
-    a dropped receive lands in the cache afterwards. The next hand-off meets afresh.
+    Closing the pair drops the group and every pending send and receive, which closes
+    its connections, so no byte of a dropped receive lands in the cache afterwards;
+    the next hand-off meets afresh. Whether one failed transfer closes the pair is the
+    agent's decision (see torch_dist.py).
     """
 
     def __init__(self, group: Group, kind: str, rank: int, store: Store) -> None:
@@ -104,6 +104,12 @@ class Pair:
     def closed(self) -> bool:
         """Whether the group was dropped."""
         return self._group is None
+
+    @property
+    def busy(self) -> bool:
+        """Whether transfers are in flight on the pair."""
+        with self._lock:
+            return bool(self._works)
 
     def post_recvs(self, transfer_id: str, tensors: Sequence[torch.Tensor], tag: int) -> None:
         """Post a receive into each tensor (views of the cache, received in place)."""
@@ -169,8 +175,10 @@ class Pair:
 
     def _await_turn(self, transfer_id: str, deadline: float) -> None:
         key = f"order/{transfer_id}"
+        what = f"transfer {transfer_id}"
+        timeout = _timeout(seconds_left(deadline, what))
         try:
-            self._store.wait([key], timedelta(seconds=max(0.0, deadline - time.monotonic())))
+            self._store.wait([key], timeout)
             order = int(self._store.get(key))
             self._store.delete_key(key)  # one key per transfer: do not let them pile up
         except RuntimeError as error:
@@ -178,7 +186,7 @@ class Pair:
         with self._turn:
             ready = self._turn.wait_for(
                 lambda: self._sent >= order or self.closed,
-                timeout=max(0.0, deadline - time.monotonic()),
+                timeout=seconds_left(deadline, what),
             )
         if self.closed:
             raise TransferError(f"transfer {transfer_id}: the connection was dropped")
@@ -191,12 +199,13 @@ def open_group(
 ) -> Group:
     """Build this side of a pair's group; blocks until the other side has joined.
     TransferError when it has not within `timeout_s`."""
+    timeout = _timeout(timeout_s)
     try:
         if kind == "gloo":
             # The full options (not in the type stubs) bind gloo to `host`.
             options = c10d.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             options._devices = [c10d.ProcessGroupGloo.create_device(hostname=host)]
-            options._timeout = timedelta(seconds=timeout_s)
+            options._timeout = timeout
             return cast(Group, c10d.ProcessGroupGloo(store, rank, 2, options))
         return _open_nccl(store, rank, timeout_s, device)
     except (RuntimeError, ValueError) as error:  # DistError is a RuntimeError
@@ -220,13 +229,21 @@ def _open_nccl(store: Store, rank: int, timeout_s: float, device: torch.device) 
     return group
 
 
+def _timeout(seconds: float) -> timedelta:
+    """A c10d timeout of `seconds` > 0: c10d reads a zero timeout as "none", so a spent
+    budget is refused here instead (TransferError)."""
+    if not seconds > 0:
+        raise TransferError(f"no time left (a timeout of {seconds:.3f}s)")
+    return timedelta(seconds=seconds)
+
+
 def _wait_gloo(works: Sequence[Work], deadline: float, what: str) -> None:
     for work in works:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TransferError(f"{what} did not finish before its deadline")
         try:
-            work.wait(timedelta(seconds=remaining))
+            work.wait(_timeout(remaining))
         except RuntimeError as error:  # gloo's timeouts and closed connections
             raise TransferError(f"{what} failed: {error}") from error
 

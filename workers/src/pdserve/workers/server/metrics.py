@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pdserve.workers.api_errors import APIError
 from pdserve.workers.engine.engine import StepResult
 from pdserve.workers.engine.step_cost import StepCostEstimate
+from pdserve.workers.handoff.errors import known_code
 from pdserve.workers.kv_transfer.base import TransferStats
 
 # Latency buckets in seconds: fine below 100 ms where ITL lives, coarse up to minutes.
@@ -153,7 +154,14 @@ class WorkerMetrics:
             (*names, "reason"), registry=reg,
         )  # fmt: skip
         self.leases_expired = Counter(
-            "pdserve_kv_leases_expired_total", "Hand-off leases that ran out (blocks freed).",
+            "pdserve_kv_leases_expired_total",
+            "Hand-off leases that ran out before their blocks were adopted.",
+            names, registry=reg,
+        )  # fmt: skip
+        self.transfer_peers = Gauge(
+            "pdserve_kv_transfer_peers",
+            "Peers the KV transfer agent holds connections to (torch: pairs; NIXL: "
+            "decode agents loaded by a prefill worker).",
             names, registry=reg,
         )  # fmt: skip
         self.kv_wait = Histogram(
@@ -270,12 +278,16 @@ class WorkerMetrics:
         self.transfer_descriptors.labels(**self._labels).observe(stats.descriptors)
 
     def observe_transfer_failure(self, reason: str) -> None:
-        """Count a failed hand-off."""
-        self.transfer_failures.labels(**self._labels, reason=reason).inc()
+        """Count a failed hand-off (`reason`: one of the hand-off's known codes)."""
+        self.transfer_failures.labels(**self._labels, reason=known_code(reason)).inc()
 
     def observe_kv_wait(self, seconds: float) -> None:
         """Decode side: how long a request waited for its KV."""
         self.kv_wait.labels(**self._labels).observe(seconds)
+
+    def observe_peers(self, count: int) -> None:
+        """How many peers the transfer agent holds connections to now."""
+        self.transfer_peers.labels(**self._labels).set(count)
 
     def observe_error(self, error: APIError) -> None:
         """Count a request answered with an error status."""

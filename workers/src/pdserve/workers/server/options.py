@@ -138,7 +138,8 @@ class WorkerOptions:
     )  # fmt: skip
     handoff_timeout: float = option(
         30.0, parse=positive_float, metavar="SECONDS", group=_HANDOFF,
-        help="lease on KV blocks held for a hand-off; a hand-off not done by then fails",
+        help="decode: lease on the KV blocks reserved for a hand-off (a hand-off not done "
+        "by then fails); prefill: the most a hand-off's prefill and write may take",
     )  # fmt: skip
     kv_transfer_host: str | None = option(
         None, group=_HANDOFF,

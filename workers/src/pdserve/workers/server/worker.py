@@ -21,6 +21,7 @@ from pdserve.workers.engine.config import (
     TokenBudgetConfig,
 )
 from pdserve.workers.engine.engine import LLMEngine
+from pdserve.workers.engine.identity import weights_digest
 from pdserve.workers.engine.sampling import SamplingParams
 from pdserve.workers.engine.tokenizer import Tokenizer
 from pdserve.workers.handoff.decode import DecodeHandoff
@@ -116,13 +117,15 @@ def _handoff_sides(
     from pdserve.workers.kv_transfer.factory import create_agent
 
     kv_cache = engine.engine.runner.kv_cache
+    layout = KVLayout.of(kv_cache, model=model_name, weights=weights_digest(options.model))
     agent = create_agent(
         options.kv_transfer,
         f"{options.role}-{uuid.uuid4().hex[:12]}",
         kv_cache,
-        KVLayout.of(kv_cache, model=model_name),
+        layout,
         host=options.kv_transfer_host or options.host,
     )
+    log.info("KV transfer agent %s over weights %s", agent.name, layout.weights)
     if options.role == "prefill":
         return None, PrefillService(engine, agent, metrics, options.handoff_timeout)
     handoff = DecodeHandoff(
@@ -161,6 +164,8 @@ async def run_server(server: WorkerServer, options: WorkerOptions) -> None:
     await runner.cleanup()
     if server.handoff is not None:
         await server.handoff.close()
+    if server.prefill is not None:
+        server.prefill.close()
     server.engine.stop()
 
 
