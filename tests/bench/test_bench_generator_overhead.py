@@ -7,8 +7,6 @@ it can follow on one core. Run with `make bench` (or pytest -m slow -s).
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,35 +15,23 @@ import pytest
 
 from pdserve.workers.bench.config import BenchConfig
 from pdserve.workers.bench.runner import BenchResult, run_benchmark
+from support.fake_server import fake_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-def serve_in_subprocess(*options: str) -> Iterator[str]:
-    """A fake server in a separate process, so that its CPU is not counted here."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.workers.bench.fake_server", "--port", "0", *options],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert process.stdout is not None
-        yield process.stdout.readline().strip()
-    finally:
-        process.terminate()
-        process.wait(10)
 
 
 @pytest.fixture
 def fast_server() -> Iterator[str]:
     """Streams as fast as it can."""
-    yield from serve_in_subprocess()
+    with fake_server() as url:
+        yield url
 
 
 @pytest.fixture
 def paced_server() -> Iterator[str]:
     """One token every 10 ms on each stream."""
-    yield from serve_in_subprocess("--itl-ms", "10")
+    with fake_server("--itl-ms", "10") as url:
+        yield url
 
 
 def trace_of(path: Path, requests: int, output_tokens: int) -> Path:

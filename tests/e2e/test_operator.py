@@ -85,7 +85,7 @@ def test_pool_gets_its_children_and_turns_ready(
     assert set(live) == set(rendered)
     assert {kind for kind, _ in live} == {
         "ConfigMap", "ServiceAccount", "Role", "RoleBinding", "Service", "Deployment",
-        "PodDisruptionBudget",
+        "PodDisruptionBudget", "NetworkPolicy",
     }  # fmt: skip
     for key, want in rendered.items():
         assert drift.holds(live[key], want), f"{key} differs from its rendering"

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from pdserve.workers.engine.sampling import SamplingParams
-from pdserve.workers.handoff.protocol import PREFILL_URL_HEADER
+from pdserve.workers.headers import PREFILL_URL_HEADER
 from support.engine import choice_tokens, make_engine, run_outputs
-from support.pd import PDPair, pd_workers
+from support.pd import PDPair, internal_headers, pd_workers
 from support.scoring import LOGPROB_ATOL, reference_logprobs, reference_model
 from support.worker import metric
 
@@ -41,8 +41,9 @@ def prompt_ids(seed: int, length: int) -> list[int]:
 
 
 async def handed_off(pair: PDPair, body: dict[str, Any]) -> dict[str, Any]:
-    headers = {PREFILL_URL_HEADER: pair.prefill[0].url}
-    url = f"{pair.decode[0].url}/v1/completions"
+    decode_url = pair.decode[0].url
+    headers = {PREFILL_URL_HEADER: pair.prefill[0].url, **internal_headers(decode_url)}
+    url = f"{decode_url}/v1/completions"
     async with (
         aiohttp.ClientSession() as session,
         session.post(url, json=body, headers=headers) as answer,
@@ -110,7 +111,9 @@ def test_first_token_logprobs_come_from_the_prefill_worker(
 def test_streamed_chat_choices_parse_across_the_hand_off(pair: PDPair) -> None:
     client = openai.OpenAI(
         base_url=f"{pair.decode[0].url}/v1", api_key="unused", max_retries=0,
-        default_headers={PREFILL_URL_HEADER: pair.prefill[0].url},
+        default_headers={
+            PREFILL_URL_HEADER: pair.prefill[0].url, **internal_headers(pair.decode[0].url)
+        },
     )  # fmt: skip
     stream = client.chat.completions.create(
         model="small", messages=[{"role": "user", "content": "hello"}], max_tokens=4, n=2,

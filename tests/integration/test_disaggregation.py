@@ -20,7 +20,17 @@ from pdserve.workers.engine.sampling import SamplingParams
 from pdserve.workers.faults import Fault
 from pdserve.workers.server.process import ServerProcess, start_worker
 from support.engine import make_engine, run_to_completion
-from support.pd import PDPair, complete, pd_workers, token_ids
+from support.pd import (
+    PDPair,
+    complete,
+    internal_headers,
+    join_pool,
+    name_peers,
+    pd_workers,
+    peers_file,
+    pool_credential,
+    token_ids,
+)
 from support.worker import metric
 
 BACKENDS = ["nixl", "torch"]
@@ -289,7 +299,11 @@ def test_mismatched_handoffs_are_rejected_with_a_reason(pair: PDPair) -> None:
 
     async def post(body: dict[str, object]) -> tuple[int, dict[str, object]]:
         url = f"{prefill.url}/pd/prefill"
-        async with aiohttp.ClientSession() as session, session.post(url, json=body) as answer:
+        headers = internal_headers(prefill.url)
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(url, json=body, headers=headers) as answer,
+        ):
             return answer.status, await answer.json()
 
     sampling = {
@@ -317,7 +331,9 @@ MISMATCHES = [
 def test_mismatched_configuration_is_refused_at_connect(
     small_model_dir: Path, other_weights_model_dir: Path, tmp_path: Path
 ) -> None:
-    common = ["--threads", "1", "--kv-transfer", "nixl", "--served-model-name", "small"]
+    credential, holds = pool_credential(tmp_path)
+    peers, names = peers_file(tmp_path)
+    common = ["--threads", "1", "--kv-transfer", "nixl", "--served-model-name", "small", *holds]
     prefill = start_worker(
         small_model_dir, tmp_path / "prefill.log", [*common, "--role", "prefill"]
     )
@@ -329,13 +345,15 @@ def test_mismatched_configuration_is_refused_at_connect(
         start_worker(
             model_dir,
             tmp_path / f"decode-{index}.log",
-            [*common, "--role", "decode", "--transfer-failure-policy", "fail", *args],
+            [*common, "--role", "decode", *names, "--transfer-failure-policy", "fail", *args],
         )
         for index, (model_dir, args, _) in enumerate(cases)
     ]
     try:
+        name_peers(peers, [prefill])
         for worker in [prefill, *decodes]:
             worker.wait_ready()
+        join_pool(credential, prefill, *decodes)
 
         async def one(decode: ServerProcess) -> tuple[int, dict[str, object]]:
             async with aiohttp.ClientSession() as session:

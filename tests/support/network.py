@@ -31,3 +31,32 @@ async def serving(app: web.Application) -> AsyncIterator[str]:
         yield f"http://{host}:{port}"
     finally:
         await runner.cleanup()
+
+
+class Witness:
+    """A listening socket that nobody should connect to: it records every attempt."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    def connections(self) -> int:
+        """Connection attempts so far (taken off the backlog as they are counted)."""
+        count = 0
+        self._sock.setblocking(False)
+        while True:
+            try:
+                peer, _ = self._sock.accept()
+            except BlockingIOError:
+                return count
+            peer.close()
+            count += 1
+
+
+@contextmanager
+def witness() -> Iterator[Witness]:
+    """A Witness on loopback for as long as the block runs."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(16)
+        yield Witness(sock)

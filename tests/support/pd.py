@@ -1,4 +1,9 @@
-"""Prefill and decode workers for hand-off tests, and a client that speaks to them."""
+"""Prefill and decode workers for hand-off tests, and a client that speaks to them.
+
+Workers started here belong to a pool of their own: they share an internal
+credential (made per pool), decode workers name the pool's prefill workers as their
+peers, and `complete` and `internal_headers` present the credential of the pool a
+worker belongs to, as the router does."""
 
 from __future__ import annotations
 
@@ -12,10 +17,47 @@ from typing import Any
 
 import aiohttp
 
+from pdserve.cli.credentials import write_new_credential
 from pdserve.workers import faults
 from pdserve.workers.faults import Fault, environment
-from pdserve.workers.handoff.protocol import PREFILL_URL_HEADER
+from pdserve.workers.headers import PREFILL_URL_HEADER
+from pdserve.workers.server.internal import bearer
 from pdserve.workers.server.process import ServerProcess, start_worker
+
+# The credential of the pool each worker started here belongs to, by its URL.
+_CREDENTIALS: dict[str, str] = {}
+
+
+def pool_credential(log_dir: Path, name: str = "pool") -> tuple[str, list[str]]:
+    """A new pool credential and the worker arguments that hold it."""
+    path = log_dir / f"{name}.credential"
+    return write_new_credential(path), ["--internal-token-file", str(path)]
+
+
+def peers_file(log_dir: Path, name: str = "pool") -> tuple[Path, list[str]]:
+    """Where a pool's decode workers find its prefill workers, and the arguments that
+    say so (the file is written once the prefill workers have bound their ports, so
+    all workers start at once)."""
+    path = log_dir / f"{name}.prefill-peers"
+    path.unlink(missing_ok=True)
+    return path, ["--prefill-peers-file", str(path)]
+
+
+def name_peers(path: Path, prefills: Sequence[ServerProcess]) -> None:
+    """Write the prefill workers' URLs (waiting until they listen) for the decode workers."""
+    path.write_text("".join(f"{worker.url}\n" for worker in prefills))
+
+
+def join_pool(credential: str, *workers: ServerProcess) -> None:
+    """Remember that `workers` hold `credential` (for `complete`, `internal_headers`)."""
+    for worker in workers:
+        _CREDENTIALS[worker.url] = credential
+
+
+def internal_headers(worker_url: str) -> dict[str, str]:
+    """The header that presents the credential of the pool `worker_url` belongs to."""
+    credential = _CREDENTIALS.get(worker_url)
+    return bearer(credential) if credential else {}
 
 
 @dataclass
@@ -39,23 +81,28 @@ def pd_workers(
     decode_env: dict[str, str] | None = None,
 ) -> Iterator[PDPair]:
     """Start prefill and decode workers (one torch thread each) on loopback, all at
-    once, and stop them all at the end. `prefill_faults` are injected into the
+    once, with a pool credential, the decode workers naming the prefill workers as
+    their peers; stop them all at the end. `prefill_faults` are injected into the
     prefill workers (see `pdserve.workers.faults`); `decode_env` is added to the
     decode workers' environment."""
-    common = ["--threads", "1", "--kv-transfer", backend, "--served-model-name", "small"]
+    credential, holds = pool_credential(log_dir, f"{backend}-pool")
+    peers, names = peers_file(log_dir, f"{backend}-pool")
+    common = ["--threads", "1", "--kv-transfer", backend, "--served-model-name", "small", *holds]
     started = PDPair([], [])
     try:
         prefill_env = environment(prefill_faults) if prefill_faults else None
         for role, count, extra, env, into in (
             ("prefill", prefills, prefill_args, prefill_env, started.prefill),
-            ("decode", decodes, decode_args, decode_env, started.decode),
+            ("decode", decodes, [*names, *decode_args], decode_env, started.decode),
         ):
             for index in range(count):
                 log = log_dir / f"{backend}-{role}-{index}.log"
                 args = [*common, "--role", role, *extra]
                 into.append(start_worker(model_dir, log, args, env=env))
+        name_peers(peers, started.prefill)
         for worker in started.prefill + started.decode:
             worker.wait_ready()
+        join_pool(credential, *started.prefill, *started.decode)
         yield started
     finally:
         for worker in started.prefill + started.decode:
@@ -70,8 +117,11 @@ async def complete(
     max_tokens: int = 8,
     **extra: Any,
 ) -> tuple[int, dict[str, Any]]:
-    """POST a greedy completion to a decode worker, naming the prefill worker."""
-    headers = {PREFILL_URL_HEADER: prefill_url} if prefill_url else {}
+    """POST a greedy completion to a decode worker, naming the prefill worker (with
+    the pool's credential, as the router sends it)."""
+    headers = (
+        {PREFILL_URL_HEADER: prefill_url, **internal_headers(decode_url)} if prefill_url else {}
+    )
     body = {
         "prompt": list(prompt),
         "max_tokens": max_tokens,

@@ -11,7 +11,8 @@ from pdserve.operator import api
 from support.operator import POOL_LABEL, Cluster, OperatorProcess, get_json, wait_until
 
 CHILD_KINDS = (
-    "deployments,services,configmaps,poddisruptionbudgets,serviceaccounts,roles,rolebindings"
+    "deployments,services,configmaps,poddisruptionbudgets,serviceaccounts,roles,rolebindings,"
+    "networkpolicies"
 )
 # Kinds whose status a controller keeps writing: their spec changes bump `generation`.
 GENERATION_KINDS = {"Deployment", "PodDisruptionBudget"}

@@ -165,3 +165,20 @@ def test_send_lag_is_measured_from_the_schedule() -> None:
     metrics = compute_metrics([late], -0.004, SLO())
     assert metrics.send_lag is not None
     assert metrics.send_lag.max == pytest.approx(0.004)
+
+
+def test_figures_per_bucket_and_mode_served() -> None:
+    short = record(0, 0.0, A, input_tokens=100)
+    short.mode = "colocated"
+    long_ones = [record(i, 0.0, B, input_tokens=2000) for i in (1, 2, 3)]
+    long_ones[0].mode = long_ones[1].mode = "disaggregated"
+    long_ones[2].mode = "colocated"  # a fallback
+    unknown = record(4, 0.0, A, input_tokens=100)  # a server that does not say
+    metrics = compute_metrics([short, *long_ones, unknown], 0.0, SLO(ttft_ms=800), (512,))
+    assert {b: {m: g.requests for m, g in modes.items()} for b, modes in metrics.modes.items()} == {
+        "<=512": {"colocated": 1},
+        ">512": {"colocated": 1, "disaggregated": 2},
+    }
+    disaggregated = metrics.modes[">512"]["disaggregated"]
+    assert disaggregated.ttft is not None and disaggregated.ttft.p50 == pytest.approx(10.5)
+    assert metrics.buckets["<=512"].requests == 2

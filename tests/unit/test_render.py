@@ -11,12 +11,14 @@ from typing import Any
 import pytest
 import yaml
 
+from pdserve.cli.options import options_from
 from pdserve.operator import api, render
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "deploy" / "examples"
 
 Obj = dict[str, Any]
+COMPONENTS = ("prefill", "decode", "router")
 
 
 def pool(name: str) -> api.ServingPool:
@@ -61,6 +63,7 @@ def test_colocated_pool_renders_no_prefill_objects() -> None:
         ("RoleBinding", "tiny-router"),
         ("Service", "tiny-decode"),
         ("Service", "tiny-router"),
+        ("NetworkPolicy", "tiny-workers"),
         ("Deployment", "tiny-decode"),
         ("Deployment", "tiny-router"),
         ("PodDisruptionBudget", "tiny-decode"),
@@ -247,6 +250,7 @@ def test_router_with_zero_replicas_renders_no_router_objects() -> None:
     kinds = {(o["kind"], o["metadata"]["name"]) for o in rendered(p)}
     assert kinds == {
         ("Service", "tiny-decode"),
+        ("NetworkPolicy", "tiny-workers"),
         ("Deployment", "tiny-decode"),
         ("PodDisruptionBudget", "tiny-decode"),
     }
@@ -304,23 +308,120 @@ def test_kv_cache_memory_reaches_the_worker_in_bytes(quantity: int | str, value:
         update={"num_kv_blocks": None, "kv_cache_memory": quantity}
     )
     spec = p.spec.model_copy(update={"decode": p.spec.decode.model_copy(update={"engine": engine})})
-    args = render.worker_args("tiny", spec, "decode", host="0.0.0.0", port=8000)
+    args = render.worker_args("tiny", spec, "decode", render.cluster_wiring("tiny", "x", spec))
     assert flag(args, "--kv-cache-memory") == str(value)
     assert "--num-kv-blocks" not in args
 
 
-def test_colocated_worker_args_parse_with_the_worker_command() -> None:
-    # The rendered command line must be one `pdserve worker` accepts.
+def parsed_command(args: list[str]) -> argparse.Namespace:
+    """A rendered command line parsed by the `pdserve` command's own parsers."""
+    from pdserve.workers.router import cli as router_cli
     from pdserve.workers.server import cli as server_cli
 
     parser = argparse.ArgumentParser()
-    server_cli.register(parser.add_subparsers())
+    subparsers = parser.add_subparsers()
+    server_cli.register(subparsers)
+    router_cli.register(subparsers)
+    return parser.parse_args(args)
+
+
+def test_rendered_command_lines_parse_with_the_worker_and_router_commands() -> None:
+    from pdserve.workers.router.options import RouterOptions
+    from pdserve.workers.server.options import WorkerOptions
+
+    objects = by_key(rendered(pool("disaggregated")))
+    args = {c: container(objects[("Deployment", f"llama-pd-{c}")])["args"] for c in COMPONENTS}
+    prefill = options_from(parsed_command(args["prefill"]), WorkerOptions)
+    decode = options_from(parsed_command(args["decode"]), WorkerOptions)
+    router = options_from(parsed_command(args["router"]), RouterOptions)
+    assert (prefill.role, decode.role) == ("prefill", "decode")
+    assert prefill.pool == decode.pool == "llama-pd"
+    assert prefill.max_num_batched_tokens == 8192 and decode.max_num_seqs == 256
+    # KV transfer agents advertise the pod's IP (the downward API, expanded by Kubernetes).
+    assert prefill.kv_transfer_host == decode.kv_transfer_host == "$(POD_IP)"
+    # Decode workers take hand-offs only to the pool's prefill workers (their Service).
+    assert decode.prefill_peer == ("http://llama-pd-prefill.serving.svc:8000",)
+    assert prefill.prefill_peer == ()
+    # Router and workers hold the same credential file, mounted from the pool's Secret.
+    token = Path("/var/run/secrets/pdserve/token")
+    assert prefill.internal_token_file == decode.internal_token_file == token
+    assert router.internal_token_file == token
+    assert router.config == Path("/etc/pdserve/routing.json") and router.port == 8000
+    pod = objects[("Deployment", "llama-pd-router")]["spec"]["template"]["spec"]
+    assert {
+        "name": "credential",
+        "secret": {"secretName": "llama-pd-internal", "defaultMode": 0o440},
+    } in pod["volumes"]
+    env = {v["name"]: v for v in container(objects[("Deployment", "llama-pd-decode")])["env"]}
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+
+
+def test_colocated_worker_args_parse_with_the_worker_command() -> None:
     p = pool("tiny-colocated")
-    parsed = parser.parse_args(
-        render.worker_args("tiny", p.spec, "decode", host="0.0.0.0", port=8000)
-    )
+    wiring = render.cluster_wiring("tiny", "serving", p.spec)
+    parsed = parsed_command(render.worker_args("tiny", p.spec, "decode", wiring))
     assert parsed.role == "both" and parsed.pool == "tiny"
     assert parsed.max_num_batched_tokens == 256 and parsed.num_kv_blocks == 512
+    assert parsed.prefill_peer == [] and parsed.kv_transfer_host is None
+
+
+def test_the_rendered_routing_table_is_one_the_router_reads() -> None:
+    from pdserve.workers.router.table import KubernetesDiscovery, parse_table
+
+    for name in ("disaggregated", "tiny-colocated", "tiny-disaggregated"):
+        p = pool(name)
+        data = render.routing_json(render.routing_table(p.metadata.name, "serving", p.spec))
+        table = parse_table(data.encode())
+        assert [b.mode for b in table.buckets] == [b.mode for b in p.spec.routing.buckets]
+        assert isinstance(table.discovery, KubernetesDiscovery)
+    table = parse_table(
+        render.routing_json(
+            render.routing_table("llama-pd", "serving", pool("disaggregated").spec)
+        ).encode()
+    )
+    assert (table.slo.ttft_seconds, table.slo.itl_seconds) == (2.0, 0.05)
+    assert table.bucket_label(table.bucket_of(1024)) == "le1024"
+    assert table.bucket_label(table.bucket_of(1025)) == "gt1024"
+
+
+def test_only_the_pool_and_prometheus_reach_the_workers() -> None:
+    policy = by_key(rendered(pool("disaggregated")))[("NetworkPolicy", "llama-pd-workers")]
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    selector = spec["podSelector"]
+    assert selector["matchLabels"]["app.kubernetes.io/instance"] == "llama-pd"
+    assert selector["matchExpressions"][0]["values"] == ["prefill", "decode"]
+    members, prometheus = spec["ingress"]
+    assert members == {
+        "from": [
+            {
+                "podSelector": {
+                    "matchLabels": {
+                        "app.kubernetes.io/name": "pdserve",
+                        "app.kubernetes.io/instance": "llama-pd",
+                    }
+                }
+            }
+        ]
+    }
+    assert prometheus["ports"] == [{"port": "http", "protocol": "TCP"}]
+
+
+def test_client_api_keys_come_from_a_secret() -> None:
+    p = with_patch(pool("tiny-colocated"), {"router": {"apiKeys": {"name": "keys", "key": "list"}}})
+    router = by_key(rendered(p))[("Deployment", "tiny-router")]
+    args = container(router)["args"]
+    assert flag(args, "--api-key-file") == "/var/run/secrets/pdserve-api-keys/keys"
+    volumes = router["spec"]["template"]["spec"]["volumes"]
+    keys = next(v for v in volumes if v["name"] == "api-keys")
+    assert keys["secret"]["secretName"] == "keys"
+    assert keys["secret"]["items"] == [{"key": "list", "path": "keys"}]
+    assert (
+        "--api-key-file"
+        not in container(by_key(rendered(pool("tiny-colocated")))[("Deployment", "tiny-router")])[
+            "args"
+        ]
+    )
 
 
 def test_the_worker_and_the_crd_default_to_the_same_hand_off() -> None:

@@ -37,9 +37,10 @@ class CommandSource:
 COMMAND_SOURCES: tuple[CommandSource, ...] = (
     CommandSource("pdserve.workers.engine.checkpoint_cli", "pdserve-workers", ("model",)),
     CommandSource("pdserve.workers.server.cli", "pdserve-workers", ("worker",)),
+    CommandSource("pdserve.workers.router.cli", "pdserve-workers", ("router",)),
     CommandSource("pdserve.workers.bench.cli", "pdserve-workers", ("bench",)),
     CommandSource("pdserve.cli.demo", "pdserve-workers", ("demo",)),
-    CommandSource("pdserve.operator.cli", "pdserve-operator", ("crd", "operator")),
+    CommandSource("pdserve.operator.cli", "pdserve-operator", ("crd", "operator", "local")),
     CommandSource("pdserve.cli.version", "pdserve", ("version",)),
 )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -86,6 +87,22 @@ def port_number(text: str) -> int:
     return value
 
 
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def parse_bytes(text: str) -> int:
+    """`512MiB`, `2G`, `1000000` -> bytes."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GB, 1000000)")
+    number, unit = float(match.group(1)), (match.group(2) or "").upper()
+    binary = "I" in unit
+    base = unit[:1] if unit not in ("", "B") else unit
+    factor = 1024 ** "KMGT".index(base[0]) * 1024 if binary else _UNITS[base]
+    return int(number * factor)
+
+
 def flag_name(field_name: str) -> str:
     """`max_num_seqs` -> `--max-num-seqs`."""
     return "--" + field_name.replace("_", "-")
@@ -102,7 +119,7 @@ def add_options(parser: argparse.ArgumentParser, options_type: type[Any]) -> Non
         container: argparse._ActionsContainer = parser
         if meta["group"]:
             if meta["group"] not in groups:
-                groups[meta["group"]] = parser.add_argument_group(meta["group"])
+                groups[meta["group"]] = _argument_group(parser, meta["group"])
             container = groups[meta["group"]]
         if meta["exclusive"]:
             key = meta["exclusive"]
@@ -111,6 +128,15 @@ def add_options(parser: argparse.ArgumentParser, options_type: type[Any]) -> Non
             container = exclusive[key]
         flags = [meta["short"]] if meta["short"] else []
         container.add_argument(*flags, flag_name(field.name), dest=field.name, **_argument(field))
+
+
+def _argument_group(parser: argparse.ArgumentParser, title: str) -> argparse._ActionsContainer:
+    """The group of `parser` with this title (options of several dataclasses may share
+    a --help section), made if there is none."""
+    for group in parser._action_groups:
+        if group.title == title:
+            return group
+    return parser.add_argument_group(title)
 
 
 def _argument(field: dataclasses.Field[Any]) -> dict[str, Any]:

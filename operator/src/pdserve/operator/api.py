@@ -436,6 +436,11 @@ class RouterSpec(Placement):
 
     replicas: int = Field(default=1, ge=0, le=100)
     service_type: ServiceType = "ClusterIP"
+    api_keys: KeyRef | None = Field(
+        default=None,
+        description="A key of a Secret holding the API keys clients must present "
+        "(Authorization: Bearer), one per line; absent: no key is asked for.",
+    )
 
 
 class KvTransferSpec(ApiModel):

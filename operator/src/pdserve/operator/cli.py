@@ -44,8 +44,36 @@ class OperatorOptions:
     verbose: bool = option(False, short="-v", help="debug logging")
 
 
+@dataclass(frozen=True)
+class LocalOptions:
+    """The settings of `pdserve local`."""
+
+    file: Path = option(
+        parse=Path, short="-f", metavar="POOL.yaml",
+        help="the ServingPool manifest (as for kubectl apply)",
+    )  # fmt: skip
+    model_dir: Path | None = option(
+        None, parse=Path, metavar="PATH",
+        help="the model's checkpoint on this machine (default: spec.model.path)",
+    )  # fmt: skip
+    host: str = option("127.0.0.1", help="address the router and the workers listen on")
+    port: int = option(8000, parse=port_number, help="the router's port (0: any free port)")
+    port_file: Path | None = option(
+        None, parse=Path, metavar="PATH", help="once serving, write the router's port here"
+    )
+    api_key_file: Path | None = option(
+        None, parse=Path, metavar="PATH",
+        help="require clients of the router to present a key from this file (one per line)",
+    )  # fmt: skip
+    run_dir: Path | None = option(
+        None, parse=Path, metavar="DIR",
+        help="folder for the logs, the routing file and the run's credential "
+        "(default: a new temporary folder)",
+    )  # fmt: skip
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add the control-plane subcommands (`crd`, `operator`)."""
+    """Add the control-plane subcommands (`crd`, `operator`, `local`)."""
     parser = subparsers.add_parser(
         "crd",
         help="print the ServingPool CustomResourceDefinition",
@@ -63,6 +91,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     add_options(parser, OperatorOptions)
     parser.set_defaults(handler=_operator)
+    parser = subparsers.add_parser(
+        "local",
+        help="run a ServingPool as processes on this machine",
+        description="Run a ServingPool's router and workers as local processes, with the "
+        "command lines the operator renders for a cluster; prints the router's URL. "
+        "Ctrl-C stops them all.",
+    )
+    add_options(parser, LocalOptions)
+    parser.set_defaults(handler=_local)
 
 
 def _crd(args: argparse.Namespace) -> int:
@@ -80,3 +117,13 @@ def _operator(args: argparse.Namespace) -> int:
     from pdserve.operator.main import run
 
     return run(options_from(args, OperatorOptions))
+
+
+def _local(args: argparse.Namespace) -> int:
+    from pdserve.operator.local import serve
+
+    options = options_from(args, LocalOptions)
+    return serve(
+        options.file, options.model_dir, options.host, options.port, options.port_file,
+        options.run_dir, options.api_key_file,
+    )  # fmt: skip

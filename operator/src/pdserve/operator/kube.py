@@ -69,6 +69,8 @@ SERVICE_ACCOUNT = Kind("v1", "ServiceAccount", "serviceaccounts")
 ROLE = Kind("rbac.authorization.k8s.io/v1", "Role", "roles")
 ROLE_BINDING = Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings")
 SERVICE = Kind("v1", "Service", "services")
+SECRET = Kind("v1", "Secret", "secrets")
+NETWORK_POLICY = Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies")
 DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments")
 POD_DISRUPTION_BUDGET = Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
 SERVICE_MONITOR = Kind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors")
@@ -82,10 +84,12 @@ WATCHED_KINDS = (
     ROLE,
     ROLE_BINDING,
     SERVICE,
+    NETWORK_POLICY,
     DEPLOYMENT,
     POD_DISRUPTION_BUDGET,
 )
-KINDS = {kind.kind: kind for kind in (*WATCHED_KINDS, SERVICE_MONITOR, SERVING_POOL)}
+# Secrets are not watched: the operator only makes the pool's credential, once.
+KINDS = {kind.kind: kind for kind in (*WATCHED_KINDS, SERVICE_MONITOR, SERVING_POOL, SECRET)}
 
 
 def kind_of(obj: Mapping[str, Any]) -> Kind:
@@ -282,6 +286,37 @@ class KubeClient:
         if live is None:
             raise ApiError(404, f"{kind.kind} is not served by this cluster", "NotFound")
         return live
+
+    async def create(self, obj: Mapping[str, Any]) -> bool:
+        """Create an object unless one of its name exists; whether it was created."""
+        kind = kind_of(obj)
+        try:
+            await self.request(
+                "POST",
+                kind.path(obj["metadata"]["namespace"]),
+                verb="create",
+                resource=kind.plural,
+                params={"fieldManager": FIELD_MANAGER},
+                body=obj,
+            )
+        except ApiError as error:
+            if error.status == 409:
+                return False
+            raise
+        return True
+
+    async def merge_patch(self, obj: Mapping[str, Any], patch: Mapping[str, Any]) -> None:
+        """A JSON merge patch of one object."""
+        kind = kind_of(obj)
+        meta = obj["metadata"]
+        await self.request(
+            "PATCH",
+            kind.path(meta["namespace"], meta["name"]),
+            verb="patch",
+            resource=kind.plural,
+            body=patch,
+            content_type=MERGE_CONTENT_TYPE,
+        )
 
     async def delete(self, obj: Mapping[str, Any]) -> bool:
         """Delete this very object (uid precondition); False when it was already gone."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ class Recorder(Protocol):
 class _PoolState:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     status: dict[str, Any] | None = None  # the status last written
+    credential: bool = False  # the pool's credential Secret is known to exist
     failure: str | None = None  # why the last reconcile had a write refused
     generation: int | None = None  # the pool's generation the last reconcile applied
     # The spec and rendered children of one generation: child events need them often.
@@ -172,6 +174,10 @@ class Reconciler:
         live.update(await self._monitor_of(pool))
         changes: list[tuple[str, Obj]] = []
         errors: list[ApiError] = []
+        try:
+            changes += await self._ensure_credential(pool)
+        except ApiError as error:
+            errors.append(error)
         # One refused object does not hold back the others: apply all, then report.
         for key, obj in desired.items():
             before = live.get(key)
@@ -278,6 +284,30 @@ class Reconciler:
                 != (live["metadata"]["resourceVersion"])
             )
         return live, new_version
+
+    async def _ensure_credential(self, pool: Mapping[str, Any]) -> list[tuple[str, Obj]]:
+        """Make the Secret with the pool's internal credential, once: a random value,
+        never rendered, never rewritten (rotating it means deleting the Secret and
+        restarting the pool). One left by an earlier pool of the same name is adopted."""
+        state = self._state(pool)
+        if state.credential:
+            return []
+        meta = pool["metadata"]
+        secret = render.with_owner(
+            render.credential_secret(meta["name"], meta["namespace"], secrets.token_urlsafe(32)),
+            meta,
+        )
+        created = await self._client.create(secret)
+        if not created:
+            live = await self._client.get(
+                kube.SECRET, meta["namespace"], secret["metadata"]["name"]
+            )
+            if live is not None and not owned_by(live, meta["uid"]):
+                owners = {"ownerReferences": secret["metadata"]["ownerReferences"]}
+                await self._client.merge_patch(live, {"metadata": owners})
+        state.credential = True
+        public = {**secret, "stringData": {}}  # what Events and logs may show
+        return [("created", public)] if created else []
 
     async def _pool_exists(self, pool: Mapping[str, Any]) -> bool:
         meta = pool["metadata"]

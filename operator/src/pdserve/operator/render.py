@@ -10,17 +10,27 @@ Objects, in apply order (a role with 0 replicas, or without a pool, has none):
   Service         <pool>-prefill    headless: worker discovery
   Service         <pool>-decode     headless: worker discovery
   Service         <pool>-router     the pool's front door
+  NetworkPolicy   <pool>-workers    only the router and pool members reach the workers
   Deployment      <pool>-prefill, <pool>-decode, <pool>-router
   PodDisruptionBudget (maxUnavailable 1) per Deployment
   ServiceMonitor  <pool>            when spec.monitoring.serviceMonitor.enabled
+Not rendered here, since it holds a random value: the Secret <pool>-internal with the
+pool's internal credential (`credential_secret`), which the reconciler creates once
+and the router and workers mount.
 
 routing.json (the router's `--config`):
-  {"pool": str, "model": {"name": str, "path": str},
+  {"pool": str, "model": {"name": str, "path": str, "maxModelLen": int | null},
    "buckets": [{"maxInputTokens": int | null, "mode": "colocated" | "disaggregated"}],
    "kvTransfer": {"failurePolicy": "recompute" | "fail"},
+   "slo": {"ttftSeconds": float (optional), "itlSeconds": float (optional)},
    "discovery": {"kind": "kubernetes", "namespace": str, "port": int,
-                 "services": {"decode": str, "prefill": str (only with a prefill pool)}}}
+                 "services": {"decode": str, "prefill": str (only with a prefill pool)}}
+             | {"kind": "static", "decode": [url], "prefill": [url]}}
 A prompt takes the first bucket whose maxInputTokens holds it (null: no bound).
+
+Command lines come from `worker_args` and `router_args` with a `Wiring`: where the
+processes listen and find each other, in the cluster (`cluster_wiring`) or on one
+machine (the local backend's), so both run the same flags.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pdserve.operator import api
@@ -39,6 +50,10 @@ Component = Literal["prefill", "decode", "router"]
 PORT = 8000
 CONFIG_DIR = "/etc/pdserve"
 ROUTING_FILE = "routing.json"
+CREDENTIAL_DIR = "/var/run/secrets/pdserve"
+CREDENTIAL_KEY = "token"
+API_KEYS_DIR = "/var/run/secrets/pdserve-api-keys"
+API_KEYS_FILE = "keys"
 ROUTING_HASH_ANNOTATION = "pdserve.dev/routing-hash"
 POOL_LABEL = "pdserve.dev/pool"
 MANAGER = "pdserve-operator"
@@ -49,7 +64,7 @@ ROLES = api.ROLES
 # --- names and labels ------------------------------------------------------------------
 
 
-def object_name(pool: str, component: Component | Literal["routing"]) -> str:
+def object_name(pool: str, component: Component | Literal["routing", "internal", "workers"]) -> str:
     """The name of a pool's object: <pool>-prefill, <pool>-decode, <pool>-router, ..."""
     return f"{pool}-{component}"
 
@@ -101,16 +116,46 @@ def with_owner(obj: Obj, metadata: Mapping[str, Any]) -> Obj:
 # --- command lines ---------------------------------------------------------------------
 
 
-def worker_args(
-    pool: str, spec: api.ServingPoolSpec, role: api.Role, *, host: str, port: int
-) -> list[str]:
+@dataclass(frozen=True)
+class Wiring:
+    """Where a pool's processes listen and how they find and trust each other: in a
+    cluster (pods, Services, a mounted Secret) or on one machine (local processes)."""
+
+    host: str
+    port: int
+    credential_file: str  # the pool's internal credential
+    kv_transfer_host: str | None = None  # the address a worker's KV agent is reached at
+    prefill_peers: tuple[str, ...] = ()  # decode: the prefill workers it may be sent to
+    prefill_peers_file: str | None = None  # decode: a file listing more of them
+    api_key_file: str | None = None  # router: the keys clients must present
+
+
+def cluster_wiring(pool: str, namespace: str, spec: api.ServingPoolSpec) -> Wiring:
+    """The wiring of a pool's pods: every address, the pod IP advertised for KV
+    transfer (the downward API's POD_IP, which Kubernetes expands in args), the
+    prefill workers as their headless Service's name, the Secrets mounted."""
+    peers: tuple[str, ...] = ()
+    if spec.prefill is not None:
+        peers = (f"http://{object_name(pool, 'prefill')}.{namespace}.svc:{PORT}",)
+    keys = f"{API_KEYS_DIR}/{API_KEYS_FILE}" if spec.router.api_keys is not None else None
+    return Wiring(
+        host="0.0.0.0",
+        port=PORT,
+        credential_file=f"{CREDENTIAL_DIR}/{CREDENTIAL_KEY}",
+        kv_transfer_host="$(POD_IP)",
+        prefill_peers=peers,
+        api_key_file=keys,
+    )
+
+
+def worker_args(pool: str, spec: api.ServingPoolSpec, role: api.Role, wiring: Wiring) -> list[str]:
     """`pdserve worker ...` arguments of a role's workers (without the program name)."""
     workers = spec.pool(role)
     assert workers is not None, f"no {role} pool"
     worker_role = spec.worker_role(role)
     model, engine, cache = spec.model, workers.engine, spec.kv_cache
     args = ["worker", "--role", worker_role, "--pool", pool, "--model", model.path]
-    args += ["--served-model-name", model.name, "--host", host, "--port", str(port)]
+    args += ["--served-model-name", model.name, "--host", wiring.host, "--port", str(wiring.port)]
     args += ["--dtype", model.dtype, "--device", "cuda" if workers.gpus else "cpu"]
     if model.max_model_len is not None:
         args += ["--max-model-len", str(model.max_model_len)]
@@ -124,9 +169,17 @@ def worker_args(
         args += ["--num-kv-blocks", str(engine.num_kv_blocks)]
     if engine.kv_cache_memory is not None:
         args += ["--kv-cache-memory", str(math.ceil(api.quantity_value(engine.kv_cache_memory)))]
+    args += ["--internal-token-file", wiring.credential_file]
     if worker_role != "both":
         args += ["--kv-transfer", spec.kv_transfer.backend]
         args += ["--transfer-failure-policy", spec.kv_transfer.failure_policy]
+        if wiring.kv_transfer_host is not None:
+            args += ["--kv-transfer-host", wiring.kv_transfer_host]
+    if worker_role == "decode":
+        for peer in wiring.prefill_peers:
+            args += ["--prefill-peer", peer]
+        if wiring.prefill_peers_file is not None:
+            args += ["--prefill-peers-file", wiring.prefill_peers_file]
     return args
 
 
@@ -145,9 +198,13 @@ def token_budget_args(spec: api.ServingPoolSpec, role: api.Role) -> list[str]:
     return args
 
 
-def router_args(config_path: str, *, host: str, port: int) -> list[str]:
+def router_args(config_path: str, wiring: Wiring) -> list[str]:
     """`pdserve router ...` arguments (without the program name)."""
-    return ["router", "--config", config_path, "--host", host, "--port", str(port)]
+    args = ["router", "--config", config_path, "--host", wiring.host, "--port", str(wiring.port)]
+    args += ["--internal-token-file", wiring.credential_file]
+    if wiring.api_key_file is not None:
+        args += ["--api-key-file", wiring.api_key_file]
+    return args
 
 
 def routing_table(
@@ -172,15 +229,27 @@ def routing_table(
             "port": PORT,
             "services": services,
         }
+    model = spec.model
     return {
         "pool": pool,
-        "model": {"name": spec.model.name, "path": spec.model.path},
+        "model": {"name": model.name, "path": model.path, "maxModelLen": model.max_model_len},
         "buckets": [
             {"maxInputTokens": b.max_input_tokens, "mode": b.mode} for b in spec.routing.buckets
         ],
         "kvTransfer": {"failurePolicy": spec.kv_transfer.failure_policy},
+        "slo": _slo(spec.slo),
         "discovery": dict(discovery),
     }
+
+
+def _slo(slo: api.SloSpec | None) -> Obj:
+    """The targets a request is held to (goodput): TTFT, and the ITL target."""
+    targets: Obj = {}
+    if slo is not None and slo.ttft is not None:
+        targets["ttftSeconds"] = slo.ttft.seconds
+    if slo is not None and slo.itl is not None:
+        targets["itlSeconds"] = slo.itl.seconds
+    return targets
 
 
 def routing_json(table: Mapping[str, Any]) -> str:
@@ -236,6 +305,29 @@ def _env(placement: api.Placement) -> list[Obj]:
         {"name": "POD_IP", "valueFrom": field("status.podIP")},
     ]
     return [var for var in builtin if var["name"] not in taken] + user
+
+
+def _credential_volume(pool: str) -> tuple[list[Obj], list[Obj]]:
+    """The pool's internal credential (its Secret) as (volumes, volumeMounts)."""
+    volume = {
+        "name": "credential",
+        "secret": {"secretName": object_name(pool, "internal"), "defaultMode": 0o440},
+    }
+    return [volume], [{"name": "credential", "mountPath": CREDENTIAL_DIR, "readOnly": True}]
+
+
+def _api_keys_volume(spec: api.ServingPoolSpec) -> tuple[list[Obj], list[Obj]]:
+    """The Secret key holding the clients' API keys, as (volumes, volumeMounts)."""
+    ref = spec.router.api_keys
+    if ref is None:
+        return [], []
+    source: Obj = {
+        "secretName": ref.name,
+        "items": [{"key": ref.key, "path": API_KEYS_FILE}],
+        "defaultMode": 0o440,
+    }
+    volume = {"name": "api-keys", "secret": source}
+    return [volume], [{"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True}]
 
 
 def _model_volume(spec: api.ServingPoolSpec) -> tuple[list[Obj], list[Obj]]:
@@ -328,17 +420,20 @@ def worker_deployment(
     workers = spec.pool(role)
     assert workers is not None, f"no {role} pool"
     model_volumes, model_mounts = _model_volume(spec)
+    credential_volumes, credential_mounts = _credential_volume(pool)
     volumes = [
         {"name": "shm", "emptyDir": {"medium": "Memory"}},  # torch and UCX use /dev/shm
         {"name": "tmp", "emptyDir": {}},
+        *credential_volumes,
         *model_volumes,
     ]
     mounts = [
         {"name": "shm", "mountPath": "/dev/shm"},
         {"name": "tmp", "mountPath": "/tmp"},
+        *credential_mounts,
         *model_mounts,
     ]
-    args = worker_args(pool, spec, role, host="0.0.0.0", port=PORT)
+    args = worker_args(pool, spec, role, cluster_wiring(pool, namespace, spec))
     env = _env(workers)
     container = _container(role, spec, args, env, _resources(workers, workers.gpus), mounts)
     pod = _pod_spec(workers, container, volumes)
@@ -349,10 +444,18 @@ def worker_deployment(
 def router_deployment(pool: str, namespace: str, spec: api.ServingPoolSpec, table: Obj) -> Obj:
     """The router's Deployment; a routing change rolls it through a hash annotation."""
     model_volumes, model_mounts = _model_volume(spec)
+    credential_volumes, credential_mounts = _credential_volume(pool)
+    key_volumes, key_mounts = _api_keys_volume(spec)
     config = {"name": "routing", "configMap": {"name": object_name(pool, "routing")}}
-    volumes = [config, *model_volumes]
-    mounts = [{"name": "routing", "mountPath": CONFIG_DIR, "readOnly": True}, *model_mounts]
-    args = router_args(f"{CONFIG_DIR}/{ROUTING_FILE}", host="0.0.0.0", port=PORT)
+    volumes = [config, *credential_volumes, *key_volumes, *model_volumes]
+    mounts = [
+        {"name": "routing", "mountPath": CONFIG_DIR, "readOnly": True},
+        *credential_mounts,
+        *key_mounts,
+        *model_mounts,
+    ]
+    wiring = cluster_wiring(pool, namespace, spec)
+    args = router_args(f"{CONFIG_DIR}/{ROUTING_FILE}", wiring)
     env = _env(spec.router)
     container = _container("router", spec, args, env, _resources(spec.router), mounts)
     pod = _pod_spec(spec.router, container, volumes)
@@ -430,6 +533,48 @@ def router_access(pool: str, namespace: str) -> list[Obj]:
     ]
 
 
+def network_policy(pool: str, namespace: str) -> Obj:
+    """Only the pool's own pods (its router and workers, on any port: KV transfer
+    uses ports of its own) and Prometheus (on the http port, for /metrics) reach the
+    workers. The internal endpoints need the pool's credential besides."""
+    members = {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": pool}
+    workers = {
+        "matchLabels": dict(members),
+        "matchExpressions": [
+            {"key": "app.kubernetes.io/component", "operator": "In", "values": list(ROLES)}
+        ],
+    }
+    prometheus = {
+        "namespaceSelector": {},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+    }
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(object_name(pool, "workers"), namespace, labels(pool)),
+        "spec": {
+            "podSelector": workers,
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": members}}]},
+                {"from": [prometheus], "ports": [{"port": "http", "protocol": "TCP"}]},
+            ],
+        },
+    }
+
+
+def credential_secret(pool: str, namespace: str, credential: str) -> Obj:
+    """The Secret holding the pool's internal credential (made once, by the reconciler,
+    with a random value; the router and the workers mount it)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(object_name(pool, "internal"), namespace, labels(pool)),
+        "type": "Opaque",
+        "stringData": {CREDENTIAL_KEY: credential},
+    }
+
+
 def service_monitor(pool: str, namespace: str, spec: api.ServingPoolSpec) -> Obj:
     """A ServiceMonitor scraping /metrics of every Service of the pool."""
     monitor = spec.monitoring.service_monitor
@@ -484,6 +629,8 @@ def render(
         objects += [routing_config_map(pool, namespace, table), *router_access(pool, namespace)]
     components: list[Component] = [*roles, "router"] if with_router else [*roles]
     objects += [service(pool, namespace, c, spec) for c in components]
+    if roles:
+        objects.append(network_policy(pool, namespace))
     objects += [worker_deployment(pool, namespace, spec, r, counts[r]) for r in roles]
     if with_router:
         objects.append(router_deployment(pool, namespace, spec, table))

@@ -3,36 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _death_signal_setter() -> Callable[[], None] | None:
-    """A pre-exec hook that makes the kernel SIGKILL the child when its parent dies.
-
-    Linux only (prctl). Elsewhere, children are stopped by `stop()` and atexit alone.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    parent = os.getpid()
-
-    def set_death_signal() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        # The parent may have died between fork and prctl: then nobody sends the signal.
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return set_death_signal
+from pdserve.cli.process import death_signal
 
 
 class ManagedProcess:
@@ -61,7 +39,7 @@ class ManagedProcess:
                 env=self._env,
                 start_new_session=True,
                 # Safe here: the hook only calls prctl and getppid.
-                preexec_fn=_death_signal_setter(),
+                preexec_fn=death_signal(),
             )
 
     @property

@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 
 from pdserve.workers.bench.records import RequestRecord
+from pdserve.workers.headers import MODE_HEADER
 
 
 class ServerError(RuntimeError):
@@ -42,6 +43,7 @@ class CompletionsClient:
         try:
             async with self._session.post(self._url, json=payload) as response:
                 record.status = response.status
+                record.mode = response.headers.get(MODE_HEADER)
                 if response.status >= 400:
                     message = await _error_message(response)
                     record.fail(f"HTTP {response.status}: {message}", time.perf_counter())

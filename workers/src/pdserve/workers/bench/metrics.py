@@ -164,13 +164,16 @@ class GroupMetrics:
 
 @dataclass(frozen=True)
 class BenchMetrics:
-    """Every figure of a run: overall, per input-length bucket, and the generator's lag."""
+    """Every figure of a run: overall, per input-length bucket, per bucket and the mode
+    the server served in (when it says, as pdserve's router does), and the
+    generator's lag."""
 
     duration_s: float
     overall: GroupMetrics
     buckets: dict[str, GroupMetrics]
     send_lag: Distribution | None
     errors: dict[str, int]
+    modes: dict[str, dict[str, GroupMetrics]] = field(default_factory=dict)
 
 
 def bucket_labels(bounds: Sequence[int]) -> list[str]:
@@ -206,8 +209,32 @@ def compute_metrics(
     lags = [r.sent_at - r.scheduled_at for r in records if r.sent_at is not None]
     errors = Counter(r.error for r in records if r.error is not None)
     return BenchMetrics(
-        duration, _group(pairs, slo, duration), buckets, summarize(lags), dict(errors.most_common())
+        duration,
+        _group(pairs, slo, duration),
+        buckets,
+        summarize(lags),
+        dict(errors.most_common()),
+        _by_mode(pairs, slo, duration, bounds),
     )
+
+
+def _by_mode(
+    pairs: Sequence[tuple[RequestRecord, RequestLatency | None]],
+    slo: SLO,
+    duration: float,
+    bounds: Sequence[int],
+) -> dict[str, dict[str, GroupMetrics]]:
+    """Figures per bucket and serving mode, for the requests whose mode is known."""
+    grouped: dict[str, dict[str, list[tuple[RequestRecord, RequestLatency | None]]]] = {}
+    for record, latency in pairs:
+        if record.mode is not None:
+            bucket = bucket_label(record.input_tokens, bounds)
+            grouped.setdefault(bucket, {}).setdefault(record.mode, []).append((record, latency))
+    return {
+        bucket: {mode: _group(group, slo, duration) for mode, group in sorted(modes.items())}
+        for bucket in bucket_labels(bounds)
+        if (modes := grouped.get(bucket))
+    }
 
 
 def _group(

@@ -25,6 +25,7 @@ class RequestRecord:
     usage_prompt_tokens: int | None = None
     usage_completion_tokens: int | None = None
     status: int | None = None
+    mode: str | None = None  # how the server says it served it (a router's X-Pdserve-Mode)
     error: str | None = None
     finished: bool = False
     ended_at: float | None = None

@@ -95,25 +95,37 @@ def _latency_table(group: GroupMetrics) -> list[str]:
     return rows
 
 
+_GROUP_HEADER = (
+    f"{'req':>6}{'fail':>6}{'TTFT P50':>10}{'TTFT P99':>10}{'ITL P50':>9}{'ITL P99':>9}"
+    f"{'TPOT P50':>10}{'TPOT P99':>10}{'E2E P50':>10}{'goodput':>9}{'attain':>8}"
+)
+
+
 def _bucket_table(metrics: BenchMetrics) -> list[str]:
     rows = [
         "per input-length bucket (tokens; latencies in ms)",
-        f"{'bucket':<9}{'req':>6}{'fail':>6}{'TTFT P50':>10}{'TTFT P99':>10}{'ITL P50':>9}"
-        f"{'ITL P99':>9}{'TPOT P50':>10}{'TPOT P99':>10}{'E2E P50':>10}{'goodput':>9}"
-        f"{'attain':>8}",
+        f"{'bucket':<9}" + _GROUP_HEADER,
     ]
     for label, group in metrics.buckets.items():
-        if group.requests == 0:
-            continue
-        rows.append(
-            f"{label:<9}{group.requests:>6}{group.failed:>6}"
-            f"{_ms(group.ttft, 'p50'):>10}{_ms(group.ttft, 'p99'):>10}"
-            f"{_ms(group.itl, 'p50'):>9}{_ms(group.itl, 'p99'):>9}"
-            f"{_ms(group.tpot, 'p50'):>10}{_ms(group.tpot, 'p99'):>10}"
-            f"{_ms(group.e2e, 'p50'):>10}{_optional(group.goodput, '{:.2f}'):>9}"
-            f"{_optional(group.slo_attainment, '{:.1%}'):>8}"
-        )
+        if group.requests:
+            rows.append(f"{label:<9}" + _group_row(group))
+    if metrics.modes:
+        rows += ["", "per bucket and mode served", f"{'bucket':<9}{'mode':<15}" + _GROUP_HEADER]
+        for label, modes in metrics.modes.items():
+            for mode, group in modes.items():
+                rows.append(f"{label:<9}{mode:<15}" + _group_row(group))
     return rows
+
+
+def _group_row(group: GroupMetrics) -> str:
+    return (
+        f"{group.requests:>6}{group.failed:>6}"
+        f"{_ms(group.ttft, 'p50'):>10}{_ms(group.ttft, 'p99'):>10}"
+        f"{_ms(group.itl, 'p50'):>9}{_ms(group.itl, 'p99'):>9}"
+        f"{_ms(group.tpot, 'p50'):>10}{_ms(group.tpot, 'p99'):>10}"
+        f"{_ms(group.e2e, 'p50'):>10}{_optional(group.goodput, '{:.2f}'):>9}"
+        f"{_optional(group.slo_attainment, '{:.1%}'):>8}"
+    )
 
 
 def _ms(dist: Distribution | None, field: str) -> str:
@@ -165,6 +177,10 @@ def result_json(result: BenchResult) -> dict[str, Any]:
         "duration_s": metrics.duration_s,
         "overall": _jsonable(dataclasses.asdict(metrics.overall)),
         "buckets": {k: _jsonable(dataclasses.asdict(g)) for k, g in metrics.buckets.items()},
+        "modes": {
+            bucket: {mode: _jsonable(dataclasses.asdict(g)) for mode, g in modes.items()}
+            for bucket, modes in metrics.modes.items()
+        },
         "generator": {
             "cpu_s": result.generator_cpu_s,
             "send_lag_s": dataclasses.asdict(metrics.send_lag) if metrics.send_lag else None,
@@ -185,6 +201,7 @@ def _request_row(result: BenchResult, record: RequestRecord) -> dict[str, Any]:
         "requested_output_tokens": record.requested_output_tokens,
         "ok": record.ok,
         "status": record.status,
+        "mode": record.mode,
         "error": record.error,
         "chunks": len(record.chunk_times),
     }

@@ -100,6 +100,7 @@ class DecodeHandoff:
         metrics: HandoffObserver,
         policy: str = "recompute",
         lease_s: float = 30.0,
+        headers: dict[str, str] | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown transfer failure policy {policy!r}; known: {POLICIES}")
@@ -116,6 +117,7 @@ class DecodeHandoff:
         self.calls = BlockingCalls()
         self.peers = PrefillPeers(agent, self.calls)
         self.vocab = engine.engine.model_config.vocab_size
+        self.headers = headers or {}  # sent to prefill workers: the pool's credential
         self._session: aiohttp.ClientSession | None = None
         self._settling: set[asyncio.Task[None]] = set()
 
@@ -373,7 +375,7 @@ class DecodeHandoff:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
+            self._session = aiohttp.ClientSession(headers=self.headers)
         return self._session
 
 

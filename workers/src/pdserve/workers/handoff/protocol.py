@@ -15,8 +15,6 @@ from pdserve.workers.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.workers.engine.sampler import Sampled
 from pdserve.workers.engine.sampling import SamplingParams
 
-PREFILL_URL_HEADER = "X-Pdserve-Prefill-Url"
-
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")

@@ -1,1 +1,4 @@
-"""The OpenAI-compatible front door that routes requests to workers."""
+"""The router: a pool's OpenAI-compatible front door. It routes each request by its
+prompt's length bucket, colocated or disaggregated, to the least loaded workers it
+discovered (a static list, or Kubernetes EndpointSlices), retries before the first
+token, and keeps a circuit breaker per worker. It loads no torch."""

@@ -1,8 +1,9 @@
 """A worker's HTTP API: the OpenAI-compatible endpoints (see `serving`), `/tokenize`
-and `/detokenize` (see `tokenization`), the P/D hand-off endpoints of a prefill
-worker, `/v1/models`, `/openapi.json`, the probes `/health` and `/ready`, and
-`/metrics`. Every error, from any of them, is answered in
-OpenAI's shape by one middleware (`pdserve.workers.api_errors`)."""
+and `/detokenize` (see `tokenization`), the P/D hand-off endpoints of a prefill worker
+(for holders of the pool's credential only), `/v1/models`, `/openapi.json`, the probes
+`/health` and `/ready`, `/load` (for the router) and `/metrics`. Every error, from any
+of them, is answered in OpenAI's shape by one middleware
+(`pdserve.workers.api_errors`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.workers.api_errors import error_middleware
 from pdserve.workers.handoff.prefill import PrefillService
+from pdserve.workers.server.load import LoadTracker
 from pdserve.workers.server.openapi import openapi_spec
 from pdserve.workers.server.serving import OpenAIServing
 from pdserve.workers.server.tokenization import TokenizationServing
@@ -25,6 +27,7 @@ class WorkerServer:
         self,
         serving: OpenAIServing,
         max_body_size: int,
+        load: LoadTracker,
         prefill: PrefillService | None = None,
     ) -> None:
         self.serving = serving
@@ -33,15 +36,18 @@ class WorkerServer:
         self.model = serving.model
         self.handoff = serving.handoff
         self.prefill = prefill
+        self.load = load
         self.max_body_size = max_body_size
         self.ready = False
-        self.tokenization = TokenizationServing(
-            serving.tokenizer, self.model.max_model_len, serving.check_model
-        )
+        self.tokenization = TokenizationServing(serving.tokenizer, self.model)
 
     def app(self) -> web.Application:
         """The aiohttp application."""
-        middlewares = [error_middleware(self.metrics.observe_error)]
+        middlewares = [
+            error_middleware(self.metrics.observe_error),
+            self.serving.internal.middleware(),
+            self.load.middleware(),
+        ]
         app = web.Application(middlewares=middlewares, client_max_size=self.max_body_size)
         app.router.add_post("/v1/completions", self.serving.completions)
         app.router.add_post("/v1/chat/completions", self.serving.chat_completions)
@@ -51,6 +57,7 @@ class WorkerServer:
         app.router.add_get("/openapi.json", self.openapi)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.readiness)
+        app.router.add_get("/load", self.load_report)
         app.router.add_get("/metrics", self.prometheus)
         if self.prefill is not None:
             self.prefill.add_routes(app)
@@ -58,14 +65,7 @@ class WorkerServer:
 
     async def models(self, _: web.Request) -> web.Response:
         """GET /v1/models."""
-        model = {
-            "id": self.model.name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "pdserve",
-            "max_model_len": self.model.max_model_len,
-        }
-        return web.json_response({"object": "list", "data": [model]})
+        return web.json_response(self.model.listing())
 
     async def openapi(self, _: web.Request) -> web.Response:
         """GET /openapi.json."""
@@ -83,6 +83,13 @@ class WorkerServer:
         if not (self.ready and self.engine.healthy):
             return web.json_response({"status": "not ready"}, status=503)
         return web.json_response({"status": "ready", "role": self.model.role})
+
+    async def load_report(self, _: web.Request) -> web.Response:
+        """GET /load: what the router weighs when it picks a worker (503 while not
+        ready, as /ready, so the router's probe keeps traffic off it)."""
+        if not (self.ready and self.engine.healthy):
+            return web.json_response({"status": "not ready"}, status=503)
+        return self.load.answer(self.engine.num_queued)
 
     async def prometheus(self, _: web.Request) -> web.Response:
         """GET /metrics."""

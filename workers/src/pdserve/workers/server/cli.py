@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pdserve.cli.options import add_options, options_from
+from pdserve.workers.server.limits import RequestLimits
 from pdserve.workers.server.options import WorkerOptions
 
 
@@ -17,6 +18,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "or as one side of prefill/decode disaggregation.",
     )
     add_options(parser, WorkerOptions)
+    add_options(parser, RequestLimits)
     parser.set_defaults(handler=run)
 
 
@@ -24,4 +26,4 @@ def run(args: argparse.Namespace) -> int:
     """Start the worker and serve until interrupted."""
     from pdserve.workers.server.worker import serve
 
-    return serve(options_from(args, WorkerOptions))
+    return serve(options_from(args, WorkerOptions), options_from(args, RequestLimits))

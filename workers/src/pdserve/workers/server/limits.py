@@ -1,25 +1,46 @@
 """What a worker accepts: size limits on a request's parts, and admission control
-(a bounded queue, answered 429 with Retry-After when full). The limits are the
-worker's flags; the router applies the same checks."""
+(a bounded queue, answered 429 with Retry-After when full). The limits are flags of
+both `pdserve worker` and `pdserve router`, declared here once; the router applies
+the same checks before it forwards a request."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.cli.options import option, parse_bytes, positive_int
 from pdserve.workers.api_errors import APIError
 from pdserve.workers.engine.sampling import SamplingParams
+
+LIMITS = "limits (past them a request gets a 4xx or 5xx with the reason)"
 
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """Limits on one request's parts (each a `pdserve worker` flag)."""
+    """Limits on one request and its parts (flags of the worker and the router)."""
 
-    max_stop_strings: int = 16
-    max_stop_length: int = 256
-    max_stop_token_ids: int = 256
-    max_logprobs: int = 20
-    max_n: int = 16
+    max_body_size: int = option(
+        8 * 1024 * 1024, parse=parse_bytes, metavar="BYTES", group=LIMITS,
+        help="largest request body, e.g. 8MiB (larger: 413)",
+    )  # fmt: skip
+    max_stop_strings: int = option(
+        16, parse=positive_int, group=LIMITS, help="most stop strings per request (400)"
+    )
+    max_stop_length: int = option(
+        256, parse=positive_int, group=LIMITS, help="longest stop string, in characters (400)"
+    )
+    max_stop_token_ids: int = option(
+        256, parse=positive_int, group=LIMITS, help="most stop_token_ids per request (400)"
+    )
+    max_logprobs: int = option(
+        20, parse=positive_int, group=LIMITS,
+        help="most alternatives per token in logprobs, top_logprobs and an echoed "
+        "prompt's logprobs (400)",
+    )  # fmt: skip
+    max_n: int = option(
+        16, parse=positive_int, group=LIMITS,
+        help="most choices per request, n (400; a worker also caps it at --max-num-seqs)",
+    )  # fmt: skip
 
     def check(self, params: SamplingParams) -> None:
         """A 400 naming the first limit `params` exceeds."""

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import pairwise
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.workers.api_errors import APIError
-from pdserve.workers.engine.engine import StepResult
-from pdserve.workers.engine.step_cost import StepCostEstimate
 from pdserve.workers.handoff.errors import known_code
-from pdserve.workers.kv_transfer.base import TransferStats
+
+if TYPE_CHECKING:  # the router shares the names and buckets here, and loads no torch
+    from pdserve.workers.engine.engine import StepResult
+    from pdserve.workers.engine.step_cost import StepCostEstimate
+    from pdserve.workers.kv_transfer.base import TransferStats
 
 # Latency buckets in seconds: fine below 100 ms where ITL lives, coarse up to minutes.
 LATENCY_BUCKETS = (

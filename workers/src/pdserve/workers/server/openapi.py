@@ -65,6 +65,7 @@ def openapi_spec(title: str, version: str) -> dict[str, Any]:
         "/v1/models": _get("The served model"),
         "/health": _get("200 while the engine runs"),
         "/ready": _get("200 once the model is loaded and warmed up"),
+        "/load": _get("Requests in flight, running and queued, KV cache usage, prefill backlog"),
         "/metrics": _get("Prometheus metrics", "text/plain"),
     }
     return {

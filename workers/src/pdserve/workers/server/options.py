@@ -3,12 +3,18 @@ flag, its default and its help (see `pdserve.cli.options`)."""
 
 from __future__ import annotations
 
-import argparse
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.cli.options import OptionError, option, port_number, positive_float, positive_int
+from pdserve.cli.options import (
+    OptionError,
+    option,
+    parse_bytes,
+    port_number,
+    positive_float,
+    positive_int,
+)
+from pdserve.workers.server.limits import LIMITS
 
 ROLES = ("both", "prefill", "decode")
 # As in pdserve.workers.engine.config; not imported, so `pdserve --help` loads no torch.
@@ -20,31 +26,15 @@ KV_TRANSFER_BACKENDS = ("nixl", "torch")
 # As in pdserve.workers.engine.logprobs (vLLM's names).
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-
 _ENGINE = "engine"
 _BUDGET = "token budget"
 _KV = "KV cache"
 _HANDOFF = "P/D hand-off (roles prefill and decode)"
-_LIMITS = "limits (past them a request gets a 4xx or 5xx with the reason)"
-
-
-def parse_bytes(text: str) -> int:
-    """`512MiB`, `2G`, `1000000` -> bytes."""
-    match = _SIZE.match(text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GB, 1000000)")
-    number, unit = float(match.group(1)), (match.group(2) or "").upper()
-    binary = "I" in unit
-    base = unit[:1] if unit not in ("", "B") else unit
-    factor = 1024 ** "KMGT".index(base[0]) * 1024 if binary else _UNITS[base]
-    return int(number * factor)
 
 
 @dataclass(frozen=True)
 class WorkerOptions:
-    """The settings of `pdserve worker`."""
+    """The settings of `pdserve worker` (with `RequestLimits`, shared with the router)."""
 
     model: Path = option(parse=Path, help="Hugging Face model directory")
     host: str = option("127.0.0.1", help="address to listen on")
@@ -145,34 +135,28 @@ class WorkerOptions:
         None, group=_HANDOFF,
         help="address peers reach this worker's transfer agent at (default: --host)",
     )  # fmt: skip
-    max_body_size: int = option(
-        8 * 1024 * 1024, parse=parse_bytes, metavar="BYTES", group=_LIMITS,
-        help="largest request body, e.g. 8MiB (larger: 413)",
+    internal_token_file: Path | None = option(
+        None, parse=Path, metavar="PATH", group=_HANDOFF,
+        help="file holding the pool's internal credential: the hand-off header and /pd/* "
+        "are honoured only for callers presenting it (without it, never)",
     )  # fmt: skip
-    max_stop_strings: int = option(
-        16, parse=positive_int, group=_LIMITS, help="most stop strings per request (400)"
-    )
-    max_stop_length: int = option(
-        256, parse=positive_int, group=_LIMITS, help="longest stop string, in characters (400)"
-    )
-    max_stop_token_ids: int = option(
-        256, parse=positive_int, group=_LIMITS, help="most stop_token_ids per request (400)"
-    )
-    max_logprobs: int = option(
-        20, parse=positive_int, group=_LIMITS,
-        help="most alternatives per token in logprobs, top_logprobs and an echoed "
-        "prompt's logprobs (400)",
+    prefill_peer: tuple[str, ...] = option(
+        repeat=True, metavar="URL", group=_HANDOFF,
+        help="decode: a prefill worker hand-offs may name, http://HOST:PORT; a HOST that "
+        "is a DNS name (a headless Service) stands for every address it resolves to "
+        "(repeatable)",
     )  # fmt: skip
-    max_n: int = option(
-        16, parse=positive_int, group=_LIMITS,
-        help="most choices per request, n (400; at most --max-num-seqs)",
+    prefill_peers_file: Path | None = option(
+        None, parse=Path, metavar="PATH", group=_HANDOFF,
+        help="decode: a file listing more such URLs, one per line, read when a hand-off "
+        "names a worker not known yet",
     )  # fmt: skip
     max_queued_requests: int = option(
-        1024, parse=positive_int, group=_LIMITS,
+        1024, parse=positive_int, group=LIMITS,
         help="requests waiting for their first engine step; past this, new ones get 429",
     )  # fmt: skip
     queue_timeout: float = option(
-        60.0, parse=positive_float, metavar="SECONDS", group=_LIMITS,
+        60.0, parse=positive_float, metavar="SECONDS", group=LIMITS,
         help="a request still waiting for its first engine step after this long gets 503",
     )  # fmt: skip
     log_level: str = option("info", choices=("debug", "info", "warning", "error"), help="log level")

@@ -15,7 +15,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -25,10 +24,12 @@ from pdserve.workers.engine.sampling import InvalidRequestError
 from pdserve.workers.engine.stats import RequestOutput
 from pdserve.workers.engine.tokenizer import Tokenizer
 from pdserve.workers.handoff.decode import DecodeHandoff
-from pdserve.workers.handoff.protocol import PREFILL_URL_HEADER
+from pdserve.workers.headers import MODE_HEADER, PREFILL_URL_HEADER, REQUEST_ID_HEADER
 from pdserve.workers.server.choices import Choice
+from pdserve.workers.server.internal import InternalAuth, PrefillAllowList
 from pdserve.workers.server.limits import Admission, RequestLimits
 from pdserve.workers.server.metrics import WorkerMetrics
+from pdserve.workers.server.models import ServedModel
 from pdserve.workers.server.prompts import chat_prompt, completion_prompt
 from pdserve.workers.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.workers.server.responses import (
@@ -43,17 +44,6 @@ from pdserve.workers.server.responses import (
 
 log = logging.getLogger(__name__)
 
-REQUEST_ID_HEADER = "X-Request-Id"
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    """The model as the API names it."""
-
-    name: str
-    role: str
-    max_model_len: int
-
 
 class OpenAIServing:
     """Completions and chat completions on one engine."""
@@ -67,6 +57,8 @@ class OpenAIServing:
         limits: RequestLimits,
         admission: Admission,
         handoff: DecodeHandoff | None = None,
+        internal: InternalAuth | None = None,
+        prefill_peers: PrefillAllowList | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -75,12 +67,14 @@ class OpenAIServing:
         self.limits = limits
         self.admission = admission
         self.handoff = handoff
+        self.internal = internal or InternalAuth(None)
+        self.prefill_peers = prefill_peers or PrefillAllowList([])
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions."""
         self._check_role()
         parsed = await read_body(request, CompletionRequest)
-        self.check_model(parsed.model)
+        self.model.check(parsed.model)
         token_ids = await completion_prompt(self.tokenizer, parsed)
         prepared = self._prepare(parsed, token_ids, chat=False)
         if parsed.echo:
@@ -94,7 +88,7 @@ class OpenAIServing:
         """POST /v1/chat/completions."""
         self._check_role()
         parsed = await read_body(request, ChatCompletionRequest)
-        self.check_model(parsed.model)
+        self.model.check(parsed.model)
         token_ids = await chat_prompt(self.tokenizer, parsed)
         prepared = self._prepare(parsed, token_ids, chat=True)
         return await self._serve(request, prepared)
@@ -104,14 +98,6 @@ class OpenAIServing:
             raise APIError(
                 400, "this is a prefill worker: send completions to a decode worker, with "
                 f"the header {PREFILL_URL_HEADER} naming this worker",
-            )  # fmt: skip
-
-    def check_model(self, model: str | None) -> None:
-        """A 404 for a model this worker does not serve."""
-        if model is not None and model != self.model.name:
-            raise APIError(
-                404, f"model {model!r} is not served here; this worker serves "
-                f"{self.model.name!r}", "invalid_request_error", "model_not_found",
             )  # fmt: skip
 
     def _prepare(
@@ -140,19 +126,21 @@ class OpenAIServing:
         )
 
     async def _serve(self, request: web.Request, prepared: PreparedRequest) -> web.StreamResponse:
+        prefill_url = await self._prefill_url(request)
         self.admission.admit()
         client_id = request.headers.get(REQUEST_ID_HEADER)
         if client_id:
             log.debug("request %s is the client's %s", prepared.request_id, client_id[:256])
         arrival = time.monotonic()
         tracker = RequestTracker(prepared, arrival)
-        outputs = self._outputs(request, prepared, tracker)
+        outputs = self._outputs(prefill_url, prepared, tracker)
         answer = Answer(prepared, self.tokenizer, tracker, self.engine)
         headers = {REQUEST_ID_HEADER: client_id or prepared.request_id}
         try:
             # The first output decides between an answer and an error status; only
             # then does a stream start.
             first = await first_output(outputs)
+            headers[MODE_HEADER] = tracker.mode
             chained = chain(first, outputs)
             if prepared.stream:
                 return await self._stream(request, prepared, chained, answer, headers)
@@ -167,19 +155,27 @@ class OpenAIServing:
                 tracker.mode,
             )
 
-    def _outputs(
-        self, request: web.Request, prepared: PreparedRequest, tracker: RequestTracker
-    ) -> AsyncGenerator[RequestOutput, None]:
+    async def _prefill_url(self, request: web.Request) -> str | None:
+        """The prefill worker a request names, once the caller is known to be the
+        pool's router and the worker one of the pool's; before any connection."""
         prefill_url = request.headers.get(PREFILL_URL_HEADER)
         if prefill_url is None:
-            return self.engine.generate(
-                prepared.prompt_token_ids, prepared.params, prepared.request_id
-            )
+            return None
+        self.internal.require(request, f"the header {PREFILL_URL_HEADER}")
         if self.handoff is None:
             raise APIError(
                 400, f"this worker takes no prefill hand-offs ({PREFILL_URL_HEADER}): "
                 "start it with --role decode",
             )  # fmt: skip
+        return await self.prefill_peers.admit(prefill_url)
+
+    def _outputs(
+        self, prefill_url: str | None, prepared: PreparedRequest, tracker: RequestTracker
+    ) -> AsyncGenerator[RequestOutput, None]:
+        if prefill_url is None or self.handoff is None:
+            return self.engine.generate(
+                prepared.prompt_token_ids, prepared.params, prepared.request_id
+            )
         tracker.mode = "disaggregated"
 
         def fell_back() -> None:
@@ -187,7 +183,7 @@ class OpenAIServing:
 
         return self.handoff.generate(
             prepared.request_id, prepared.prompt_token_ids, prepared.params,
-            prefill_url.rstrip("/"), on_fallback=fell_back,
+            prefill_url, on_fallback=fell_back,
         )  # fmt: skip
 
     async def _complete(

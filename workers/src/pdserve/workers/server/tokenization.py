@@ -1,33 +1,29 @@
 """`/tokenize` and `/detokenize` in vLLM's shapes: a prompt (or a conversation, with
-the chat template applied) to token ids as the worker's completions see them, and
-token ids back to text."""
+the chat template applied) to token ids as the completions endpoints see them, and
+token ids back to text. Served by a worker and by the router alike."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 from aiohttp import web
 
 from pdserve.workers.api_errors import APIError, read_body
 from pdserve.workers.engine.tokenizer import Tokenizer
+from pdserve.workers.server.models import ServedModel
 from pdserve.workers.server.prompts import chat_text, encode
 from pdserve.workers.server.protocol import DetokenizeRequest, TokenizeRequest
 
 
 class TokenizationServing:
-    """The tokenizer of a worker, over HTTP; `check_model` refuses a model not served."""
+    """The tokenizer of a worker or the router, over HTTP, for the model it serves."""
 
-    def __init__(
-        self, tokenizer: Tokenizer, max_model_len: int, check_model: Callable[[str | None], None]
-    ) -> None:
+    def __init__(self, tokenizer: Tokenizer, model: ServedModel) -> None:
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        self.check_model = check_model
+        self.model = model
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """POST /tokenize: to `{count, max_model_len, tokens, token_strs}`."""
         parsed = await read_body(request, TokenizeRequest)
-        self.check_model(parsed.model)
+        self.model.check(parsed.model)
         if parsed.messages is not None:
             text = chat_text(self.tokenizer, parsed.messages, parsed.add_generation_prompt)
             special = bool(parsed.add_special_tokens)
@@ -40,7 +36,7 @@ class TokenizationServing:
             strings = [self.tokenizer.token_string(token) or "" for token in tokens]
         answer = {
             "count": len(tokens),
-            "max_model_len": self.max_model_len,
+            "max_model_len": self.model.max_model_len,
             "tokens": tokens,
             "token_strs": strings,
         }
@@ -49,7 +45,7 @@ class TokenizationServing:
     async def detokenize(self, request: web.Request) -> web.Response:
         """POST /detokenize: `tokens` to `{prompt}`."""
         parsed = await read_body(request, DetokenizeRequest)
-        self.check_model(parsed.model)
+        self.model.check(parsed.model)
         vocab = self.tokenizer.vocab_size
         if any(token >= vocab for token in parsed.tokens):
             raise APIError(400, f"tokens: token ids must be in [0, {vocab})")

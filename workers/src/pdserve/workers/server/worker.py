@@ -28,11 +28,20 @@ from pdserve.workers.handoff.decode import DecodeHandoff
 from pdserve.workers.handoff.prefill import PrefillService
 from pdserve.workers.kv_transfer.layout import KVLayout
 from pdserve.workers.server.app import WorkerServer
+from pdserve.workers.server.internal import (
+    CredentialError,
+    InternalAuth,
+    PrefillAllowList,
+    bearer,
+    read_credential,
+)
 from pdserve.workers.server.limits import Admission, RequestLimits
+from pdserve.workers.server.load import LoadTracker
 from pdserve.workers.server.metrics import WorkerMetrics
+from pdserve.workers.server.models import ServedModel
 from pdserve.workers.server.options import WorkerOptions
 from pdserve.workers.server.process import listening_port
-from pdserve.workers.server.serving import OpenAIServing, ServedModel
+from pdserve.workers.server.serving import OpenAIServing
 
 log = logging.getLogger("pdserve.worker")
 
@@ -76,7 +85,7 @@ def token_budget_config(options: WorkerOptions) -> TokenBudgetConfig:
     )
 
 
-def build_server(options: WorkerOptions) -> WorkerServer:
+def build_server(options: WorkerOptions, limits: RequestLimits) -> WorkerServer:
     """Load the model and tokenizer and assemble the server (not yet listening)."""
     import torch
 
@@ -85,30 +94,35 @@ def build_server(options: WorkerOptions) -> WorkerServer:
     # make every step many times slower. Give --threads to use more.
     if options.threads or options.device == "cpu":
         torch.set_num_threads(options.threads or 1)
+    token_file = options.internal_token_file
+    credential = read_credential(token_file) if token_file is not None else None
+    prefill_peers = PrefillAllowList(options.prefill_peer, options.prefill_peers_file)
     engine = LLMEngine(engine_config(options))
     tokenizer = Tokenizer.from_dir(options.model)
     metrics = WorkerMetrics(options.pool, options.role)
-    async_engine = AsyncEngine(engine, [metrics], queue_timeout_s=options.queue_timeout)
+    load = LoadTracker(engine, options.role)
+    async_engine = AsyncEngine(engine, [metrics, load], queue_timeout_s=options.queue_timeout)
     model = ServedModel(
         name=options.served_model_name or options.model.resolve().name,
         role=options.role,
         max_model_len=engine.max_model_len,
+        path=str(options.model),
     )
-    handoff, prefill = _handoff_sides(options, async_engine, metrics, model.name)
-    limits = RequestLimits(
-        max_stop_strings=options.max_stop_strings,
-        max_stop_length=options.max_stop_length,
-        max_stop_token_ids=options.max_stop_token_ids,
-        max_logprobs=options.max_logprobs,
-        max_n=options.max_n,
-    )
+    handoff, prefill = _handoff_sides(options, async_engine, metrics, model.name, credential)
     admission = Admission(options.max_queued_requests, lambda: async_engine.num_queued)
-    serving = OpenAIServing(async_engine, tokenizer, metrics, model, limits, admission, handoff)
-    return WorkerServer(serving, options.max_body_size, prefill)
+    serving = OpenAIServing(
+        async_engine, tokenizer, metrics, model, limits, admission, handoff,
+        InternalAuth(credential), prefill_peers,
+    )  # fmt: skip
+    return WorkerServer(serving, limits.max_body_size, load, prefill)
 
 
 def _handoff_sides(
-    options: WorkerOptions, engine: AsyncEngine, metrics: WorkerMetrics, model_name: str
+    options: WorkerOptions,
+    engine: AsyncEngine,
+    metrics: WorkerMetrics,
+    model_name: str,
+    credential: str | None,
 ) -> tuple[DecodeHandoff | None, PrefillService | None]:
     """The P/D hand-off side this worker's role plays, with its transfer agent."""
     if options.role == "both":
@@ -129,15 +143,16 @@ def _handoff_sides(
     if options.role == "prefill":
         return None, PrefillService(engine, agent, metrics, options.handoff_timeout)
     handoff = DecodeHandoff(
-        engine, agent, metrics, options.transfer_failure_policy, options.handoff_timeout
-    )
+        engine, agent, metrics, options.transfer_failure_policy, options.handoff_timeout,
+        headers=bearer(credential) if credential else None,
+    )  # fmt: skip
     return handoff, None
 
 
 async def warm_up(server: WorkerServer) -> None:
     """Run one short request so the first real one does not pay for lazy set-up."""
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    prompt = list(range(1, min(server.model.max_model_len - 2, 32) + 1))
+    prompt = list(range(1, min(server.engine.engine.max_model_len - 2, 32) + 1))
     async for _ in server.engine.generate(prompt, params, request_id="warm-up"):
         pass
 
@@ -169,7 +184,7 @@ async def run_server(server: WorkerServer, options: WorkerOptions) -> None:
     server.engine.stop()
 
 
-def serve(options: WorkerOptions) -> int:
+def serve(options: WorkerOptions, limits: RequestLimits) -> int:
     """`pdserve worker`: returns the exit code."""
     logging.basicConfig(
         level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -177,8 +192,8 @@ def serve(options: WorkerOptions) -> int:
     for name, part in installed_parts().items():
         log.info("%s %s from %s", name, part["version"], part["path"])
     try:
-        server = build_server(options)
-    except (ConfigError, OSError, ValueError) as error:
+        server = build_server(options, limits)
+    except (ConfigError, CredentialError, OSError, ValueError) as error:
         print(f"pdserve worker: {error}", file=sys.stderr)
         return 2
     asyncio.run(run_server(server, options))

@@ -1,0 +1,316 @@
+"""The router in front of a pool run by the local backend (the very command lines the
+operator renders): one prefill and one decode worker; prompts of up to 64 tokens are
+served colocated, longer ones disaggregated. The `openai` client on both paths, the
+bucket boundary, the trusted internal path, client API keys, the routing file's
+reloads, and a client that goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from pdserve.cli.main import pdserve_command
+from pdserve.operator.local import LocalPool
+from pdserve.workers.engine.sampling import SamplingParams
+from pdserve.workers.headers import PREFILL_URL_HEADER
+from pdserve.workers.server.internal import bearer
+from support.engine import make_engine, run_to_completion
+from support.network import witness
+from support.prom import total
+from support.router import (
+    BOUNDARY,
+    known_workers,
+    local_pool,
+    pool_manifest,
+    router_metric,
+    running_router,
+    worker_load,
+)
+from support.waiting import wait_until
+
+MAX_TOKENS = 12
+GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS}
+EXTRA = {"ignore_eos": True, "return_token_ids": True}
+
+
+@pytest.fixture(scope="module")
+def pool(small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPool]:
+    manifest = pool_manifest("routed", small_model_dir)
+    with local_pool(manifest, tmp_path_factory.mktemp("pool")) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def client(pool: LocalPool) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{pool.url}/v1", api_key="unused", max_retries=0)
+
+
+def decode_url(pool: LocalPool) -> str:
+    return pool.workers["decode"][0].url
+
+
+def prefill_url(pool: LocalPool) -> str:
+    return pool.workers["prefill"][0].url
+
+
+def worker_total(url: str, name: str, **labels: str) -> float:
+    return total(f"{url}/metrics", name, **labels)
+
+
+def credential(pool: LocalPool) -> str:
+    return pool.credential_file.read_text().strip()
+
+
+def streamed_tokens(stream: Any) -> list[int]:
+    tokens: list[int] = []
+    for chunk in stream:
+        for choice in chunk.choices:
+            tokens += (choice.model_extra or {}).get("token_ids") or []
+    return tokens
+
+
+def test_openai_client_gets_the_colocated_answer_on_both_paths(
+    pool: LocalPool, client: openai.OpenAI, small_model_dir: Path
+) -> None:
+    short, long = list(range(10, 10 + BOUNDARY)), list(range(10, 310))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    expected, _ = run_to_completion(make_engine(small_model_dir), [short, long], params)
+    for prompt, want, mode in (
+        (short, expected[0], "colocated"),
+        (long, expected[1], "disaggregated"),
+    ):
+        raw = client.completions.with_raw_response.create(
+            model="small", prompt=prompt, extra_body=EXTRA, **GREEDY
+        )
+        assert raw.headers["X-Pdserve-Mode"] == mode
+        whole = raw.parse()
+        assert (whole.choices[0].model_extra or {})["token_ids"] == want
+        stream = client.completions.create(
+            model="small", prompt=prompt, stream=True, extra_body=EXTRA, **GREEDY
+        )
+        assert streamed_tokens(stream) == want
+    # Chat: the router's answer, on either path, is the decode worker's own colocated one.
+    direct = openai.OpenAI(base_url=f"{decode_url(pool)}/v1", api_key="unused", max_retries=0)
+    for words, mode in ((3, "colocated"), (150, "disaggregated")):
+        messages: Any = [{"role": "user", "content": "tell me more " * words}]
+        want = (
+            direct.chat.completions.create(
+                model="small", messages=messages, extra_body=EXTRA, **GREEDY
+            )
+            .choices[0]
+            .model_extra
+            or {}
+        )["token_ids"]
+        raw_chat = client.chat.completions.with_raw_response.create(
+            model="small", messages=messages, extra_body=EXTRA, **GREEDY
+        )
+        assert raw_chat.headers["X-Pdserve-Mode"] == mode
+        assert (raw_chat.parse().choices[0].model_extra or {})["token_ids"] == want
+        chat_stream = client.chat.completions.create(
+            model="small", messages=messages, stream=True, extra_body=EXTRA, **GREEDY
+        )
+        assert streamed_tokens(chat_stream) == want
+    # vLLM's users name the model by the path it was loaded from, too (router and workers).
+    for server in (client, direct):
+        by_path = server.completions.create(model=str(small_model_dir), prompt=short, **GREEDY)
+        assert by_path.usage is not None and by_path.usage.completion_tokens == MAX_TOKENS
+    # A client's request id comes back (the workers saw ids of the router's own).
+    echoed = client.completions.with_raw_response.create(
+        model="small", prompt=short, extra_headers={"X-Request-Id": "client-7"}, **GREEDY
+    )
+    assert echoed.headers["X-Request-Id"] == "client-7"
+    assert [m.id for m in client.models.list().data] == ["small"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt=short, **GREEDY)
+
+
+def test_prompts_at_the_boundary_take_the_intended_path(
+    pool: LocalPool, client: openai.OpenAI
+) -> None:
+    def counts() -> tuple[float, ...]:
+        return (
+            router_metric(pool, "pdserve_router_decisions_total", bucket="le64", mode="colocated"),
+            router_metric(
+                pool, "pdserve_router_decisions_total", bucket="gt64", mode="disaggregated"
+            ),
+            worker_total(
+                decode_url(pool), "pdserve_time_to_first_token_seconds_count", mode="colocated"
+            ),
+            worker_total(
+                decode_url(pool), "pdserve_time_to_first_token_seconds_count", mode="disaggregated"
+            ),
+            worker_total(prefill_url(pool), "pdserve_kv_transfer_bytes_total"),
+        )
+
+    before = counts()
+    client.completions.create(model="small", prompt=list(range(10, 10 + BOUNDARY)), **GREEDY)
+    after_under = counts()
+    client.completions.create(model="small", prompt=list(range(10, 11 + BOUNDARY)), **GREEDY)
+    after_over = counts()
+    assert [a - b for a, b in zip(after_under[:4], before[:4], strict=True)] == [1, 0, 1, 0]
+    assert after_under[4] == before[4]  # the prefill worker moved nothing
+    assert [a - b for a, b in zip(after_over[:4], after_under[:4], strict=True)] == [0, 1, 0, 1]
+    assert after_over[4] > after_under[4]
+    # Chat prompts are measured as the worker measures them: with the chat template.
+    seen = set()
+    for words in range(20, 28):
+        messages: Any = [{"role": "user", "content": "word " * words}]
+        raw = client.chat.completions.with_raw_response.create(
+            model="small", messages=messages, max_tokens=1
+        )
+        answer = raw.parse()
+        assert answer.usage is not None
+        bucket = "le64" if answer.usage.prompt_tokens <= BOUNDARY else "gt64"
+        assert raw.headers["X-Pdserve-Bucket"] == bucket
+        seen.add(bucket)
+    assert seen == {"le64", "gt64"}
+
+
+async def post(
+    url: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url, json=body, headers=headers or {}) as answer,
+    ):
+        return answer.status, await answer.json(content_type=None)
+
+
+def test_a_client_cannot_make_a_worker_connect_where_it_chooses(pool: LocalPool) -> None:
+    body = {"prompt": list(range(10, 200)), "max_tokens": 2}
+    failures = worker_total(decode_url(pool), "pdserve_kv_transfer_failures_total")
+    with witness() as attacker:
+        named = {PREFILL_URL_HEADER: attacker.url}
+        # To the router: the header is not passed on; the request is served.
+        status, answer = asyncio.run(post(f"{pool.url}/v1/completions", body, named))
+        assert status == 200, answer
+        # Straight to a worker, without the pool's credential (or with a wrong one): 401.
+        decode = f"{decode_url(pool)}/v1/completions"
+        status, answer = asyncio.run(post(decode, body, named))
+        assert (status, answer["error"]["code"]) == (401, "invalid_credential")
+        status, _ = asyncio.run(post(decode, body, {**named, **bearer("x" * 43)}))
+        assert status == 401
+        # With the credential, but not one of the pool's prefill workers: 403.
+        status, answer = asyncio.run(post(decode, body, {**named, **bearer(credential(pool))}))
+        assert (status, answer["error"]["code"]) == (403, "forbidden")
+        assert "not one of this pool's prefill workers" in answer["error"]["message"]
+        assert attacker.connections() == 0
+    assert worker_total(decode_url(pool), "pdserve_kv_transfer_failures_total") == failures
+    for path in ("/pd/connect", "/pd/prefill"):
+        for headers in ({}, bearer("y" * 43)):
+            status, answer = asyncio.run(post(f"{prefill_url(pool)}{path}", {}, headers))
+            assert (status, answer["error"]["code"]) == (401, "invalid_credential"), path
+
+
+def test_client_api_keys(pool: LocalPool, tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# clients\nsk-first\nsk-second\n")
+    args = ("--internal-token-file", str(pool.credential_file), "--api-key-file", str(keys))
+    with running_router(pool.routing_file, tmp_path / "router.log", *args) as router:
+        router.wait_ready()
+        wrong = openai.OpenAI(base_url=f"{router.url}/v1", api_key="sk-third", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as refused:
+            wrong.completions.create(model="small", prompt=[5, 6], **GREEDY)
+        assert refused.value.code == "invalid_api_key"
+        status, answer = asyncio.run(post(f"{router.url}/v1/completions", {"prompt": [5]}))
+        assert (status, answer["error"]["code"]) == (401, "invalid_api_key")
+        assert "didn't provide an API key" in answer["error"]["message"]
+        allowed = openai.OpenAI(base_url=f"{router.url}/v1", api_key="sk-second", max_retries=0)
+        answer = allowed.completions.create(model="small", prompt=[5, 6], **GREEDY)
+        assert answer.usage is not None and answer.usage.completion_tokens == MAX_TOKENS
+        assert router_metric(router, "pdserve_requests_rejected_total", reason="invalid") == 2
+
+
+def test_a_malformed_routing_file_is_refused_at_start_up(tmp_path: Path) -> None:
+    bad = tmp_path / "routing.json"
+    bad.write_text('{"pool": "p", "model": {"name": "m", "path": "/m"}, "buckets": []}')
+    started = subprocess.run(
+        pdserve_command("router", "--config", str(bad), "--port", "0"),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert started.returncode == 2
+    assert "routing.json: buckets: Tuple should have at least 1 item" in started.stderr
+    assert "discovery: Field required" in started.stderr
+
+
+def test_a_malformed_routing_file_is_refused_at_reload(pool: LocalPool, tmp_path: Path) -> None:
+    routing = tmp_path / "routing.json"
+    shutil.copy(pool.routing_file, routing)
+    table = json.loads(routing.read_text())
+    args = ("--internal-token-file", str(pool.credential_file))
+    prompt = {"prompt": list(range(10, 110)), "max_tokens": 1}  # 100 tokens
+
+    with running_router(routing, tmp_path / "router.log", *args) as router:
+        router.wait_ready()
+
+        def bucket() -> str:
+            async def one() -> str:
+                async with (
+                    aiohttp.ClientSession() as session,
+                    session.post(f"{router.url}/v1/completions", json=prompt) as answer,
+                ):
+                    assert answer.status == 200
+                    return (
+                        f"{answer.headers['X-Pdserve-Bucket']} {answer.headers['X-Pdserve-Mode']}"
+                    )
+
+            return asyncio.run(one())
+
+        assert bucket() == "gt64 disaggregated"
+        table["buckets"] = [
+            {"maxInputTokens": 128, "mode": "colocated"},
+            {"maxInputTokens": 64, "mode": "disaggregated"},
+        ]
+        routing.write_text(json.dumps(table))
+        wait_until(
+            lambda: router_metric(router, "pdserve_router_config_reloads_total", result="refused"),
+            30, "the malformed routing file to be refused",
+        )  # fmt: skip
+        assert "maxInputTokens must be strictly ascending" in router.log()
+        assert bucket() == "gt64 disaggregated"  # the table in force stays
+        table["buckets"] = [
+            {"maxInputTokens": 128, "mode": "colocated"},
+            {"maxInputTokens": None, "mode": "disaggregated"},
+        ]
+        routing.write_text(json.dumps(table))
+        wait_until(
+            lambda: router_metric(router, "pdserve_router_config_reloads_total", result="applied"),
+            30, "the new routing file to be applied",
+        )  # fmt: skip
+        assert bucket() == "le128 colocated"
+
+
+def test_a_client_that_goes_away_cancels_the_workers_request(pool: LocalPool) -> None:
+    decode = decode_url(pool)
+    aborted = worker_total(decode, "pdserve_requests_total", finish_reason="abort")
+
+    async def read_a_little_then_leave() -> None:
+        body = {
+            "prompt": list(range(10, 40)),
+            "max_tokens": 500,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{pool.url}/v1/completions", json=body) as response,
+        ):
+            for _ in range(3):
+                await response.content.readline()
+
+    asyncio.run(read_a_little_then_leave())
+    wait_until(
+        lambda: worker_total(decode, "pdserve_requests_total", finish_reason="abort") > aborted,
+        30, "the decode worker to abort the request",
+    )  # fmt: skip
+    wait_until(lambda: worker_load(decode)["in_flight"] == 0, 30, "the decode worker to be idle")
+    assert known_workers(pool.url)["decode"][0]["in_flight"] == 0

@@ -1,0 +1,109 @@
+"""The pool's trusted internal path, piece by piece: worker URLs, the prefill peer
+allow-list (literal addresses and names that resolve), credentials and client keys."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from aiohttp.test_utils import make_mocked_request
+
+from pdserve.cli.credentials import write_new_credential
+from pdserve.workers.api_errors import APIError
+from pdserve.workers.router.auth import ApiKeyError, ApiKeys, read_keys
+from pdserve.workers.server.internal import (
+    CredentialError,
+    InternalAuth,
+    PrefillAllowList,
+    parse_worker_url,
+    read_credential,
+)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://user:secret@10.0.0.1:8000",
+        "http://10.0.0.1:8000/pd/prefill",
+        "http://10.0.0.1:8000?x=1",
+        "file:///etc/passwd",
+        "http://:8000",
+        "http://10.0.0.1:99999",
+    ],
+)
+def test_only_plain_worker_urls_parse(url: str) -> None:
+    with pytest.raises(ValueError, match="not a worker URL"):
+        parse_worker_url(url)
+
+
+def test_worker_urls_are_normalised() -> None:
+    assert parse_worker_url("http://10.0.0.1:8000/").url == "http://10.0.0.1:8000"
+    assert parse_worker_url("http://[fd00::1]:8000").url == "http://[fd00::1]:8000"
+    assert parse_worker_url("http://Worker.local").url == "http://worker.local:80"
+
+
+def admit(allow: PrefillAllowList, url: str) -> str | int:
+    try:
+        return asyncio.run(allow.admit(url))
+    except APIError as refused:
+        return refused.status
+
+
+def test_a_prefill_url_must_name_one_of_the_pools_prefill_workers() -> None:
+    allow = PrefillAllowList(["http://127.0.0.1:8001", "http://127.0.0.1:8002"])
+    assert admit(allow, "http://127.0.0.1:8002/") == "http://127.0.0.1:8002"
+    assert admit(allow, "http://127.0.0.1:8003") == 403  # another port of the same host
+    assert admit(allow, "https://127.0.0.1:8001") == 403
+    assert admit(allow, "http://169.254.169.254:8001") == 403
+    assert admit(allow, "http://127.0.0.1:8001/../admin") == 403
+    assert admit(PrefillAllowList([]), "http://127.0.0.1:8001") == 403
+
+
+def test_a_peer_named_by_dns_stands_for_the_addresses_it_resolves_to() -> None:
+    # As a headless Service's name stands for its ready pods.
+    allow = PrefillAllowList(["http://localhost:8001"])
+    assert admit(allow, "http://127.0.0.1:8001") == "http://127.0.0.1:8001"
+    assert admit(allow, "http://127.0.0.2:8001") == 403
+    assert admit(allow, "http://127.0.0.1:8002") == 403
+
+
+def test_credentials_are_checked_in_constant_time_and_files_validated(tmp_path: Path) -> None:
+    credential = write_new_credential(tmp_path / "credential")
+    assert (tmp_path / "credential").stat().st_mode & 0o777 == 0o600
+    assert read_credential(tmp_path / "credential") == credential
+    (tmp_path / "short").write_text("abc\n")
+    with pytest.raises(CredentialError, match="at least 16"):
+        read_credential(tmp_path / "short")
+    auth = InternalAuth(credential)
+
+    def request(header: str | None) -> object:
+        headers = {"Authorization": header} if header else {}
+        return make_mocked_request("POST", "/pd/prefill", headers=headers)
+
+    assert auth.holds(request(f"Bearer {credential}"))  # type: ignore[arg-type]
+    assert not auth.holds(request(f"Bearer {credential}x"))  # type: ignore[arg-type]
+    assert not auth.holds(request(None))  # type: ignore[arg-type]
+    with pytest.raises(APIError) as refused:
+        auth.require(request("Bearer nope"), "/pd/prefill")  # type: ignore[arg-type]
+    assert refused.value.status == 401
+    with pytest.raises(APIError) as refused:
+        InternalAuth(None).require(request(f"Bearer {credential}"), "x")  # type: ignore[arg-type]
+    assert refused.value.status == 403  # a worker without a credential trusts nobody
+
+
+def test_client_keys_file(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("# clients\nkey-one\n\n  key-two  \n")
+    assert read_keys(path) == ("key-one", "key-two")
+    keys = ApiKeys(path)
+    keys.check(
+        make_mocked_request("GET", "/v1/models", headers={"Authorization": "Bearer key-two"})
+    )
+    for headers in ({}, {"Authorization": "Bearer key-three"}, {"Authorization": "key-one"}):
+        with pytest.raises(APIError) as refused:
+            keys.check(make_mocked_request("GET", "/v1/models", headers=headers))
+        assert (refused.value.status, refused.value.code) == (401, "invalid_api_key")
+    path.write_text("# none left\n")
+    with pytest.raises(ApiKeyError, match="holds no API key"):
+        ApiKeys(path)

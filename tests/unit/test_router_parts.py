@@ -1,0 +1,114 @@
+"""Parts of the router that need no worker: reading relayed SSE streams, goodput
+against the pool's SLOs, EndpointSlices and kubeconfigs, and what the router loads."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pdserve.workers.router.kubernetes import KubeConfigError, load_access, ready_urls
+from pdserve.workers.router.metrics import meets_slo
+from pdserve.workers.router.sse import TokenStream, error_event
+from pdserve.workers.router.table import Slo
+
+
+def chunk(text: str, **extra: Any) -> bytes:
+    body = {"choices": [{"index": 0, "text": text, "finish_reason": None, **extra}]}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def test_token_times_survive_events_split_across_reads() -> None:
+    stream = (
+        b"".join([chunk("a"), chunk("b", token_ids=[7, 8]), chunk(""), b": keep-alive\n\n"])
+        + b'data: {"choices": [], "usage": {"completion_tokens": 4}}\n\ndata: [DONE]\n\n'
+    )
+    tokens = TokenStream()
+    for index in range(0, len(stream), 7):  # reads that cut events anywhere
+        tokens.feed(stream[index : index + 7], float(index))
+    assert len(tokens.token_times) == 4  # one, two (token_ids), one (empty text), none
+    assert tokens.done and tokens.error is None
+    assert tokens.token_times == sorted(tokens.token_times)
+
+
+def test_a_stream_ended_by_an_error_event() -> None:
+    tokens = TokenStream()
+    tokens.feed(chunk("a") + error_event("the worker failed", "worker_failed"), 1.0)
+    assert tokens.error == "the worker failed" and tokens.done
+    event = json.loads(error_event("x", "worker_failed").split(b"\n\n")[0][6:])
+    assert event == {
+        "error": {"message": "x", "type": "server_error", "param": None, "code": "worker_failed"}
+    }
+
+
+def test_goodput_holds_requests_to_ttft_and_tpot() -> None:
+    slo = Slo(ttft_seconds=1.0, itl_seconds=0.1)
+    assert meets_slo(slo, 0.0, [0.9, 0.95, 1.05], 1.05, None)
+    assert not meets_slo(slo, 0.0, [1.1, 1.2], 1.2, None)  # first token late
+    assert not meets_slo(slo, 0.0, [0.5, 0.9, 1.3], 1.3, None)  # TPOT 0.4 s
+    # An answer sent whole: it had TTFT + ITL x (tokens - 1) to arrive.
+    assert meets_slo(slo, 0.0, [], 1.35, 5)
+    assert not meets_slo(slo, 0.0, [], 1.45, 5)
+    assert meets_slo(Slo(), 0.0, [], 100.0, 5)
+
+
+def endpoint(address: str, **conditions: bool) -> dict[str, Any]:
+    return {"addresses": [address], "conditions": conditions}
+
+
+def test_only_ready_endpoints_of_a_slice_get_traffic() -> None:
+    endpoint_slice = {
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": 8000, "protocol": "TCP"}],
+        "endpoints": [
+            endpoint("10.0.0.1", ready=True),
+            endpoint("10.0.0.2", ready=False),
+            endpoint("10.0.0.3", ready=False, terminating=True),
+            endpoint("10.0.0.4"),  # unset: ready, as the API says
+        ],
+    }
+    assert ready_urls(endpoint_slice, 9) == {"http://10.0.0.1:8000", "http://10.0.0.4:8000"}
+    ipv6 = {"addressType": "IPv6", "endpoints": [endpoint("fd00::5", ready=True)]}
+    assert ready_urls(ipv6, 8000) == {"http://[fd00::5]:8000"}
+    assert ready_urls({"endpoints": None}, 8000) == frozenset()
+
+
+def test_kubeconfig_with_a_token_and_one_with_a_plugin(tmp_path: Path) -> None:
+    config = {
+        "apiVersion": "v1",
+        "clusters": [{"name": "c", "cluster": {"server": "https://10.0.0.1:6443/"}}],
+        "users": [{"name": "u", "user": {"token": "t0ken"}}],
+        "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+        "current-context": "x",
+    }
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    access = load_access(path)
+    assert access.server == "https://10.0.0.1:6443"
+    assert access.headers() == {"Authorization": "Bearer t0ken"}
+    config["users"][0]["user"] = {"exec": {"command": "aws"}}
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(KubeConfigError, match="not supported"):
+        load_access(path)
+    config["users"][0]["user"] = {"client-certificate-data": base64.b64encode(b"junk").decode()}
+    config["clusters"][0]["cluster"]["certificate-authority-data"] = "bm90IGEgY2VydA=="
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(KubeConfigError, match="unusable certificates"):
+        load_access(path)
+
+
+def test_the_router_loads_no_torch() -> None:
+    code = (
+        "import sys, pdserve.workers.router.main, pdserve.workers.router.kubernetes;"
+        "print(sorted(m for m in ('torch', 'numpy', 'nixl') if m in sys.modules))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert loaded.strip() == "[]"

@@ -1,0 +1,13 @@
+"""HTTP headers pdserve's processes exchange (router, workers, load generator)."""
+
+from __future__ import annotations
+
+# A client's request id, echoed back; the router sends one of its own per attempt.
+REQUEST_ID_HEADER = "X-Request-Id"
+# How a request was served: `colocated` or `disaggregated` (after any fallback).
+MODE_HEADER = "X-Pdserve-Mode"
+# The bucket of the routing table a request fell in, on the router's answers.
+BUCKET_HEADER = "X-Pdserve-Bucket"
+# The prefill worker a disaggregated request's decode worker hands its prompt to
+# (honoured only with the pool's credential, and only for one of the pool's workers).
+PREFILL_URL_HEADER = "X-Pdserve-Prefill-Url"

@@ -1,0 +1,255 @@
+"""The router's HTTP API: OpenAI-compatible `/v1/completions` and
+`/v1/chat/completions` (SSE passed through as it streams), `/v1/models`, the probes
+`/health` and `/ready`, `/workers` (what discovery found, and each worker's state)
+and `/metrics`. Every error is answered in OpenAI's shape by the workers' middleware.
+
+Each request is validated and tokenized exactly as a worker does it (the chat
+template included), so its bucket is the prompt length the worker will see; it then
+passes the worker's limits and the router's admission control before it is forwarded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pdserve.workers.api_errors import APIError, error_middleware, read_body
+from pdserve.workers.engine.sampling import InvalidRequestError
+from pdserve.workers.engine.tokenizer import Tokenizer
+from pdserve.workers.headers import REQUEST_ID_HEADER
+from pdserve.workers.router.auth import ApiKeys
+from pdserve.workers.router.discovery import DiscoverySource, source_for
+from pdserve.workers.router.metrics import RouterMetrics
+from pdserve.workers.router.proxy import Forwarder, Routed
+from pdserve.workers.router.table import Role, RoutingFileError, RoutingTable, parse_table
+from pdserve.workers.router.workers import WorkerSet
+from pdserve.workers.server.limits import Admission, RequestLimits
+from pdserve.workers.server.models import ServedModel
+from pdserve.workers.server.prompts import chat_prompt, completion_prompt
+from pdserve.workers.server.protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+
+RELOAD_INTERVAL_S = 1.0
+
+
+class RouterServer:
+    """A pool's front door: the routing table in force, the workers, the forwarder."""
+
+    def __init__(
+        self,
+        table: RoutingTable,
+        table_bytes: bytes,
+        tokenizer: Tokenizer,
+        forwarder: Forwarder,
+        limits: RequestLimits,
+        admission: Admission,
+        api_keys: ApiKeys,
+        kubeconfig: Path | None = None,
+    ) -> None:
+        self.table = table
+        self._table_bytes = table_bytes
+        self.tokenizer = tokenizer
+        self.forwarder = forwarder
+        self.metrics: RouterMetrics = forwarder.metrics
+        self.limits = limits
+        self.admission = admission
+        self.api_keys = api_keys
+        self.kubeconfig = kubeconfig
+        self.model = served_model(table)
+        self.sets: dict[Role, WorkerSet] = {
+            "prefill": forwarder.prefill,
+            "decode": forwarder.decode,
+        }
+        self.ready = False
+        self._discovery: tuple[DiscoverySource, asyncio.Task[None]] | None = None
+
+    def app(self) -> web.Application:
+        """The aiohttp application."""
+        middlewares = [error_middleware(self.metrics.observe_error), self.api_keys.middleware()]
+        app = web.Application(middlewares=middlewares, client_max_size=self.limits.max_body_size)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.readiness)
+        app.router.add_get("/workers", self.workers)
+        app.router.add_get("/metrics", self.prometheus)
+        return app
+
+    # -- the OpenAI endpoints ---------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/completions."""
+        parsed = await read_body(request, CompletionRequest)
+        self.model.check(parsed.model)
+        tokens = await completion_prompt(self.tokenizer, parsed)
+        return await self._route(request, parsed, len(tokens))
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/chat/completions."""
+        parsed = await read_body(request, ChatCompletionRequest)
+        self.model.check(parsed.model)
+        tokens = await chat_prompt(self.tokenizer, parsed)
+        return await self._route(request, parsed, len(tokens))
+
+    async def _route(
+        self,
+        request: web.Request,
+        parsed: CompletionRequest | ChatCompletionRequest,
+        prompt_tokens: int,
+    ) -> web.StreamResponse:
+        arrival = time.monotonic()
+        try:
+            params = parsed.sampling_params(default_max_tokens=None)
+        except InvalidRequestError as error:
+            raise APIError(400, str(error)) from error
+        self.limits.check(params)
+        self.admission.admit()
+        table = self.table
+        index = table.bucket_of(prompt_tokens)
+        request_id = f"rtr-{uuid.uuid4().hex}"
+        client_id = request.headers.get(REQUEST_ID_HEADER)
+        if client_id:
+            log.debug("request %s is the client's %s", request_id, client_id[:256])
+        routed = Routed(
+            path=request.path,
+            body=await request.read(),
+            stream=parsed.stream,
+            prompt_tokens=prompt_tokens,
+            bucket=table.bucket_label(index),
+            mode=table.buckets[index].mode,
+            request_id=request_id,
+            reply_id=client_id or request_id,
+            arrival=arrival,
+            slo=table.slo,
+        )
+        return await self.forwarder.serve(request, routed)
+
+    async def models(self, _: web.Request) -> web.Response:
+        """GET /v1/models."""
+        return web.json_response(self.model.listing())
+
+    # -- probes and state -----------------------------------------------------------------
+
+    async def health(self, _: web.Request) -> web.Response:
+        """GET /health: 200 while the process serves."""
+        return web.json_response({"status": "ok"})
+
+    async def readiness(self, _: web.Request) -> web.Response:
+        """GET /ready: 200 once discovery has reported the pool's workers."""
+        if not self.ready:
+            return web.json_response({"status": "not ready"}, status=503)
+        return web.json_response({"status": "ready", "role": "router"})
+
+    async def workers(self, _: web.Request) -> web.Response:
+        """GET /workers: every known worker, its breaker state and load."""
+        body = {
+            role: [
+                {
+                    "url": worker.url,
+                    "state": worker.breaker.state,
+                    "in_flight": worker.in_flight,
+                    "published": None if worker.published is None else vars(worker.published),
+                }
+                for worker in workers
+            ]
+            for role, workers in self.sets.items()
+        }
+        return web.json_response(body)
+
+    async def prometheus(self, _: web.Request) -> web.Response:
+        """GET /metrics."""
+        for role, workers in self.sets.items():
+            available = len(workers.available())
+            self.metrics.set_workers(role, available, len(workers) - available)
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # -- discovery and the routing file ------------------------------------------------
+
+    def start_discovery(self) -> DiscoverySource:
+        """Start (or restart) finding workers as the table says."""
+        if self._discovery is not None:
+            self._discovery[1].cancel()
+        source = source_for(self.table, self.kubeconfig)
+        task = asyncio.create_task(source.run(self._discovered), name="discovery")
+        task.add_done_callback(_log_end)
+        self._discovery = (source, task)
+        return source
+
+    def _discovered(self, role: Role, urls: list[str]) -> None:
+        self.sets[role].update(urls)
+
+    async def stop_discovery(self) -> None:
+        """Stop the discovery task."""
+        if self._discovery is not None:
+            task = self._discovery[1]
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def watch_table(self, path: Path) -> None:
+        """Re-read the routing file when it changes (a ConfigMap update replaces it);
+        apply a valid one, refuse a malformed one and keep the table in force."""
+        while True:
+            await asyncio.sleep(RELOAD_INTERVAL_S)
+            try:
+                data = path.read_bytes()
+            except OSError as error:
+                log.warning("cannot read %s: %s", path, error)
+                continue
+            if data != self._table_bytes:
+                self._table_bytes = data
+                self.reload(data, str(path))
+
+    def reload(self, data: bytes, source: str) -> bool:
+        """Apply a routing file's new contents; False (logged, counted) when refused."""
+        try:
+            table = parse_table(data, source)
+            if table.model != self.table.model or table.pool != self.table.pool:
+                raise RoutingFileError(
+                    f"{source}: the pool and model cannot change while the router runs (restart it)"
+                )
+        except RoutingFileError as error:
+            log.error("routing file refused, the table in force stays: %s", error)
+            self.metrics.reloaded(False)
+            return False
+        discovery_changed = table.discovery != self.table.discovery
+        self.table = table
+        if discovery_changed:
+            self.start_discovery()
+        log.info("routing table reloaded from %s", source)
+        self.metrics.reloaded(True)
+        return True
+
+
+def served_model(table: RoutingTable) -> ServedModel:
+    """The model as the router names it: the table's, with the checkpoint's context
+    length (capped by the table's maxModelLen), as the workers list it."""
+    lengths = [n for n in (table.model.max_model_len, _context_length(table.model.path)) if n]
+    return ServedModel(
+        name=table.model.name,
+        role="router",
+        max_model_len=min(lengths) if lengths else None,
+        path=table.model.path,
+    )
+
+
+def _context_length(model_dir: str) -> int | None:
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        return int(config["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _log_end(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("%s stopped: %r", task.get_name(), task.exception())

@@ -1,0 +1,102 @@
+"""Client API keys: when the router is given `--api-key-file`, every `/v1/*` request
+must present one of its keys (`Authorization: Bearer KEY`), else it gets OpenAI's 401.
+The file holds one key per line (blank lines and `#` comments ignored) and is re-read
+when it changes, so keys mounted from a Secret can be rotated without a restart."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from pathlib import Path
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+
+from pdserve.workers.api_errors import APIError
+from pdserve.workers.server.internal import presented_token
+
+log = logging.getLogger(__name__)
+
+CHECK_INTERVAL_S = 1.0
+PROTECTED_PREFIX = "/v1/"
+
+
+class ApiKeyError(ValueError):
+    """A key file that cannot be used."""
+
+
+def read_keys(path: Path) -> tuple[str, ...]:
+    """The keys in `path`; ApiKeyError when it cannot be read or holds none."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as error:
+        raise ApiKeyError(f"cannot read API keys from {path}: {error.strerror}") from error
+    keys = tuple(k for k in (line.strip() for line in lines) if k and not k.startswith("#"))
+    if not keys:
+        raise ApiKeyError(f"{path} holds no API key")
+    return keys
+
+
+class ApiKeys:
+    """The keys clients must present (none: no check)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._keys = read_keys(path) if path is not None else ()
+        self._stamp = self._file_stamp()
+        self._checked = time.monotonic()
+
+    def _file_stamp(self) -> tuple[int, int] | None:
+        try:
+            stat = self.path.stat() if self.path is not None else None
+        except OSError:
+            return None
+        return None if stat is None else (stat.st_mtime_ns, stat.st_size)
+
+    def _refresh(self) -> None:
+        now = time.monotonic()
+        if self.path is None or now - self._checked < CHECK_INTERVAL_S:
+            return
+        self._checked = now
+        stamp = self._file_stamp()
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp
+        try:
+            self._keys = read_keys(self.path)
+            log.info("API keys re-read from %s", self.path)
+        except ApiKeyError as error:
+            log.error("%s; keeping the keys in force", error)
+
+    def check(self, request: web.Request) -> None:
+        """OpenAI's 401 unless the request presents a key (when keys are required)."""
+        if self.path is None:
+            return
+        self._refresh()
+        token = presented_token(request)
+        if token is None:
+            raise _unauthorized(
+                "You didn't provide an API key. Send it in an Authorization header using "
+                "Bearer auth (Authorization: Bearer YOUR_KEY)."
+            )
+        if not any(hmac.compare_digest(token.encode(), key.encode()) for key in self._keys):
+            raise _unauthorized("Incorrect API key provided.")
+
+    def middleware(self) -> Middleware:
+        """Checks keys on the OpenAI endpoints (probes and /metrics stay open)."""
+
+        @web.middleware
+        async def require_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+            if request.path.startswith(PROTECTED_PREFIX):
+                self.check(request)
+            return await handler(request)
+
+        return require_key
+
+
+def _unauthorized(message: str) -> APIError:
+    return APIError(
+        401, message, "invalid_request_error", "invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )  # fmt: skip

@@ -1,0 +1,130 @@
+"""Assembling and running a router: the routing table, the tokenizer, the credential,
+the workers' discovery and load polling, and the HTTP server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from pdserve.cli.ports import announce_port
+from pdserve.workers.engine.tokenizer import Tokenizer
+from pdserve.workers.router.app import RouterServer
+from pdserve.workers.router.auth import ApiKeyError, ApiKeys
+from pdserve.workers.router.load import LoadPoller
+from pdserve.workers.router.metrics import RouterMetrics
+from pdserve.workers.router.options import RouterOptions
+from pdserve.workers.router.proxy import Forwarder
+from pdserve.workers.router.table import (
+    KubernetesDiscovery,
+    RoutingFileError,
+    RoutingTable,
+    read_table,
+)
+from pdserve.workers.router.workers import WorkerSet
+from pdserve.workers.server.internal import CredentialError, read_credential
+from pdserve.workers.server.limits import Admission, RequestLimits
+
+log = logging.getLogger("pdserve.router")
+
+# How long a stopping router lets streams in flight finish.
+SHUTDOWN_GRACE_S = 30.0
+
+
+@dataclass(frozen=True)
+class Startup:
+    """What the router reads before it serves; any of it missing stops the start."""
+
+    table: RoutingTable
+    table_bytes: bytes
+    tokenizer: Tokenizer
+    credential: str | None
+    api_keys: ApiKeys
+
+
+def prepare(options: RouterOptions) -> Startup:
+    """Read the routing file, the tokenizer, the credential and the keys; raises
+    (RoutingFileError, CredentialError, ApiKeyError, OSError, ValueError) naming the
+    problem."""
+    table_bytes, table = read_table(options.config)
+    tokenizer = Tokenizer.from_dir(table.model.path)
+    credential = None
+    if options.internal_token_file is not None:
+        credential = read_credential(options.internal_token_file)
+    elif any(bucket.mode == "disaggregated" for bucket in table.buckets):
+        log.warning("no --internal-token-file: workers will refuse hand-offs")
+    if isinstance(table.discovery, KubernetesDiscovery):
+        from pdserve.workers.router.kubernetes import load_access
+
+        load_access(options.kubeconfig)  # fails now, not in the background
+    return Startup(table, table_bytes, tokenizer, credential, ApiKeys(options.api_key_file))
+
+
+async def run_router(options: RouterOptions, limits: RequestLimits, startup: Startup) -> None:
+    """Serve until SIGINT/SIGTERM."""
+    connector = aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        metrics = RouterMetrics(startup.table.pool)
+        forwarder = Forwarder(
+            session, WorkerSet("prefill"), WorkerSet("decode"), startup.credential, metrics,
+            options.max_attempts,
+        )  # fmt: skip
+        admission = Admission(options.max_queued_requests, lambda: forwarder.awaiting_first_token)
+        server = RouterServer(
+            startup.table, startup.table_bytes, startup.tokenizer, forwarder, limits, admission,
+            startup.api_keys, options.kubeconfig,
+        )  # fmt: skip
+        await _serve(server, options, LoadPoller(session, server.sets.values()))
+
+
+async def _serve(server: RouterServer, options: RouterOptions, poller: LoadPoller) -> None:
+    source = server.start_discovery()
+    background = [
+        asyncio.create_task(poller.run(), name="load polling"),
+        asyncio.create_task(server.watch_table(options.config), name="routing file"),
+    ]
+    runner = web.AppRunner(
+        server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
+    )
+    await runner.setup()
+    await web.TCPSite(runner, options.host, options.port).start()
+    port = int(runner.addresses[0][1])
+    if options.port_file is not None:
+        announce_port(options.port_file, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    stopping = asyncio.create_task(stop.wait())
+    synced = asyncio.create_task(source.synced.wait())
+    await asyncio.wait({stopping, synced}, return_when=asyncio.FIRST_COMPLETED)
+    synced.cancel()
+    if not stop.is_set():
+        server.ready = True
+        log.info("router ready on http://%s:%d (pool %s)", options.host, port, server.table.pool)
+        await stopping
+    server.ready = False
+    await runner.cleanup()
+    for task in background:
+        task.cancel()
+    await asyncio.gather(*background, return_exceptions=True)
+    await server.stop_discovery()
+
+
+def serve(options: RouterOptions, limits: RequestLimits) -> int:
+    """`pdserve router`: returns the exit code (2: it could not start)."""
+    logging.basicConfig(
+        level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        startup = prepare(options)
+    except (RoutingFileError, CredentialError, ApiKeyError, OSError, ValueError) as error:
+        print(f"pdserve router: {error}", file=sys.stderr)
+        return 2
+    asyncio.run(run_router(options, limits, startup))
+    return 0

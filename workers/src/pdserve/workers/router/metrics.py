@@ -1,0 +1,171 @@
+"""The router's Prometheus metrics. Latencies carry the workers' names and buckets
+(`pdserve_time_to_first_token_seconds`, ...) with role="router", labelled by the
+routing table's bucket and the mode a request was served in; the rest say what the
+router decided and how it coped: routing decisions, retries, fallbacks to colocated,
+goodput against the pool's SLOs, and the workers it knows."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from itertools import pairwise
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pdserve.workers.api_errors import APIError
+from pdserve.workers.router.table import Slo
+from pdserve.workers.server.metrics import LATENCY_BUCKETS, rejection_reason
+
+ROLE = "router"
+
+
+class RouterMetrics:
+    """All metrics of one router, in a registry of their own."""
+
+    def __init__(self, pool: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = reg = registry or CollectorRegistry()
+        self.pool = pool
+        base = ("pool", "role")
+        labeled = (*base, "bucket", "mode")
+
+        def histogram(name: str, text: str) -> Histogram:
+            return Histogram(name, text, labeled, buckets=LATENCY_BUCKETS, registry=reg)
+
+        self.ttft = histogram(
+            "pdserve_time_to_first_token_seconds",
+            "Request arrival at the router to its first token leaving it (streamed requests).",
+        )
+        self.itl = histogram(
+            "pdserve_inter_token_latency_seconds",
+            "Every gap between consecutive tokens the router relayed.",
+        )
+        self.tpot = histogram(
+            "pdserve_time_per_output_token_seconds",
+            "Per streamed request: (end-to-end - TTFT) / (output tokens - 1).",
+        )
+        self.e2e = histogram(
+            "pdserve_e2e_request_latency_seconds", "Request arrival to its last byte."
+        )
+        self.requests = Counter(
+            "pdserve_router_requests_total",
+            "Requests the router answered, by bucket, mode served and outcome "
+            "(ok, error: a worker's failure, invalid: refused as the client's fault).",
+            (*labeled, "outcome"), registry=reg,
+        )  # fmt: skip
+        self.decisions = Counter(
+            "pdserve_router_decisions_total",
+            "Routing decisions: the path the routing table chose for each request.",
+            labeled, registry=reg,
+        )  # fmt: skip
+        self.retries = Counter(
+            "pdserve_router_retries_total",
+            "Attempts retried on another worker before the first token, by cause.",
+            (*base, "reason"), registry=reg,
+        )  # fmt: skip
+        self.fallbacks = Counter(
+            "pdserve_router_fallbacks_total",
+            "Disaggregated requests served colocated: no prefill worker was healthy "
+            "(no_prefill) or the hand-off failed (handoff_failed).",
+            (*base, "bucket", "reason"), registry=reg,
+        )  # fmt: skip
+        self.slo_met = Counter(
+            "pdserve_router_slo_met_total",
+            "Requests that met every SLO of the pool (goodput is its rate).",
+            labeled, registry=reg,
+        )  # fmt: skip
+        self.rejected = Counter(
+            "pdserve_requests_rejected_total",
+            "Requests the router answered with an error status, by reason.",
+            (*base, "reason"), registry=reg,
+        )  # fmt: skip
+        self.workers = Gauge(
+            "pdserve_router_workers",
+            "Workers the router knows, by their role (target) and whether they take "
+            "traffic (state: available, or unavailable while their circuit breaker is open).",
+            (*base, "target", "state"), registry=reg,
+        )  # fmt: skip
+        self.reloads = Counter(
+            "pdserve_router_config_reloads_total",
+            "Re-reads of a changed routing file, by result (applied or refused).",
+            (*base, "result"), registry=reg,
+        )  # fmt: skip
+
+    def _labels(self, **extra: str) -> dict[str, str]:
+        return {"pool": self.pool, "role": ROLE, **extra}
+
+    def decided(self, bucket: str, mode: str) -> None:
+        """Count a routing decision."""
+        self.decisions.labels(**self._labels(bucket=bucket, mode=mode)).inc()
+
+    def retried(self, reason: str) -> None:
+        """Count a retry."""
+        self.retries.labels(**self._labels(reason=reason)).inc()
+
+    def fell_back(self, bucket: str, reason: str) -> None:
+        """Count a disaggregated request served colocated."""
+        self.fallbacks.labels(**self._labels(bucket=bucket, reason=reason)).inc()
+
+    def reloaded(self, applied: bool) -> None:
+        """Count a re-read of the routing file."""
+        self.reloads.labels(**self._labels(result="applied" if applied else "refused")).inc()
+
+    def observe_error(self, error: APIError) -> None:
+        """Count a request answered with an error status."""
+        self.rejected.labels(**self._labels(reason=rejection_reason(error))).inc()
+
+    def set_workers(self, target: str, available: int, unavailable: int) -> None:
+        """The workers of a role the router knows."""
+        self.workers.labels(**self._labels(target=target, state="available")).set(available)
+        self.workers.labels(**self._labels(target=target, state="unavailable")).set(unavailable)
+
+    def observe_request(
+        self,
+        bucket: str,
+        mode: str,
+        outcome: str,
+        arrival: float,
+        token_times: Sequence[float],
+        ended: float,
+        slo: Slo,
+        output_tokens: int | None = None,
+    ) -> None:
+        """Record a request that ended. `token_times` are the times streamed tokens
+        left the router (empty for an answer sent whole, with `output_tokens`)."""
+        labels = self._labels(bucket=bucket, mode=mode)
+        self.requests.labels(**labels, outcome=outcome).inc()
+        if outcome != "ok":
+            return
+        self.e2e.labels(**labels).observe(ended - arrival)
+        if token_times:
+            first, last = token_times[0], token_times[-1]
+            self.ttft.labels(**labels).observe(first - arrival)
+            for earlier, later in pairwise(token_times):
+                self.itl.labels(**labels).observe(later - earlier)
+            if len(token_times) > 1:
+                self.tpot.labels(**labels).observe((last - first) / (len(token_times) - 1))
+        if meets_slo(slo, arrival, token_times, ended, output_tokens):
+            self.slo_met.labels(**labels).inc()
+
+
+def meets_slo(
+    slo: Slo,
+    arrival: float,
+    token_times: Sequence[float],
+    ended: float,
+    output_tokens: int | None,
+) -> bool:
+    """Whether a request met the pool's targets: TTFT, and TPOT against the ITL target
+    (as vLLM's goodput does). An answer sent whole meets them when it came within the
+    time its tokens were allowed: TTFT + ITL x (tokens - 1)."""
+    if token_times:
+        ttft = token_times[0] - arrival
+        tokens = len(token_times)
+        tpot = (token_times[-1] - token_times[0]) / (tokens - 1) if tokens > 1 else None
+        ttft_ok = slo.ttft_seconds is None or ttft <= slo.ttft_seconds
+        tpot_ok = slo.itl_seconds is None or tpot is None or tpot <= slo.itl_seconds
+        return ttft_ok and tpot_ok
+    ttft_target = math.inf if slo.ttft_seconds is None else slo.ttft_seconds
+    itl_target = math.inf if slo.itl_seconds is None else slo.itl_seconds
+    gaps = max(0, (output_tokens or 1) - 1)
+    allowed = ttft_target + (itl_target * gaps if gaps else 0.0)
+    return ended - arrival <= allowed

@@ -1,0 +1,344 @@
+"""Forwarding one request to the pool and relaying the answer.
+
+The routing table chose the request's path; this module picks the workers for it
+(by load, among those whose circuit breaker allows), sends the client's body to a
+decode worker with the pool's credential (and, for a disaggregated request, the
+prefill worker in `X-Pdserve-Prefill-Url`), and relays the answer: whole, or as an
+SSE stream passed through as it arrives.
+
+Until the first byte of an answer reaches the client, a failed attempt is retried:
+on another decode worker when the decode worker failed, with another prefill worker
+(or colocated, counted as a fallback) when the hand-off failed. Once streaming, a
+worker that fails ends the stream with an SSE error event. Each attempt carries a
+request id of its own; a client that goes away cancels the handler, which closes the
+connection to the worker, which aborts the request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import aiohttp
+from aiohttp import web
+
+from pdserve.workers.api_errors import APIError
+from pdserve.workers.headers import (
+    BUCKET_HEADER,
+    MODE_HEADER,
+    PREFILL_URL_HEADER,
+    REQUEST_ID_HEADER,
+)
+from pdserve.workers.router.metrics import RouterMetrics
+from pdserve.workers.router.sse import TokenStream, error_event
+from pdserve.workers.router.table import Mode, Slo
+from pdserve.workers.router.workers import Worker, WorkerSet
+from pdserve.workers.server.internal import bearer
+
+log = logging.getLogger(__name__)
+
+Blame = Literal["decode", "prefill", "none"]
+
+CONNECT_TIMEOUT_S = 3.0
+
+
+@dataclass(frozen=True)
+class Routed:
+    """A validated request and the path the routing table chose for it."""
+
+    path: str  # /v1/completions or /v1/chat/completions
+    body: bytes
+    stream: bool
+    prompt_tokens: int
+    bucket: str
+    mode: Mode
+    request_id: str  # the router's own
+    reply_id: str  # echoed to the client: its X-Request-Id, else the router's
+    arrival: float
+    slo: Slo
+
+
+class _Retry(Exception):
+    """An attempt failed before anything reached the client."""
+
+    def __init__(
+        self,
+        reason: str,
+        message: str,
+        blame: Blame,
+        answer: web.Response | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.blame = blame
+        self.answer = answer  # the worker's own answer, given to the client if all fail
+
+
+@dataclass
+class _Plan:
+    """What the attempts so far have ruled out."""
+
+    mode: Mode
+    tried_decode: set[str] = field(default_factory=set)
+    tried_prefill: set[str] = field(default_factory=set)
+    last: _Retry | None = None
+    fallback: str = "no_prefill"
+
+
+class Forwarder:
+    """Sends requests to the workers of a pool."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        prefill: WorkerSet,
+        decode: WorkerSet,
+        credential: str | None,
+        metrics: RouterMetrics,
+        max_attempts: int = 3,
+    ) -> None:
+        self.session = session
+        self.prefill = prefill
+        self.decode = decode
+        self.credential = credential
+        self.metrics = metrics
+        self.max_attempts = max_attempts
+        self.awaiting_first_token = 0  # the router's admission queue
+
+    async def serve(self, request: web.Request, routed: Routed) -> web.StreamResponse:
+        """Answer `request` from the pool; APIError when no worker could."""
+        self.metrics.decided(routed.bucket, routed.mode)
+        plan = _Plan(routed.mode)
+        for attempt in range(1, self.max_attempts + 1):
+            decode, prefill = self._choose(routed, plan)
+            if decode is None:
+                break
+            try:
+                return await self._attempt(request, routed, decode, prefill, attempt)
+            except _Retry as retry:
+                self._note_failure(routed, plan, retry, decode, prefill)
+        if plan.last is not None and plan.last.answer is not None:
+            return plan.last.answer
+        why = f": {plan.last}" if plan.last is not None else ""
+        raise APIError(
+            503, f"no worker could serve the request{why}", "server_error",
+            "no_worker_available", headers={"Retry-After": "1"},
+        )  # fmt: skip
+
+    def _choose(self, routed: Routed, plan: _Plan) -> tuple[Worker | None, Worker | None]:
+        prefill = None
+        if plan.mode == "disaggregated":
+            prefill = self.prefill.choose(exclude=plan.tried_prefill)
+            if prefill is None:
+                plan.mode = "colocated"
+                self.metrics.fell_back(routed.bucket, plan.fallback)
+        return self.decode.choose(exclude=plan.tried_decode), prefill
+
+    def _note_failure(
+        self,
+        routed: Routed,
+        plan: _Plan,
+        retry: _Retry,
+        decode: Worker,
+        prefill: Worker | None,
+    ) -> None:
+        log.warning(
+            "request %s: attempt on %s failed (%s): %s", routed.request_id, decode.url,
+            retry.reason, retry,
+        )  # fmt: skip
+        self.metrics.retried(retry.reason)
+        plan.last = retry
+        if retry.blame == "prefill" and prefill is not None:
+            prefill.breaker.failed()
+            plan.tried_prefill.add(prefill.url)
+            plan.fallback = "handoff_failed"
+            return
+        plan.tried_decode.add(decode.url)
+        if retry.blame == "decode":
+            decode.breaker.failed()
+
+    async def _attempt(
+        self,
+        request: web.Request,
+        routed: Routed,
+        decode: Worker,
+        prefill: Worker | None,
+        attempt: int,
+    ) -> web.StreamResponse:
+        headers = {
+            "Content-Type": "application/json",
+            REQUEST_ID_HEADER: f"{routed.request_id}-{attempt}",
+            **(bearer(self.credential) if self.credential else {}),
+        }
+        if prefill is not None:
+            headers[PREFILL_URL_HEADER] = prefill.url
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
+        try:
+            with self._outstanding(routed, decode, prefill) as answered:
+                async with self.session.post(
+                    decode.url + routed.path, data=routed.body, headers=headers, timeout=timeout
+                ) as upstream:
+                    answered()
+                    if upstream.status != 200:
+                        return await self._refusal(routed, upstream, prefill is not None)
+                    decode.breaker.succeeded()
+                    if prefill is not None:
+                        self._settle_prefill(routed, upstream, prefill)
+                    if routed.stream:
+                        return await self._relay_stream(request, routed, upstream)
+                    return await self._relay_whole(routed, upstream)
+        except (aiohttp.ClientError, TimeoutError) as error:
+            raise _Retry("worker_unreachable", f"{decode.url}: {error}", "decode") from error
+
+    @contextlib.contextmanager
+    def _outstanding(
+        self, routed: Routed, decode: Worker, prefill: Worker | None
+    ) -> Iterator[Callable[[], None]]:
+        """Count the attempt in the workers' loads and the router's admission queue
+        until the decode worker answers (its first token is ready then) or it ends."""
+        decode.breaker.dispatched()
+        decode.in_flight += 1
+        if prefill is not None:
+            prefill.breaker.dispatched()
+            prefill.prefill_tokens += routed.prompt_tokens
+        self.awaiting_first_token += 1
+        waiting = True
+
+        def answered() -> None:
+            nonlocal waiting
+            if waiting:
+                waiting = False
+                self.awaiting_first_token -= 1
+                if prefill is not None:
+                    prefill.prefill_tokens -= routed.prompt_tokens
+
+        try:
+            yield answered
+        finally:
+            answered()
+            decode.in_flight -= 1
+
+    async def _refusal(
+        self, routed: Routed, upstream: aiohttp.ClientResponse, disaggregated: bool
+    ) -> web.Response:
+        """A worker's error answer: raise _Retry when another worker (or path) may do
+        better, else pass it on (a 4xx that is the request's own fault)."""
+        data = await upstream.read()
+        headers = {REQUEST_ID_HEADER: routed.reply_id}
+        for name in ("Content-Type", "Retry-After"):
+            if name in upstream.headers:
+                headers[name] = upstream.headers[name]
+        answer = web.Response(body=data, status=upstream.status, headers=headers)
+        status, code = upstream.status, _error_code(data)
+        message = f"HTTP {status} ({code})"
+        if status == 429:
+            raise _Retry("worker_busy", message, "none", answer)
+        if disaggregated and (status in (401, 403) or (status == 502 and code != "no_blocks")):
+            raise _Retry("handoff_failed", message, "prefill", answer)
+        if status >= 500:
+            raise _Retry("worker_failed", message, "decode", answer)
+        self.metrics.observe_request(
+            routed.bucket, routed.mode, "invalid", routed.arrival, (), time.monotonic(),
+            routed.slo,
+        )  # fmt: skip
+        return answer
+
+    def _settle_prefill(
+        self, routed: Routed, upstream: aiohttp.ClientResponse, prefill: Worker
+    ) -> None:
+        """A hand-off the decode worker fell back from (it prefilled the prompt itself)
+        is a fallback and a failure of the prefill worker; one that worked, a success."""
+        if upstream.headers.get(MODE_HEADER) == "colocated":
+            prefill.breaker.failed()
+            self.metrics.fell_back(routed.bucket, "handoff_failed")
+        else:
+            prefill.breaker.succeeded()
+
+    def _headers(self, routed: Routed, upstream: aiohttp.ClientResponse) -> dict[str, str]:
+        return {
+            "Content-Type": upstream.headers.get("Content-Type", "application/json"),
+            REQUEST_ID_HEADER: routed.reply_id,
+            MODE_HEADER: upstream.headers.get(MODE_HEADER, routed.mode),
+            BUCKET_HEADER: routed.bucket,
+        }
+
+    async def _relay_whole(self, routed: Routed, upstream: aiohttp.ClientResponse) -> web.Response:
+        try:
+            data = await upstream.read()
+        except (aiohttp.ClientError, TimeoutError) as error:
+            raise _Retry("worker_failed", f"the answer broke off: {error}", "decode") from error
+        headers = self._headers(routed, upstream)
+        self.metrics.observe_request(
+            routed.bucket, headers[MODE_HEADER], "ok", routed.arrival, (), time.monotonic(),
+            routed.slo, _completion_tokens(data),
+        )  # fmt: skip
+        return web.Response(body=data, headers=headers)
+
+    async def _relay_stream(
+        self, request: web.Request, routed: Routed, upstream: aiohttp.ClientResponse
+    ) -> web.StreamResponse:
+        headers = {**self._headers(routed, upstream), "Cache-Control": "no-cache"}
+        mode = headers[MODE_HEADER]
+        response: web.StreamResponse | None = None
+        tokens = TokenStream()
+        broken: str | None = None
+        outcome: str | None = "cancelled"  # None: retried, not answered here
+        try:
+            chunks = upstream.content.iter_any()
+            while True:
+                try:
+                    data = await anext(chunks)
+                except StopAsyncIteration:
+                    break
+                except (aiohttp.ClientError, TimeoutError) as error:
+                    broken = f"the worker serving this stream failed: {error}"
+                    break
+                now = time.monotonic()
+                if response is None:
+                    response = web.StreamResponse(headers=headers)
+                    await response.prepare(request)
+                tokens.feed(data, now)
+                await response.write(data)
+            if response is None:
+                outcome = None
+                raise _Retry("worker_failed", broken or "the worker sent nothing", "decode")
+            if broken is None and not tokens.done:
+                broken = "the worker serving this stream ended it early"
+            if broken is not None:
+                log.warning("request %s: %s", routed.request_id, broken)
+                await response.write(error_event(broken, "worker_failed"))
+            await response.write_eof()
+            outcome = "ok" if broken is None and tokens.error is None else "error"
+            return response
+        except ConnectionResetError:  # the client went away: the worker's stream closes
+            assert response is not None
+            return response
+        finally:
+            if outcome is not None:
+                self.metrics.observe_request(
+                    routed.bucket, mode, outcome, routed.arrival, tokens.token_times,
+                    time.monotonic(), routed.slo,
+                )  # fmt: skip
+
+
+def _error_code(data: bytes) -> str:
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return "unknown"
+    error = body.get("error") if isinstance(body, dict) else None
+    return str(error.get("code")) if isinstance(error, dict) else "unknown"
+
+
+def _completion_tokens(data: bytes) -> int | None:
+    try:
+        usage = json.loads(data).get("usage") or {}
+    except (ValueError, AttributeError):
+        return None
+    tokens = usage.get("completion_tokens")
+    return tokens if isinstance(tokens, int) else None

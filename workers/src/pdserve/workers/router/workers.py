@@ -1,0 +1,133 @@
+"""The workers the router knows, per role: where they are (from discovery), whether
+they may be used (a circuit breaker each), and how loaded they are (what each
+publishes at /load, polled, combined with the router's own count of what it sent).
+
+Choice by load: a prefill worker by the fewest prompt tokens waiting to be prefilled,
+a decode worker by the fewest requests in flight, then the lowest KV cache usage. A
+published load older than `FRESH_S` is not used; the router's own count always is.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.workers.router.breaker import CircuitBreaker
+from pdserve.workers.router.table import Role
+
+FRESH_S = 1.0
+# A decode worker whose KV cache is this full is passed over while others are not.
+KV_NEARLY_FULL = 0.95
+
+
+@dataclass(frozen=True)
+class PublishedLoad:
+    """A worker's /load, as read at `at` (time.monotonic)."""
+
+    at: float
+    in_flight: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefill_tokens: int = 0
+
+    @classmethod
+    def of(cls, body: Any, at: float) -> PublishedLoad:
+        """From the JSON body of /load (missing or odd fields count as zero)."""
+        if not isinstance(body, dict):
+            return cls(at)
+
+        def number(key: str) -> float:
+            value = body.get(key, 0)
+            return float(value) if isinstance(value, int | float) else 0.0
+
+        return cls(
+            at,
+            in_flight=int(number("in_flight")),
+            waiting=int(number("waiting")),
+            kv_cache_usage=number("kv_cache_usage"),
+            prefill_tokens=int(number("prefill_tokens")),
+        )
+
+
+@dataclass(eq=False)
+class Worker:
+    """One worker as the router sees it (equal only to itself)."""
+
+    url: str
+    role: Role
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    published: PublishedLoad | None = None
+    in_flight: int = 0  # requests the router has sent and not seen end
+    prefill_tokens: int = 0  # prompt tokens the router sent and not seen prefilled
+
+    def fresh(self, now: float) -> PublishedLoad | None:
+        """The published load, if recent enough to go by."""
+        published = self.published
+        return published if published is not None and now - published.at <= FRESH_S else None
+
+    def score(self, now: float) -> tuple[float, ...]:
+        """Lower is better."""
+        load = self.fresh(now) or PublishedLoad(now)
+        requests = max(self.in_flight, load.in_flight)
+        if self.role == "prefill":
+            return (max(self.prefill_tokens, load.prefill_tokens), requests)
+        return (float(load.kv_cache_usage >= KV_NEARLY_FULL), requests, load.kv_cache_usage)
+
+
+class WorkerSet:
+    """The workers of one role, kept as discovery reports them."""
+
+    def __init__(
+        self,
+        role: Role,
+        breaker: Callable[[], CircuitBreaker] = CircuitBreaker,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.role = role
+        self._breaker = breaker
+        self._clock = clock
+        self._workers: dict[str, Worker] = {}
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def __iter__(self) -> Any:
+        return iter(list(self._workers.values()))
+
+    @property
+    def urls(self) -> list[str]:
+        """The workers' base URLs."""
+        return sorted(self._workers)
+
+    def update(self, urls: Iterable[str]) -> None:
+        """Discovery's current list: new workers join, gone ones leave; the rest keep
+        their breaker and load."""
+        wanted = set(urls)
+        for url in list(self._workers):
+            if url not in wanted:
+                del self._workers[url]
+        for url in wanted:
+            if url not in self._workers:
+                self._workers[url] = Worker(url, self.role, self._breaker())
+
+    def get(self, url: str) -> Worker | None:
+        """The worker at `url`, if known."""
+        return self._workers.get(url)
+
+    def available(self) -> list[Worker]:
+        """The workers that may be sent a request now."""
+        return [w for w in self._workers.values() if w.breaker.available()]
+
+    def choose(self, exclude: Collection[str] = ()) -> Worker | None:
+        """The least loaded available worker not in `exclude` (ties broken at random,
+        so equal workers share the traffic)."""
+        candidates = [w for w in self.available() if w.url not in exclude]
+        if not candidates:
+            return None
+        now = self._clock()
+        scores = {w.url: w.score(now) for w in candidates}
+        best = min(scores.values())
+        return random.choice([w for w in candidates if scores[w.url] == best])
