@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -61,6 +62,13 @@ class Routed:
     reply_id: str  # echoed to the client: its X-Request-Id, else the router's
     arrival: float
     slo: Slo
+    choices: int = 1  # n
+    echo_tokens: int = 0  # the prompt's tokens, when the answer echoes them
+    generates: bool = True  # False: max_tokens 0, the prompt scored, nothing generated
+
+    def token_stream(self) -> TokenStream:
+        """A watcher of this request's relayed stream."""
+        return TokenStream(self.echo_tokens, self.generates)
 
 
 class _Retry(Exception):
@@ -275,7 +283,7 @@ class Forwarder:
         headers = self._headers(routed, upstream)
         self.metrics.observe_request(
             routed.bucket, headers[MODE_HEADER], "ok", routed.arrival, (), time.monotonic(),
-            routed.slo, _completion_tokens(data),
+            routed.slo, _tokens_per_choice(data, routed.choices),
         )  # fmt: skip
         return web.Response(body=data, headers=headers)
 
@@ -285,7 +293,7 @@ class Forwarder:
         headers = {**self._headers(routed, upstream), "Cache-Control": "no-cache"}
         mode = headers[MODE_HEADER]
         response: web.StreamResponse | None = None
-        tokens = TokenStream()
+        tokens = routed.token_stream()
         broken: str | None = None
         outcome: str | None = "cancelled"  # None: retried, not answered here
         try:
@@ -321,7 +329,7 @@ class Forwarder:
         finally:
             if outcome is not None:
                 self.metrics.observe_request(
-                    routed.bucket, mode, outcome, routed.arrival, tokens.token_times,
+                    routed.bucket, mode, outcome, routed.arrival, tokens.streams,
                     time.monotonic(), routed.slo,
                 )  # fmt: skip
 
@@ -335,10 +343,12 @@ def _error_code(data: bytes) -> str:
     return str(error.get("code")) if isinstance(error, dict) else "unknown"
 
 
-def _completion_tokens(data: bytes) -> int | None:
+def _tokens_per_choice(data: bytes, choices: int) -> int | None:
+    """The tokens of each choice of an answer sent whole: its usage's completion
+    tokens (of all choices) shared out (the choices decode side by side)."""
     try:
         usage = json.loads(data).get("usage") or {}
     except (ValueError, AttributeError):
         return None
     tokens = usage.get("completion_tokens")
-    return tokens if isinstance(tokens, int) else None
+    return math.ceil(tokens / choices) if isinstance(tokens, int) else None
