@@ -227,7 +227,13 @@ def test_client_api_keys(pool: LocalPool, tmp_path: Path) -> None:
         allowed = openai.OpenAI(base_url=f"{router.url}/v1", api_key="sk-second", max_retries=0)
         answer = allowed.completions.create(model="small", prompt=[5, 6], **GREEDY)
         assert answer.usage is not None and answer.usage.completion_tokens == MAX_TOKENS
-        assert router_metric(router, "pdserve_requests_rejected_total", reason="invalid") == 2
+        # The tokenizer's endpoints cost the router CPU as completions do: keys too.
+        status, answer = asyncio.run(post(f"{router.url}/tokenize", {"prompt": "hi"}))
+        assert (status, answer["error"]["code"]) == (401, "invalid_api_key")
+        key = {"Authorization": "Bearer sk-first"}
+        status, answer = asyncio.run(post(f"{router.url}/tokenize", {"prompt": "hi"}, key))
+        assert status == 200 and answer["count"] > 0
+        assert router_metric(router, "pdserve_requests_rejected_total", reason="invalid") == 3
 
 
 def test_a_malformed_routing_file_is_refused_at_start_up(tmp_path: Path) -> None:
