@@ -22,6 +22,7 @@ from pdserve.operator.local import LocalPool
 from support.prom import total
 from support.router import BOUNDARY, local_pool, pool_manifest, router_metric
 from support.scoring import LOGPROB_ATOL, reference_logprobs, reference_model
+from support.waiting import wait_until
 
 N = 4
 MODES = ("colocated", "disaggregated")
@@ -106,9 +107,8 @@ def test_scoring_through_the_router_equals_transformers(
     assert abs(sum(values[-continuation:]) - log_likelihood) < continuation * LOGPROB_ATOL
 
     # Streamed, the same values; the router counts the request and no generated token.
-    labels = {"mode": mode}
-    ok = router_metric(pool, "pdserve_router_requests_total", outcome="ok", **labels)
-    ttft = router_metric(pool, "pdserve_time_to_first_token_seconds_count", **labels)
+    ok = answered(pool, mode)
+    ttft = router_metric(pool, "pdserve_time_to_first_token_seconds_count", mode=mode)
     chunks = list(
         client.completions.create(
             model="small", prompt=whole, max_tokens=0, echo=True, logprobs=1, stream=True
@@ -121,8 +121,9 @@ def test_scoring_through_the_router_equals_transformers(
         for value in (piece.logprobs.token_logprobs or [] if piece.logprobs else [])
     ]
     assert streamed == values
-    assert router_metric(pool, "pdserve_router_requests_total", outcome="ok", **labels) == ok + 1
-    assert router_metric(pool, "pdserve_time_to_first_token_seconds_count", **labels) == ttft
+    wait_recorded(pool, mode, ok + 1)
+    assert answered(pool, mode) == ok + 1
+    assert router_metric(pool, "pdserve_time_to_first_token_seconds_count", mode=mode) == ttft
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -166,6 +167,17 @@ def test_seeded_choices_through_the_router(
     assert many.usage is not None and many.usage.completion_tokens == 12 * N
 
 
+def answered(pool: LocalPool, mode: str) -> float:
+    """Requests the router has recorded as answered on `mode`'s path."""
+    return router_metric(pool, "pdserve_router_requests_total", outcome="ok", mode=mode)
+
+
+def wait_recorded(pool: LocalPool, mode: str, count: float) -> None:
+    """Until the router has recorded `count` answered requests (it records a stream once
+    it has relayed the end, which the client may read first)."""
+    wait_until(lambda: answered(pool, mode) >= count, 30, f"{count} requests recorded")
+
+
 def _counts(pool: LocalPool, mode: str) -> tuple[float, ...]:
     return tuple(
         router_metric(pool, f"pdserve_{name}_seconds_count", mode=mode)
@@ -177,7 +189,7 @@ def _counts(pool: LocalPool, mode: str) -> tuple[float, ...]:
 def test_streamed_choices_with_logprobs_parse_and_count(
     pool: LocalPool, client: openai.OpenAI, mode: str
 ) -> None:
-    before = _counts(pool, mode)
+    before, ok = _counts(pool, mode), answered(pool, mode)
     prompt = prompt_ids(21 if mode == "colocated" else 22, mode)
     common: dict[str, Any] = {
         "model": "small", "prompt": prompt, "max_tokens": 5, "n": 3, "seed": 2, "logprobs": 2,
@@ -208,6 +220,7 @@ def test_streamed_choices_with_logprobs_parse_and_count(
     # The router timed each choice's generated tokens, not the echoed prompt: one TTFT
     # and one TPOT per streamed request, and an ITL for each gap within a choice
     # (3 choices of 5 tokens, 2 of 4).
+    wait_recorded(pool, mode, ok + 3)
     after = _counts(pool, mode)
     assert [a - b for a, b in zip(after, before, strict=True)] == [2, 3 * 4 + 2 * 3, 2]
 

@@ -3,7 +3,11 @@ pieces, byte-fallback pieces `<0xNN>` as ordinary vocabulary entries, special to
 written as AddedToken dicts, a named chat template and eos ids in
 generation_config.json, as Llama-2 and Mistral checkpoints ship them. Written over a
 generated checkpoint's own tokenizer, it makes a checkpoint whose tokenization is a
-Llama's rather than byte-level BPE."""
+Llama's rather than byte-level BPE.
+
+The config names no `tokenizer_class`: transformers then runs the pipeline
+tokenizer.json describes, as pdserve does (its LlamaTokenizer class would rebuild the
+pre-tokenizer its own way, without a word marker after special tokens)."""
 
 from __future__ import annotations
 
@@ -57,9 +61,6 @@ def write_llama_tokenizer(directory: Path) -> Path:
         vocab[f"<0x{byte:02X}>"] = len(vocab)
     (directory / "tokenizer.json").write_text(json.dumps(content))
     config = {
-        "tokenizer_class": "LlamaTokenizer",
-        "add_bos_token": True,
-        "add_eos_token": False,
         "bos_token": _added_token("<s>"),
         "eos_token": _added_token("</s>"),
         "unk_token": _added_token("<unk>"),

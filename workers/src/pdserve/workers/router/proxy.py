@@ -327,6 +327,10 @@ class Forwarder:
             assert response is not None
             return response
         finally:
+            if outcome == "cancelled" and tokens.done:
+                # The client hung up once it had read the end of the stream (clients
+                # do, before the worker's stream closes): it got the whole answer.
+                outcome = "ok" if tokens.error is None else "error"
             if outcome is not None:
                 self.metrics.observe_request(
                     routed.bucket, mode, outcome, routed.arrival, tokens.streams,
