@@ -185,6 +185,21 @@ async def post(
         return answer.status, await answer.json(content_type=None)
 
 
+def test_the_router_tokenizes_as_the_workers(pool: LocalPool) -> None:
+    # The tiny model's byte-level tokenizer: some tokens hold part of a character.
+    text = "Café naïve 😀 你好 — 42"
+    routers, workers = pool.url, decode_url(pool)
+    prompt = {"prompt": text, "return_token_strs": True}
+    chat = {"messages": [{"role": "user", "content": text}]}
+    for body in (prompt, chat):
+        answer = asyncio.run(post(f"{routers}/tokenize", body))
+        assert answer[0] == 200 and answer == asyncio.run(post(f"{workers}/tokenize", body))
+    _, tokens = asyncio.run(post(f"{routers}/tokenize", prompt))
+    assert asyncio.run(post(f"{routers}/detokenize", {"tokens": tokens["tokens"]})) == (
+        200, {"prompt": text},
+    )  # fmt: skip
+
+
 def test_a_client_cannot_make_a_worker_connect_where_it_chooses(pool: LocalPool) -> None:
     body = {"prompt": list(range(10, 200)), "max_tokens": 2}
     failures = worker_total(decode_url(pool), "pdserve_kv_transfer_failures_total")

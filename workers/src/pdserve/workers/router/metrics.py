@@ -37,7 +37,7 @@ class RouterMetrics:
         )
         self.itl = histogram(
             "pdserve_inter_token_latency_seconds",
-            "Every gap between consecutive tokens the router relayed.",
+            "Every gap between consecutive tokens of a choice the router relayed.",
         )
         self.tpot = histogram(
             "pdserve_time_per_output_token_seconds",
