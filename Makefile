@@ -51,6 +51,7 @@ bench: venv
 crd: venv
 	$(BIN)/pdserve crd -o crds/servingpool.yaml
 	cp crds/servingpool.yaml charts/pdserve/crds/servingpool.yaml
+	$(MAKE) deploy  # deploy/ holds the chart rendered, CRD included
 
 # Leaves .venv and the caches: `rm -rf .venv` removes this checkout's environment.
 clean:

@@ -190,6 +190,18 @@ def test_helm_install_then_the_operator_reconciles_under_the_charts_identity(
         cluster, "install", "pdserve", str(CHART), "--namespace", release_ns,
         "--wait", "--timeout", "2m", *value_flags({"watchNamespaces": [pools_ns]}),
     )  # fmt: skip
+    try:
+        check_the_charts_identity(cluster, release_ns, pools_ns, started, tmp_path)
+    finally:  # the ClusterRole and its binding are cluster-wide: never left behind
+        helm(cluster, "uninstall", "pdserve", "--namespace", release_ns, "--wait")
+    assert get_json(cluster, "clusterrole", "pdserve-operator") is None
+
+
+def check_the_charts_identity(
+    cluster: Cluster, release_ns: str, pools_ns: str, started: float, tmp_path: Path
+) -> None:
+    """The installed operator reconciles a pool as the chart's ServiceAccount, which
+    may do what the operator does and nothing more."""
     deployment = get_json(cluster, "deployment", "pdserve-operator", "-n", release_ns)
     assert deployment["status"]["availableReplicas"] == 1
     account = f"{release_ns}:pdserve-operator"
@@ -212,11 +224,15 @@ def test_helm_install_then_the_operator_reconciles_under_the_charts_identity(
     for verb, resource in [
         ("patch", "deployments"), ("delete", "services"), ("patch", "servingpools/status"),
         ("create", "roles"), ("watch", "endpointslices.discovery.k8s.io"),
+        ("create", "networkpolicies.networking.k8s.io"),
+        # the pool's credential: made once and read back by name
+        ("create", "secrets"), ("get", "secrets"),
     ]:  # fmt: skip
         assert can(cluster, account, verb, resource, "-n", pools_ns), (verb, resource)
     for verb, resource in [
-        ("get", "secrets"), ("create", "pods"), ("create", "servingpools"),
-        ("delete", "servingpools"), ("update", "deployments"), ("escalate", "roles"),
+        ("list", "secrets"), ("watch", "secrets"), ("delete", "secrets"),
+        ("create", "pods"), ("create", "servingpools"), ("delete", "servingpools"),
+        ("update", "deployments"), ("escalate", "roles"),
         ("bind", "clusterroles"), ("create", "clusterroles"), ("list", "nodes"),
         ("delete", "customresourcedefinitions"), ("impersonate", "serviceaccounts"),
     ]:  # fmt: skip
@@ -227,8 +243,6 @@ def test_helm_install_then_the_operator_reconciles_under_the_charts_identity(
         assert can(cluster, account, "watch", resource, "--all-namespaces"), resource
     assert can(cluster, account, "watch", "customresourcedefinitions")
     assert not can(cluster, account, "list", "namespaces")
-    helm(cluster, "uninstall", "pdserve", "--namespace", release_ns, "--wait")
-    assert get_json(cluster, "clusterrole", "pdserve-operator") is None
 
 
 def test_namespaced_install_reaches_nothing_outside_its_namespaces(

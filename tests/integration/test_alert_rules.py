@@ -3,6 +3,9 @@ the Grafana dashboard, checked with Debian's promtool: every query parses, and e
 alert fires on a synthetic series that breaks its condition and stays silent on one
 that comes close without breaking it (`promtool test rules`).
 
+Latency alerts read the router's series (what clients saw): each of them also has a
+silent case with the very series that fire it, reported by a worker instead.
+
 Every case runs 140 minutes: the first 100 are the baseline, the last 40 the change
 (a rollout of new latency settings); alerts are evaluated at minute 135, when the
 baseline hour (offset 1h) still lies before the change.
@@ -11,8 +14,9 @@ baseline hour (offset 1h) still lies before the change.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,37 +74,40 @@ TTFT_SLOWER = {"0.5": 50, "1.0": 100, "+Inf": 100}
 SHORT_STEADY = {"0.1": 100, "0.2": 100, "0.5": 100, "+Inf": 100}
 SHORT_SLOWER = {"0.1": 50, "0.2": 90, "0.5": 100, "+Inf": 100}
 DECODE = {"role": "decode"}
+ROUTER = {"role": "router"}
 
 CASES = {
     "itl-p99-over-target": Case("PdserveITLP99AboveTarget", True, histogram(
-        ITL, {"0.05": 100, "0.1": 100, "+Inf": 100}, {"0.05": 95, "0.1": 100, "+Inf": 100}
+        ITL, {"0.05": 100, "0.1": 100, "+Inf": 100}, {"0.05": 95, "0.1": 100, "+Inf": 100},
+        **ROUTER,
     )),
     "itl-p99-just-under-target": Case("PdserveITLP99AboveTarget", False, histogram(
-        ITL, {"0.05": 100, "0.1": 100, "+Inf": 100}, {"0.05": 995, "0.1": 1000, "+Inf": 1000}
+        ITL, {"0.05": 100, "0.1": 100, "+Inf": 100}, {"0.05": 995, "0.1": 1000, "+Inf": 1000},
+        **ROUTER,
     )),
     "preemptions-and-ttft-rise": Case("PdservePreemptionsRisingWithTTFT", True, [
         series("pdserve_preemptions_total", counter(1, 30), **DECODE),
-        *histogram(TTFT, TTFT_STEADY, TTFT_SLOWER),
+        *histogram(TTFT, TTFT_STEADY, TTFT_SLOWER, **ROUTER),
     ]),
     "preemptions-rise-ttft-holds": Case("PdservePreemptionsRisingWithTTFT", False, [
         series("pdserve_preemptions_total", counter(1, 30), **DECODE),
-        *histogram(TTFT, TTFT_STEADY, TTFT_STEADY),
+        *histogram(TTFT, TTFT_STEADY, TTFT_STEADY, **ROUTER),
     ]),
     "short-ttft-doubles-under-long-prompts": Case("PdserveShortRequestsTTFTDoubled", True, [
-        *histogram(TTFT, SHORT_STEADY, SHORT_SLOWER, bucket="le256"),
-        series(f"{TTFT}_count", counter(0, 5), bucket="gt4096"),
+        *histogram(TTFT, SHORT_STEADY, SHORT_SLOWER, bucket="le256", **ROUTER),
+        series(f"{TTFT}_count", counter(0, 5), bucket="gt4096", **ROUTER),
     ]),
     "short-ttft-doubles-without-long-prompts": Case("PdserveShortRequestsTTFTDoubled", False, [
-        *histogram(TTFT, SHORT_STEADY, SHORT_SLOWER, bucket="le256"),
-        series(f"{TTFT}_count", counter(0, 0), bucket="gt4096"),
+        *histogram(TTFT, SHORT_STEADY, SHORT_SLOWER, bucket="le256", **ROUTER),
+        series(f"{TTFT}_count", counter(0, 0), bucket="gt4096", **ROUTER),
     ]),
     "busy-engines-serve-fewer-in-time": Case("PdserveEngineBusyGoodputFalling", True, [
         series("pdserve_engine_step_duration_seconds_sum", counter(30, 57), **DECODE),
-        series(f"{TTFT}_bucket", counter(100, 50), le="2.0"),
+        series(f"{TTFT}_bucket", counter(100, 50), le="2.0", **ROUTER),
     ]),
     "busy-engines-keep-goodput": Case("PdserveEngineBusyGoodputFalling", False, [
         series("pdserve_engine_step_duration_seconds_sum", counter(30, 57), **DECODE),
-        series(f"{TTFT}_bucket", counter(100, 100), le="2.0"),
+        series(f"{TTFT}_bucket", counter(100, 100), le="2.0", **ROUTER),
     ]),
     "rejections-appear": Case("PdserveRequestErrorsAboveBaseline", True, [
         series("pdserve_requests_total", counter(100), finish_reason="stop"),
@@ -138,7 +145,37 @@ CASES = {
         series("pdserve_kv_transfer_failures_total", counter(0, 10, absent_before=True),
                reason="no_blocks", **DECODE),
     ]),
+    # No prefill worker is healthy: the router serves colocated and no hand-off is
+    # even tried, so the decode workers count no failure.
+    "router-falls-back-with-no-hand-off": Case("PdserveDisaggregatedRequestsAllFallingBack", True, [
+        series("pdserve_kv_wait_seconds_count", counter(100, 0), **DECODE),
+        series("pdserve_router_fallbacks_total", counter(0, 10, absent_before=True),
+               bucket="gt4096", reason="no_prefill", **ROUTER),
+    ]),
+    "router-falls-back-while-hand-offs-succeed": Case(
+        "PdserveDisaggregatedRequestsAllFallingBack", False, [
+            series("pdserve_kv_wait_seconds_count", counter(100), **DECODE),
+            series("pdserve_router_fallbacks_total", counter(0, 10, absent_before=True),
+                   bucket="gt4096", reason="no_prefill", **ROUTER),
+        ]
+    ),
 }  # fmt: skip
+
+
+def reported_by_a_worker(case: Case) -> Case:
+    """A firing case's series as a decode worker reports them: silent, since a
+    worker's latency is not what the client saw."""
+    moved = [
+        {**s, "series": s["series"].replace('role="router"', 'role="decode"')} for s in case.series
+    ]
+    return replace(case, fires=False, series=moved)
+
+
+LATENCY_ALERTS = (
+    "itl-p99-over-target", "preemptions-and-ttft-rise", "short-ttft-doubles-under-long-prompts",
+    "busy-engines-serve-fewer-in-time",
+)  # fmt: skip
+CASES |= {f"{name}-on-workers-only": reported_by_a_worker(CASES[name]) for name in LATENCY_ALERTS}
 
 
 def rules() -> dict[str, dict[str, Any]]:
@@ -219,3 +256,25 @@ def test_slo_targets_are_histogram_bounds() -> None:
     choices = {v["name"]: v["query"] for v in dashboard["templating"]["list"]}
     for name in ("ttft_target", "tpot_target"):
         assert {float(value) for value in choices[name].split(",")} <= set(LATENCY_BUCKETS)
+
+
+CLIENT_LATENCY = re.compile(
+    r"pdserve_(?:time_to_first_token|inter_token_latency|e2e_request_latency|time_per_output_token)"
+    r"_seconds_\w+(\{[^}]*\})?"
+)
+
+
+def test_client_latency_is_read_from_the_router() -> None:
+    # Summed over every role, a request would count at the router and again at each
+    # worker it passed, and percentiles would mix what clients saw with what workers did.
+    queries = [*dashboard_queries(DASHBOARD), *rule_queries(RULES)]
+    selections = [
+        (where, found) for where, query in queries for found in CLIENT_LATENCY.finditer(query)
+    ]
+    assert len(selections) > 20
+    over_every_role = [
+        f"{where}: {found.group(0)}"
+        for where, found in selections
+        if 'role="router"' not in (found.group(1) or "")
+    ]
+    assert not over_every_role, over_every_role

@@ -15,10 +15,11 @@ import aiohttp
 import pytest
 
 from pdserve.workers.engine.sampling import SamplingParams
+from pdserve.workers.server.internal import RESOLVE_INTERVAL_S
 from pdserve.workers.server.process import ServerProcess
 from support.engine import make_engine, run_to_completion
 from support.fake_peer import consistent_answer, scripted_peer, silent_peer
-from support.pd import complete, token_ids
+from support.pd import complete, join_pool, pool_credential, token_ids
 from support.prom import scrape
 from support.worker import metric, running_worker
 
@@ -55,17 +56,37 @@ BAD_ANSWERS: list[tuple[str, Callable[[Answer], Any], str]] = [
 
 
 @pytest.fixture(scope="module")
+def peers(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The file naming the pool's prefill workers: each fake peer is added to it, as
+    a pool would add a prefill worker, so the decode worker lets itself be sent there."""
+    return tmp_path_factory.mktemp("handoff-peers-pool") / "pool.prefill-peers"
+
+
+@pytest.fixture(scope="module")
 def decode(
-    small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    small_model_dir: Path, peers: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
     """A decode worker whose failed hand-offs end with the reason (no recompute)."""
+    logs = tmp_path_factory.mktemp("handoff-peers")
+    credential, holds = pool_credential(logs)
+    peers.touch()
     args = [
         "--role", "decode", "--kv-transfer", "nixl", "--transfer-failure-policy", "fail",
-        "--handoff-timeout", str(LEASE_S),
+        "--handoff-timeout", str(LEASE_S), *holds, "--prefill-peers-file", str(peers),
     ]  # fmt: skip
-    logs = tmp_path_factory.mktemp("handoff-peers")
     with running_worker(small_model_dir, logs, *args) as worker:
+        join_pool(credential, worker)
         yield worker
+
+
+def admit(peers: Path, peer: str) -> str:
+    """Name `peer` as one of the pool's prefill workers; its URL. The decode worker
+    re-reads the list at most once per RESOLVE_INTERVAL_S: waiting that long makes its
+    next look at the list see `peer`."""
+    with peers.open("a") as listed:
+        listed.write(f"{peer}\n")
+    time.sleep(RESOLVE_INTERVAL_S)
+    return peer
 
 
 def colocated(model_dir: Path, prompt: list[int]) -> list[int]:
@@ -81,7 +102,7 @@ async def ask(decode: ServerProcess, prefill_url: str | None) -> tuple[int, dict
 
 
 def test_a_bad_answer_costs_one_request_and_the_engine_keeps_serving(
-    decode: ServerProcess, small_model_dir: Path
+    decode: ServerProcess, peers: Path, small_model_dir: Path
 ) -> None:
     answers = iter(BAD_ANSWERS)
 
@@ -91,7 +112,8 @@ def test_a_bad_answer_costs_one_request_and_the_engine_keeps_serving(
 
     expected = colocated(small_model_dir, PROMPT)
     failures_before = metric(decode, "pdserve_kv_transfer_failures_total", reason="bad_handoff")
-    with scripted_peer(script) as peer:
+    with scripted_peer(script) as fake:
+        peer = admit(peers, fake)
         for what, _, named in BAD_ANSWERS:
             status, answer = asyncio.run(ask(decode, peer))
             assert status == 502, (what, answer)
@@ -105,7 +127,7 @@ def test_a_bad_answer_costs_one_request_and_the_engine_keeps_serving(
     assert metric(decode, "pdserve_kv_cache_usage_ratio") == 0.0
 
 
-def test_a_peers_error_codes_never_become_labels(decode: ServerProcess) -> None:
+def test_a_peers_error_codes_never_become_labels(decode: ServerProcess, peers: Path) -> None:
     invented = "invented-code-" + "x" * 40
     replies = iter(
         [
@@ -115,7 +137,8 @@ def test_a_peers_error_codes_never_become_labels(decode: ServerProcess) -> None:
         ]
     )
     before = metric(decode, "pdserve_kv_transfer_failures_total", reason="prefill_failed")
-    with scripted_peer(lambda body, layout: next(replies)) as peer:
+    with scripted_peer(lambda body, layout: next(replies)) as fake:
+        peer = admit(peers, fake)
         for _ in range(3):
             status, answer = asyncio.run(ask(decode, peer))
             assert status == 502
@@ -131,7 +154,7 @@ def test_a_peers_error_codes_never_become_labels(decode: ServerProcess) -> None:
 
 
 def test_requests_queued_behind_a_silent_prefill_worker_end_within_the_lease(
-    decode: ServerProcess,
+    decode: ServerProcess, peers: Path
 ) -> None:
     async def fifty(peer: str) -> list[tuple[float, int]]:
         async with aiohttp.ClientSession() as session:
@@ -142,9 +165,9 @@ def test_requests_queued_behind_a_silent_prefill_worker_end_within_the_lease(
 
             return await asyncio.gather(*(one() for _ in range(50)))
 
-    with silent_peer() as peer:
+    with silent_peer() as fake:
         started = time.monotonic()
-        ended = asyncio.run(fifty(peer))
+        ended = asyncio.run(fifty(admit(peers, fake)))
     assert [status for _, status in ended] == [502] * 50
     assert max(at for at, _ in ended) - started < LEASE_S + MARGIN_S
     # The worker is not held up either.

@@ -113,6 +113,7 @@ def test_a_decode_worker_dies_under_pdserve_local_and_ctrl_c_stops_the_rest(
         )
         assert retried >= 1
         assert router_metric(running, "pdserve_router_requests_total", outcome="error") == 1
+        wait_until(lambda: reported_dead(tmp_path / "local.log"), 60, "the death to be reported")
         os.kill(local.pid, signal.SIGINT)
         assert local.wait(60) == 0
     finally:
@@ -122,8 +123,14 @@ def test_a_decode_worker_dies_under_pdserve_local_and_ctrl_c_stops_the_rest(
     assert processes_mentioning(str(run_dir)) == {}
     output = (tmp_path / "local.log").read_text()
     assert f"serving model small at {running.url}" in output
-    assert "decode-0 exited" in output or "decode-1 exited" in output
+    assert reported_dead(tmp_path / "local.log")
     assert output.rstrip().endswith("stopped")
+
+
+def reported_dead(log: Path) -> bool:
+    """Whether `pdserve local` has said that one of its decode workers exited."""
+    output = log.read_text()
+    return "decode-0 exited" in output or "decode-1 exited" in output
 
 
 async def lose_a_worker(

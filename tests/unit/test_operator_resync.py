@@ -50,6 +50,14 @@ class FakeApi:
         self.objects[name] = {**copy.deepcopy(dict(obj)), "metadata": meta}
         return copy.deepcopy(self.objects[name])
 
+    async def create(self, obj: Mapping[str, Any]) -> bool:
+        name = f"{obj['kind']}/{obj['metadata']['name']}"
+        self.requests.append(f"create {name}")
+        if name in self.objects:
+            return False
+        self.objects[name] = copy.deepcopy(dict(obj))
+        return True
+
     async def delete(self, obj: Mapping[str, Any]) -> bool:
         name = f"{obj['kind']}/{obj['metadata']['name']}"
         self.requests.append(f"delete {name}")

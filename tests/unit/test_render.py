@@ -438,12 +438,16 @@ def test_adaptive_token_budget_reaches_the_worker_with_the_slo_as_target() -> No
         pool("disaggregated"),
         {"decode": {"engine": {"tokenBudget": {"mode": "adaptive", "min": 64, "max": 1024}}}},
     )
-    args = render.worker_args("llama-pd", p.spec, "decode", host="0.0.0.0", port=8000)
+    args = render.worker_args(
+        "llama-pd", p.spec, "decode", render.cluster_wiring("llama-pd", "serving", p.spec)
+    )
     assert flag(args, "--token-budget") == "adaptive"
     assert flag(args, "--target-itl-ms") == "50"  # spec.slo.itl: 0.05 s
     assert (flag(args, "--min-budget"), flag(args, "--max-budget")) == ("64", "1024")
     # The prefill pool keeps its static budget; the target only counts overruns there.
-    prefill = render.worker_args("llama-pd", p.spec, "prefill", host="0.0.0.0", port=8000)
+    prefill = render.worker_args(
+        "llama-pd", p.spec, "prefill", render.cluster_wiring("llama-pd", "serving", p.spec)
+    )
     assert "--token-budget" not in prefill and flag(prefill, "--target-itl-ms") == "50"
 
 
@@ -452,9 +456,16 @@ def test_a_role_target_overrides_the_slo_and_no_target_renders_none() -> None:
         pool("disaggregated"),
         {"decode": {"engine": {"tokenBudget": {"mode": "adaptive", "targetItlMs": 72.5}}}},
     )
-    args = render.worker_args("llama-pd", own.spec, "decode", host="0.0.0.0", port=8000)
+    args = render.worker_args(
+        "llama-pd", own.spec, "decode", render.cluster_wiring("llama-pd", "serving", own.spec)
+    )
     assert flag(args, "--target-itl-ms") == "72.5" and "--max-budget" not in args
-    tiny = render.worker_args("tiny", pool("tiny-colocated").spec, "decode", host="h", port=1)
+    tiny = render.worker_args(
+        "tiny",
+        pool("tiny-colocated").spec,
+        "decode",
+        render.cluster_wiring("tiny", "serving", pool("tiny-colocated").spec),
+    )
     assert "--target-itl-ms" not in tiny and "--token-budget" not in tiny
 
 
@@ -469,7 +480,9 @@ def test_adaptive_worker_args_parse_with_the_worker_command() -> None:
         pool("tiny-colocated"),
         {"decode": {"engine": {"tokenBudget": {"mode": "adaptive", "targetItlMs": 80}}}},
     )
-    args = render.worker_args("tiny", p.spec, "decode", host="0.0.0.0", port=8000)
+    args = render.worker_args(
+        "tiny", p.spec, "decode", render.cluster_wiring("tiny", "serving", p.spec)
+    )
     options = options_from(parser.parse_args(args), WorkerOptions)
     assert (options.token_budget, options.target_itl_ms, options.min_budget) == ("adaptive", 80, 32)
 

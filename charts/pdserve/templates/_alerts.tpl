@@ -1,20 +1,24 @@
 {{/*
 The alert rules under which a latency-tuning change should be rolled back, as
-Prometheus rule groups. Every series is the workers' (the pool, role, bucket and
-mode labels) plus the namespace Prometheus' Kubernetes discovery adds. "Baseline"
-is the hour that ended alerts.baselineOffset ago; "now" the last 10 minutes.
+Prometheus rule groups. Series carry the pool, role, bucket and mode labels plus the
+namespace Prometheus' Kubernetes discovery adds. Latency is read from the router's
+series (role="router"): what clients saw, each request counted once; the workers'
+own latency histograms would count a request again on every worker it passed.
+Engine and hand-off series are the workers'. "Baseline" is the hour that ended
+alerts.baselineOffset ago; "now" the last 10 minutes.
 */}}
 {{- define "pdserve.alertGroups" -}}
 {{- $a := .Values.alerts -}}
 {{- $base := printf "[1h] offset %s" $a.baselineOffset -}}
 {{- $by := "sum by (namespace, pool)" -}}
-{{- $ttftWithin := printf "pdserve_time_to_first_token_seconds_bucket{le=~\"%v(\\\\.0)?\"}" $a.ttftTargetSeconds -}}
+{{- $router := "role=\"router\"" -}}
+{{- $ttftWithin := printf "pdserve_time_to_first_token_seconds_bucket{%s, le=~\"%v(\\\\.0)?\"}" $router $a.ttftTargetSeconds -}}
 - name: pdserve-rollback
   rules:
     - alert: PdserveITLP99AboveTarget
       expr: |
         histogram_quantile(0.99,
-          sum by (namespace, pool, le) (rate(pdserve_inter_token_latency_seconds_bucket[5m]))
+          sum by (namespace, pool, le) (rate(pdserve_inter_token_latency_seconds_bucket{ {{- $router -}} }[5m]))
         ) > {{ $a.itlP99Seconds }}
       for: 10m
       labels:
@@ -31,9 +35,9 @@ is the hour that ended alerts.baselineOffset ago; "now" the last 10 minutes.
         and on (namespace, pool)
         (
           histogram_quantile(0.95,
-            sum by (namespace, pool, le) (rate(pdserve_time_to_first_token_seconds_bucket[10m])))
+            sum by (namespace, pool, le) (rate(pdserve_time_to_first_token_seconds_bucket{ {{- $router -}} }[10m])))
             > 1.5 * histogram_quantile(0.95,
-              sum by (namespace, pool, le) (rate(pdserve_time_to_first_token_seconds_bucket{{ $base }})))
+              sum by (namespace, pool, le) (rate(pdserve_time_to_first_token_seconds_bucket{ {{- $router -}} }{{ $base }})))
         )
       for: 10m
       labels:
@@ -47,11 +51,11 @@ is the hour that ended alerts.baselineOffset ago; "now" the last 10 minutes.
     - alert: PdserveShortRequestsTTFTDoubled
       expr: |
         histogram_quantile(0.95,
-          sum by (namespace, pool, le) (rate(pdserve_time_to_first_token_seconds_bucket{bucket=~"{{ $a.shortBuckets }}"}[10m])))
+          sum by (namespace, pool, le) (rate(pdserve_time_to_first_token_seconds_bucket{ {{- $router }}, bucket=~"{{ $a.shortBuckets }}"}[10m])))
           > 2 * histogram_quantile(0.95,
-            sum by (namespace, pool, le) (rate(pdserve_time_to_first_token_seconds_bucket{bucket=~"{{ $a.shortBuckets }}"}{{ $base }})))
+            sum by (namespace, pool, le) (rate(pdserve_time_to_first_token_seconds_bucket{ {{- $router }}, bucket=~"{{ $a.shortBuckets }}"}{{ $base }})))
         and on (namespace, pool)
-        {{ $by }} (rate(pdserve_time_to_first_token_seconds_count{bucket=~"{{ $a.longBuckets }}"}[10m])) > 0
+        {{ $by }} (rate(pdserve_time_to_first_token_seconds_count{ {{- $router }}, bucket=~"{{ $a.longBuckets }}"}[10m])) > 0
       for: 10m
       labels:
         severity: warning
@@ -124,7 +128,11 @@ is the hour that ended alerts.baselineOffset ago; "now" the last 10 minutes.
         description: {{ printf "More than %v of prefill-to-decode hand-offs failed over 5 minutes (see pdserve_kv_transfer_failures_total by reason)." $a.kvTransferFailureRatio | quote }}
     - alert: PdserveDisaggregatedRequestsAllFallingBack
       expr: |
-        {{ $by }} (rate(pdserve_kv_transfer_failures_total{role="decode"}[10m])) > 0
+        (
+          {{ $by }} (rate(pdserve_kv_transfer_failures_total{role="decode"}[10m])) > 0
+          or
+          {{ $by }} (rate(pdserve_router_fallbacks_total{ {{- $router -}} }[10m])) > 0
+        )
         unless on (namespace, pool)
         {{ $by }} (rate(pdserve_kv_wait_seconds_count{role="decode"}[10m])) > 0
       for: 5m
@@ -133,6 +141,9 @@ is the hour that ended alerts.baselineOffset ago; "now" the last 10 minutes.
       annotations:
         summary: {{ `No hand-off of {{ $labels.namespace }}/{{ $labels.pool }} succeeds` | quote }}
         description: >-
-          Every disaggregated request's hand-off failed for 10 minutes: decode workers
-          prefill every prompt themselves (failurePolicy recompute) or refuse it (fail).
+          No hand-off succeeded for 10 minutes while disaggregated requests kept coming:
+          either every hand-off failed (decode workers then prefill each prompt themselves
+          under failurePolicy recompute, or refuse it under fail) or the router found no
+          healthy prefill worker and served them colocated without trying one
+          (pdserve_router_fallbacks_total reason no_prefill).
 {{- end -}}
