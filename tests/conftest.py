@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pdserve.workers.engine.checkpoint import TinyModelSpec, write_tiny_checkpoint
+from support.llama_tokenizer import write_llama_checkpoint
 
 # Tests share two cores with worker processes they start: one torch thread each keeps
 # OpenMP from spinning against them.
@@ -36,3 +37,10 @@ def other_weights_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("models") / "small-llama-other"
     write_tiny_checkpoint(directory, dataclasses.replace(SMALL_SPEC, seed=SMALL_SPEC.seed + 1))
     return directory
+
+
+@pytest.fixture(scope="session")
+def llama_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The small model with a Llama-2-style (SentencePiece, byte-fallback) tokenizer in
+    place of its byte-level one: where tokenization matters, both are tested."""
+    return write_llama_checkpoint(tmp_path_factory.mktemp("models") / "small-llama2", SMALL_SPEC)

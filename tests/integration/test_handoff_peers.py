@@ -28,12 +28,22 @@ MARGIN_S = 10.0  # a busy machine's allowance; one lease per queued request woul
 PROMPT = list(range(10, 50))  # 40 tokens: 3 blocks of 16
 
 Answer = dict[str, Any]
+
+
+def _logprob(token: int) -> dict[str, Any]:
+    return {"token_id": token, "logprob": -0.5, "rank": 1, "top_ids": [], "top_logprobs": []}
+
+
 BAD_ANSWERS: list[tuple[str, Callable[[Answer], Any], str]] = [
     ("a first token outside the vocabulary",
-     lambda a: {**a, "first_token": 1_000_000}, "first_token"),
-    ("a negative first token", lambda a: {**a, "first_token": -1}, "first_token"),
-    ("a first token as text", lambda a: {**a, "first_token": "5"}, "first_token"),
-    ("a huge first token", lambda a: {**a, "first_token": 10**30}, "first_token"),
+     lambda a: {**a, "first_tokens": [1_000_000]}, "first token"),
+    ("a negative first token", lambda a: {**a, "first_tokens": [-1]}, "first_tokens"),
+    ("a first token as text", lambda a: {**a, "first_tokens": ["5"]}, "first_tokens"),
+    ("a huge first token", lambda a: {**a, "first_tokens": [10**30]}, "first token"),
+    ("a first token too many", lambda a: {**a, "first_tokens": [5, 5]}, "first tokens"),
+    ("no first token", lambda a: {**a, "first_tokens": []}, "first tokens"),
+    ("log-probabilities no one asked for",
+     lambda a: {**a, "logprobs": [_logprob(5)]}, "logprobs sent"),
     ("fewer blocks than asked for", lambda a: {**a, "blocks": a["blocks"] - 1}, "blocks"),
     ("bytes that do not add up", lambda a: {**a, "bytes": a["bytes"] + 1}, "bytes"),
     ("no descriptors", lambda a: {**a, "descriptors": 0}, "descriptors"),

@@ -21,7 +21,7 @@ import pytest
 from pdserve.cli.main import pdserve_command
 from pdserve.operator.local import LocalPool
 from pdserve.workers.engine.sampling import SamplingParams
-from pdserve.workers.handoff.protocol import PREFILL_URL_HEADER
+from pdserve.workers.headers import PREFILL_URL_HEADER
 from pdserve.workers.server.internal import bearer
 from support.engine import make_engine, run_to_completion
 from support.network import witness
@@ -185,6 +185,21 @@ async def post(
         return answer.status, await answer.json(content_type=None)
 
 
+def test_the_router_tokenizes_as_the_workers(pool: LocalPool) -> None:
+    # The tiny model's byte-level tokenizer: some tokens hold part of a character.
+    text = "Café naïve 😀 你好 — 42"
+    routers, workers = pool.url, decode_url(pool)
+    prompt = {"prompt": text, "return_token_strs": True}
+    chat = {"messages": [{"role": "user", "content": text}]}
+    for body in (prompt, chat):
+        answer = asyncio.run(post(f"{routers}/tokenize", body))
+        assert answer[0] == 200 and answer == asyncio.run(post(f"{workers}/tokenize", body))
+    _, tokens = asyncio.run(post(f"{routers}/tokenize", prompt))
+    assert asyncio.run(post(f"{routers}/detokenize", {"tokens": tokens["tokens"]})) == (
+        200, {"prompt": text},
+    )  # fmt: skip
+
+
 def test_a_client_cannot_make_a_worker_connect_where_it_chooses(pool: LocalPool) -> None:
     body = {"prompt": list(range(10, 200)), "max_tokens": 2}
     failures = worker_total(decode_url(pool), "pdserve_kv_transfer_failures_total")
@@ -227,7 +242,13 @@ def test_client_api_keys(pool: LocalPool, tmp_path: Path) -> None:
         allowed = openai.OpenAI(base_url=f"{router.url}/v1", api_key="sk-second", max_retries=0)
         answer = allowed.completions.create(model="small", prompt=[5, 6], **GREEDY)
         assert answer.usage is not None and answer.usage.completion_tokens == MAX_TOKENS
-        assert router_metric(router, "pdserve_requests_rejected_total", reason="invalid") == 2
+        # The tokenizer's endpoints cost the router CPU as completions do: keys too.
+        status, answer = asyncio.run(post(f"{router.url}/tokenize", {"prompt": "hi"}))
+        assert (status, answer["error"]["code"]) == (401, "invalid_api_key")
+        key = {"Authorization": "Bearer sk-first"}
+        status, answer = asyncio.run(post(f"{router.url}/tokenize", {"prompt": "hi"}, key))
+        assert status == 200 and answer["count"] > 0
+        assert router_metric(router, "pdserve_requests_rejected_total", reason="invalid") == 3
 
 
 def test_a_malformed_routing_file_is_refused_at_start_up(tmp_path: Path) -> None:

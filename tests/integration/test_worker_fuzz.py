@@ -1,6 +1,6 @@
 """Property-based fuzzing of a real worker: requests generated (hypothesis) from the
 request schemas the worker publishes at /openapi.json, and mutations of them (any
-field replaced by any JSON value, broken bodies), across both endpoints, streamed and
+field replaced by any JSON value, broken bodies), across the four POST endpoints, streamed and
 not.
 
 The property: no request gets a 5xx; the worker's probes keep answering while it
@@ -34,7 +34,7 @@ REQUESTS = 10_000
 BATCH = 25  # bodies per generated example
 MUTANTS = 4  # cheap mutations sent beside each generated body
 MAX_TOKENS = 6  # generated requests are cut to this, so the run stays short
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -178,11 +178,15 @@ EDGE_VALUES: dict[str, list[Any]] = {
     "stop_token_ids": [[0], [1, 2], [10**9], list(range(300)), ["a"]],
     "prompt": ["hello", "", [1, 2, 3], [10**9], [[1, 2]], [["a"]], ["one", "two"], "\ud7ff"],
     "messages": [[], [{"role": "user", "content": "hi"}], [{"role": "robot", "content": "x"}]],
-    "n": [1, 2, 0],
-    "logprobs": [None, False, 0, 1, True],
+    "n": [1, 2, 0, 16, 17, 2**63],
+    "logprobs": [None, False, 0, 1, True, 20, 21, -1],
+    "top_logprobs": [None, 0, 2, 20, 21, -1],
+    "tokens": [[], [1, 2, 3], [10**9], [-1], "abc"],
     "stream": [True, False, "yes"],
     "stream_options": [{"include_usage": True}, {"include_usage": 1}, []],
     "echo": [False, True],
+    "add_generation_prompt": [True, False],
+    "return_token_strs": [True, False],
     "ignore_eos": [True, False],
 }
 

@@ -27,12 +27,18 @@ Body = dict[str, Any]
 
 @dataclass
 class Answer:
-    """What a client saw: token ids, text, finish reason, usage (streamed or not)."""
+    """What a client saw of one choice: token ids, text (after the echoed prompt, if
+    any), finish reason, log-probabilities, and the answer's usage and token count
+    over all choices (streamed or not)."""
 
     tokens: list[int]
     text: str
     finish_reason: str | None
     usage: dict[str, Any] | None
+    logprobs: dict[str, list[Any]] | None = None
+    echoed: str = ""
+    all_tokens: int = 0
+    prompt_tokens: int = 0
 
 
 @pytest.fixture(scope="module")
@@ -58,23 +64,46 @@ async def _events(response: aiohttp.ClientResponse) -> Any:
             yield line
 
 
-def read_answer(chat: bool, body: Body, payload: Any) -> Answer:
-    """The answer from a JSON body or from the list of streamed chunks."""
-    key = "message" if chat else None
+def read_answers(chat: bool, body: Body, payload: Any, prompt_tokens: int = 0) -> list[Answer]:
+    """Each choice's answer, from a JSON body or from the list of streamed chunks."""
     if not body.get("stream"):
-        choice = payload["choices"][0]
-        text = choice[key]["content"] if key else choice["text"]
-        return Answer(choice["token_ids"], text, choice["finish_reason"], payload["usage"])
-    tokens: list[int] = []
-    text, reason, usage = "", None, None
+        assert [choice["index"] for choice in payload["choices"]] == list(range(body.get("n", 1)))
+        answers = [_whole_choice(chat, choice, payload["usage"]) for choice in payload["choices"]]
+    else:
+        answers = _streamed_choices(chat, payload, body.get("n", 1))
+    for answer in answers:
+        answer.all_tokens = sum(len(other.tokens) for other in answers)
+        answer.prompt_tokens = prompt_tokens
+        if body.get("echo"):
+            assert answer.text.startswith(PROMPT)
+            answer.echoed, answer.text = PROMPT, answer.text[len(PROMPT) :]
+    return answers
+
+
+def _whole_choice(chat: bool, choice: dict[str, Any], usage: dict[str, Any]) -> Answer:
+    text = choice["message"]["content"] if chat else choice["text"]
+    return Answer(choice["token_ids"], text, choice["finish_reason"], usage, choice["logprobs"])
+
+
+def _streamed_choices(chat: bool, payload: list[dict[str, Any]], n: int) -> list[Answer]:
+    answers: dict[int, Answer] = {}
+    usage = None
     for chunk in payload:
         assert "error" not in chunk, chunk
         usage = chunk.get("usage") or usage
         for choice in chunk["choices"]:
-            tokens += choice.get("token_ids", [])
-            text += choice["delta"]["content"] if chat else choice["text"]
-            reason = choice["finish_reason"] or reason
-    return Answer(tokens, text, reason, usage)
+            answer = answers.setdefault(choice["index"], Answer([], "", None, None))
+            answer.tokens += choice.get("token_ids", [])
+            answer.text += choice["delta"]["content"] if chat else choice["text"]
+            answer.finish_reason = choice["finish_reason"] or answer.finish_reason
+            if choice["logprobs"] is not None:
+                merged = answer.logprobs = answer.logprobs or {}
+                for key, values in choice["logprobs"].items():
+                    merged[key] = merged.get(key, []) + values
+    assert sorted(answers) == list(range(n))
+    for answer in answers.values():
+        answer.usage = usage
+    return [answers[index] for index in range(n)]
 
 
 @dataclass(frozen=True)
@@ -129,7 +158,38 @@ def _stream_options(answer: Answer, body: Body, baseline: Answer) -> None:
     if body.get("stream"):
         assert answer.usage is not None
     if answer.usage is not None:
-        assert answer.usage["completion_tokens"] == len(answer.tokens)
+        assert answer.usage["completion_tokens"] == answer.all_tokens
+
+
+def _n(answer: Answer, body: Body, baseline: Answer) -> None:
+    pass  # every answer is checked to have n choices (see `read_answers`)
+
+
+def _echo(answer: Answer, body: Body, baseline: Answer) -> None:
+    assert answer.echoed == PROMPT
+
+
+def _completion_logprobs(answer: Answer, body: Body, baseline: Answer) -> None:
+    logprobs = answer.logprobs
+    assert logprobs is not None
+    values, tops = logprobs["token_logprobs"], logprobs["top_logprobs"]
+    echoed = answer.prompt_tokens if body.get("echo") else 0
+    assert len(values) == len(tops) == len(logprobs["tokens"]) == echoed + len(answer.tokens)
+    assert len(logprobs["text_offset"]) == len(values)
+    if echoed:  # the prompt's first token has nothing before it
+        assert values[0] is None and tops[0] is None
+        values, tops = values[1:], tops[1:]
+    for value, top in zip(values, tops, strict=True):
+        assert value <= 0 and 1 <= len(top) <= body["logprobs"] + 1
+
+
+def _chat_logprobs(answer: Answer, body: Body, baseline: Answer) -> None:
+    assert answer.logprobs is not None
+    content = answer.logprobs["content"]
+    assert len(content) == len(answer.tokens)
+    for entry in content:
+        assert entry["logprob"] <= 0 and isinstance(entry["bytes"], list)
+        assert len(entry["top_logprobs"]) == body.get("top_logprobs", 0)
 
 
 def _greedy(body: Body) -> bool:
@@ -154,14 +214,20 @@ FIELDS: dict[str, Field] = {
     "stream_options": Field({"stream_options": {"include_usage": True}}, _stream_options),
     "ignore_eos": Field({"ignore_eos": True}, _ignore_eos),
     "min_tokens": Field({"min_tokens": 3}, _min_tokens),
-    "n": Field({"n": 1}, _nothing),
+    "n": Field({"n": 2}, _n),
     "presence_penalty": Field({"presence_penalty": 0.0}, _nothing),
     "frequency_penalty": Field({"frequency_penalty": 0.0}, _nothing),
-    "logprobs": Field({"logprobs": None}, _nothing),
     "user": Field({"user": "someone"}, _nothing),
 }
-COMPLETION_ONLY = {"echo": Field({"echo": False}, _nothing)}
-CHAT_ONLY = {"max_completion_tokens": Field({"max_completion_tokens": 3}, _max_completion_tokens)}
+COMPLETION_ONLY = {
+    "echo": Field({"echo": True}, _echo),
+    "logprobs": Field({"logprobs": 2}, _completion_logprobs),
+}
+CHAT_ONLY = {
+    "max_completion_tokens": Field({"max_completion_tokens": 3}, _max_completion_tokens),
+    "logprobs": Field({"logprobs": True}, _chat_logprobs),
+    "top_logprobs": Field({"logprobs": True, "top_logprobs": 2}, _chat_logprobs),
+}
 
 
 def bodies(fields: dict[str, Field]) -> list[tuple[tuple[str, ...], Body]]:
@@ -187,10 +253,11 @@ async def run_matrix(worker: ServerProcess, chat: bool, tokenizer: Tokenizer) ->
     else:
         base |= {"prompt": PROMPT, "max_tokens": MAX_TOKENS}
     fields = FIELDS | (CHAT_ONLY if chat else COMPLETION_ONLY)
+    prompt_tokens = len(tokenizer.encode(PROMPT))
     async with aiohttp.ClientSession() as session:
         status, payload = await post(session, url, {**base, "ignore_eos": True})
         assert status == 200, payload
-        baseline = read_answer(chat, base, payload)
+        (baseline,) = read_answers(chat, base, payload)
         stop_text = tokenizer.decode(baseline.tokens[4:6]).strip() or "zz"
         fields["stop"] = Field({"stop": [stop_text]}, _stop)
         fields["stop_token_ids"] = Field({"stop_token_ids": [baseline.tokens[3]]}, _stop_token_ids)
@@ -205,13 +272,15 @@ async def run_matrix(worker: ServerProcess, chat: bool, tokenizer: Tokenizer) ->
             async with limit:
                 status, payload = await post(session, url, body)
                 assert status == 200, (combo, payload)
-                answer = read_answer(chat, body, payload)
-                for name in combo:
-                    fields[name].check(answer, body, baseline)
-                _assert_greedy_prefix(combo, body, answer, baseline)
+                answers = read_answers(chat, body, payload, prompt_tokens)
+                for answer in answers:
+                    for name in combo:
+                        fields[name].check(answer, body, baseline)
+                    _assert_greedy_prefix(combo, body, answer, baseline)
                 if "seed" in body and body.get("temperature"):
-                    again = read_answer(chat, body, (await post(session, url, body))[1])
-                    assert again.tokens == answer.tokens, combo
+                    repeated = (await post(session, url, body))[1]
+                    again = read_answers(chat, body, repeated, prompt_tokens)
+                    assert [a.tokens for a in again] == [a.tokens for a in answers], combo
 
         await asyncio.gather(*(one(combo, body) for combo, body in cases))
     return len(cases)
@@ -231,12 +300,12 @@ def test_every_completion_field_alone_and_in_pairs(
     worker: ServerProcess, small_model_dir: Path
 ) -> None:
     sent = asyncio.run(run_matrix(worker, False, Tokenizer.from_dir(small_model_dir)))
-    assert sent == 2 * (18 + 18 * 17 // 2)
+    assert sent == 2 * (18 + 18 * 17 // 2)  # 16 common fields, echo and logprobs
 
 
 def test_every_chat_field_alone_and_in_pairs(worker: ServerProcess, small_model_dir: Path) -> None:
     sent = asyncio.run(run_matrix(worker, True, Tokenizer.from_dir(small_model_dir)))
-    assert sent == 2 * (18 + 18 * 17 // 2)
+    assert sent == 2 * (19 + 19 * 18 // 2)  # 16 common, max_completion_tokens, logprobs x2
 
 
 # -- requests that used to cost a worker or a 500 ---------------------------------------
@@ -341,15 +410,21 @@ def test_clients_that_reuse_a_request_id_do_not_collide(worker: ServerProcess) -
     assert len(ids) == 2  # the worker's own ids
 
 
-def test_openapi_describes_both_endpoints(worker: ServerProcess) -> None:
+def test_openapi_describes_every_endpoint(worker: ServerProcess) -> None:
     async def fetch() -> Any:
         url = f"{worker.url}/openapi.json"
         async with aiohttp.ClientSession() as session, session.get(url) as answer:
             return await answer.json()
 
     spec = asyncio.run(fetch())
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    expected = {
+        "/v1/completions": {"max_tokens", "stop", "min_tokens", "stream", "n", "logprobs", "echo"},
+        "/v1/chat/completions": {"max_tokens", "stream", "n", "logprobs", "top_logprobs"},
+        "/tokenize": {"prompt", "messages", "add_special_tokens", "return_token_strs"},
+        "/detokenize": {"tokens"},
+    }
+    for path, fields in expected.items():
         schema_ref = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]
         name = schema_ref["schema"]["$ref"].rsplit("/", 1)[1]
         properties = spec["components"]["schemas"][name]["properties"]
-        assert {"max_tokens", "stop", "min_tokens", "stream"} <= set(properties)
+        assert fields <= set(properties), path

@@ -104,12 +104,12 @@ def scripted_peer(script: Script) -> Iterator[str]:
 
 def consistent_answer(body: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
     """An answer that agrees with the hand-off asked for in every field (first token
-    5), as if the prefill worker had written the blocks."""
+    5 for each choice), as if the prefill worker had written the blocks."""
     blocks = len(body["block_ids"])
     itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[layout["dtype"]]
     block_bytes = 2 * layout["block_size"] * layout["num_kv_heads"] * layout["head_dim"] * itemsize
     return {
-        "first_token": 5,
+        "first_tokens": [5] * body["sampling"]["n"],
         "blocks": blocks,
         "bytes": blocks * layout["num_layers"] * block_bytes,
         "transfer_seconds": 0.001,

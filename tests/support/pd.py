@@ -20,7 +20,7 @@ import aiohttp
 from pdserve.cli.credentials import write_new_credential
 from pdserve.workers import faults
 from pdserve.workers.faults import Fault, environment
-from pdserve.workers.handoff.protocol import PREFILL_URL_HEADER
+from pdserve.workers.headers import PREFILL_URL_HEADER
 from pdserve.workers.server.internal import bearer
 from pdserve.workers.server.process import ServerProcess, start_worker
 

@@ -100,3 +100,12 @@ def test_explicit_token_counts_win_over_text() -> None:
     assert chunk_token_count({"choices": [{"text": "", "finish_reason": "stop"}]}) == 0
     assert chunk_token_count({"choices": [{"text": "z", "finish_reason": "stop"}]}) == 1
     assert chunk_token_count({"choices": [], "usage": {"completion_tokens": 9}}) == 0
+
+
+def test_chat_chunks_count_their_content() -> None:
+    last = {"delta": {"content": "z"}, "finish_reason": "length"}
+    assert chunk_token_count({"choices": [last]}) == 1  # the last token, with the reason
+    closing = {"delta": {"content": ""}, "finish_reason": "stop"}
+    assert chunk_token_count({"choices": [closing]}) == 0
+    listed = {"delta": {"content": "ab"}, "logprobs": {"content": [{}, {}]}}
+    assert chunk_token_count({"choices": [listed]}) == 2

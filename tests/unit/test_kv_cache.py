@@ -79,6 +79,49 @@ def test_prefix_caching_can_be_disabled() -> None:
     assert manager.find_cached_prefix("b", [1, 2, 3]) == 0
 
 
+def test_a_fork_shares_full_blocks_and_copies_the_partial_one() -> None:
+    manager = KVCacheManager(BlockPool(16), block_size=4)
+    manager.allocate("parent", 10)  # two full blocks and a partial one
+    parent_table = manager.block_table("parent")
+    allocated = manager.pool.num_allocated_total
+    placed, copies = manager.fork("parent", ["c0", "c1", "c2"], 10)
+    assert placed == ["c0", "c1", "c2"]
+    assert manager.block_table("parent") == []
+    assert manager.block_table("c0") == parent_table
+    for child in ("c1", "c2"):
+        table = manager.block_table(child)
+        assert table[:2] == parent_table[:2] and table[2] != parent_table[2]
+    assert copies == [(parent_table[2], manager.block_table(c)[2]) for c in ("c1", "c2")]
+    # Only the two copies were allocated; the prompt's blocks were not.
+    assert manager.pool.num_allocated_total == allocated + 2
+    for child in ("c0", "c1", "c2"):
+        manager.free(child)
+    assert manager.pool.usage == 0.0
+
+
+def test_a_fork_at_a_block_boundary_copies_nothing() -> None:
+    manager = KVCacheManager(BlockPool(8), block_size=4)
+    manager.allocate("parent", 8)
+    placed, copies = manager.fork("parent", ["c0", "c1"], 8)
+    assert placed == ["c0", "c1"] and copies == []
+    assert manager.block_table("c0") == manager.block_table("c1")
+    manager.free("c0")
+    assert manager.pool.num_free == 6  # c1 still holds both
+    manager.free("c1")
+    assert manager.pool.usage == 0.0
+
+
+def test_children_without_a_block_for_their_copy_get_no_table() -> None:
+    manager = KVCacheManager(BlockPool(4), block_size=4)
+    manager.allocate("parent", 10)  # three blocks: one left
+    placed, copies = manager.fork("parent", ["c0", "c1", "c2"], 10)
+    assert placed == ["c0", "c1"] and len(copies) == 1
+    assert manager.block_table("c2") == []
+    manager.free("c0")
+    manager.free("c1")
+    assert manager.pool.usage == 0.0
+
+
 def test_the_canary_catches_a_write_into_a_free_block_and_spares_cached_ones() -> None:
     torch = pytest.importorskip("torch")
     from pdserve.workers.engine.canary import KVCanary

@@ -19,8 +19,8 @@ from pdserve.workers.router.sse import TokenStream, error_event
 from pdserve.workers.router.table import Slo
 
 
-def chunk(text: str, **extra: Any) -> bytes:
-    body = {"choices": [{"index": 0, "text": text, "finish_reason": None, **extra}]}
+def chunk(text: str, index: int = 0, **extra: Any) -> bytes:
+    body = {"choices": [{"index": index, "text": text, "finish_reason": None, **extra}]}
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
@@ -37,6 +37,31 @@ def test_token_times_survive_events_split_across_reads() -> None:
     assert tokens.token_times == sorted(tokens.token_times)
 
 
+def test_choices_are_streams_of_their_own() -> None:
+    tokens = TokenStream()
+    for step in range(3):  # n = 2: each step sends a chunk of each choice
+        tokens.feed(chunk("a", index=0) + chunk("b", index=1), float(step))
+    tokens.feed(chunk("c", index=1, token_ids=[4, 5]), 3.0)
+    assert tokens.streams == [[0.0, 1.0, 2.0], [0.0, 1.0, 2.0, 3.0, 3.0]]
+
+
+def test_an_echoed_prompt_is_no_generated_token() -> None:
+    prompt = {"tokens": ["p", "q", "r"], "token_logprobs": [None, -1.0, -2.0]}
+    first = {"tokens": ["p", "q", "r", "a"], "token_logprobs": [None, -1.0, -2.0, -0.5]}
+    # With logprobs the first chunk lists the prompt's 3 tokens before the first
+    # generated one; without, its text is the prompt and one token.
+    listed = TokenStream(echo_tokens=3)
+    listed.feed(chunk("pqra", logprobs=first) + chunk("b", logprobs={"tokens": ["b"]}), 1.0)
+    assert listed.streams == [[1.0, 1.0]]
+    plain = TokenStream(echo_tokens=3)
+    plain.feed(chunk("pqra") + chunk("b"), 1.0)
+    assert plain.streams == [[1.0, 1.0]]
+    # max_tokens 0: the prompt scored, nothing generated.
+    scored = TokenStream(echo_tokens=3, generates=False)
+    scored.feed(chunk("pqr", logprobs=prompt, finish_reason="length"), 1.0)
+    assert scored.streams == [] and scored.token_times == []
+
+
 def test_a_stream_ended_by_an_error_event() -> None:
     tokens = TokenStream()
     tokens.feed(chunk("a") + error_event("the worker failed", "worker_failed"), 1.0)
@@ -49,9 +74,13 @@ def test_a_stream_ended_by_an_error_event() -> None:
 
 def test_goodput_holds_requests_to_ttft_and_tpot() -> None:
     slo = Slo(ttft_seconds=1.0, itl_seconds=0.1)
-    assert meets_slo(slo, 0.0, [0.9, 0.95, 1.05], 1.05, None)
-    assert not meets_slo(slo, 0.0, [1.1, 1.2], 1.2, None)  # first token late
-    assert not meets_slo(slo, 0.0, [0.5, 0.9, 1.3], 1.3, None)  # TPOT 0.4 s
+    assert meets_slo(slo, 0.0, [[0.9, 0.95, 1.05]], 1.05, None)
+    assert not meets_slo(slo, 0.0, [[1.1, 1.2]], 1.2, None)  # first token late
+    assert not meets_slo(slo, 0.0, [[0.5, 0.9, 1.3]], 1.3, None)  # TPOT 0.4 s
+    # Choices stream side by side: each within the ITL target, though their tokens
+    # interleave; one late choice fails the mean TPOT.
+    assert meets_slo(slo, 0.0, [[0.9, 0.95, 1.0], [0.9, 0.95, 1.0], [0.92, 0.97]], 1.0, None)
+    assert not meets_slo(slo, 0.0, [[0.9, 1.0], [0.9, 1.9]], 1.9, None)
     # An answer sent whole: it had TTFT + ITL x (tokens - 1) to arrive.
     assert meets_slo(slo, 0.0, [], 1.35, 5)
     assert not meets_slo(slo, 0.0, [], 1.45, 5)

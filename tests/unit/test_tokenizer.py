@@ -11,8 +11,8 @@ import tokenizers
 from transformers import AutoTokenizer
 
 from pdserve.workers.engine.checkpoint import TinyModelSpec, write_tiny_checkpoint
-from pdserve.workers.engine.tiny_tokenizer import generate_corpus
 from pdserve.workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from support.llama_tokenizer import write_llama_tokenizer
 
 SPEC = TinyModelSpec(
     layers=1, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=1024, max_position=4096
@@ -144,41 +144,12 @@ def test_other_chat_templates_render_as_in_transformers(model_dir: Path, tmp_pat
         Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "tool", "content": "x"}])
 
 
-# A SentencePiece-style model directory (Llama-2 and Mistral): metaspace pieces,
-# special tokens written as AddedToken dicts, named chat templates, eos ids in
-# generation_config.json.
-_SENTENCEPIECE_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}"
-    "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
-)
-
-
 @pytest.fixture(scope="module")
 def sentencepiece_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("sentencepiece")
-    backend = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>", byte_fallback=True))
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
-    backend.decoder = tokenizers.decoders.Sequence(
-        [tokenizers.decoders.Metaspace(), tokenizers.decoders.ByteFallback()]
-    )
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
-    )
-    backend.train_from_iterator(generate_corpus(600), trainer)
-    # Byte-fallback pieces are ordinary vocabulary entries, as in Llama-2's tokenizer.
-    content = json.loads(backend.to_str())
-    vocab = content["model"]["vocab"]
-    for byte in range(256):
-        vocab[f"<0x{byte:02X}>"] = len(vocab)
-    (directory / "tokenizer.json").write_text(json.dumps(content))
-    config = {
-        "bos_token": {"content": "<s>", "special": True},
-        "eos_token": {"content": "</s>", "special": True},
-        "chat_template": [{"name": "default", "template": _SENTENCEPIECE_TEMPLATE}],
-    }
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
-    return directory
+    """A SentencePiece-style model directory (Llama-2 and Mistral): metaspace pieces,
+    special tokens written as AddedToken dicts, named chat templates, eos ids in
+    generation_config.json."""
+    return write_llama_tokenizer(tmp_path_factory.mktemp("sentencepiece"))
 
 
 def test_sentencepiece_style_directory(sentencepiece_dir: Path) -> None:
@@ -195,3 +166,18 @@ def test_sentencepiece_style_directory(sentencepiece_dir: Path) -> None:
     )
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert rendered == "<s>[user] hi</s>[assistant] "
+
+
+def test_token_bytes_add_up_to_the_text(tokenizer: Tokenizer, sentencepiece_dir: Path) -> None:
+    # Byte-level BPE: tokens that split a character hold part of its bytes.
+    ids = tokenizer.encode(MULTIBYTE_TEXT, add_special_tokens=False)
+    pieces = [tokenizer.token_bytes(token) for token in ids]
+    assert b"".join(pieces) == MULTIBYTE_TEXT.encode()
+    assert any(piece.decode("utf-8", "replace") == "\ufffd" for piece in pieces)
+    # SentencePiece: the word marker stands for a space, <0xNN> pieces for a byte.
+    pieced = Tokenizer.from_dir(sentencepiece_dir)
+    text = "the model answers 你好 quickly"
+    ids = pieced.encode(text, add_special_tokens=False)
+    assert b"".join(pieced.token_bytes(token) for token in ids).lstrip(b" ") == text.encode()
+    assert pieced.token_bytes(pieced.token_to_id("<0xE4>") or 0) == b"\xe4"
+    assert pieced.token_bytes(1) == b"<s>"  # a special token is its text

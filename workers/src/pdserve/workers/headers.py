@@ -8,3 +8,6 @@ REQUEST_ID_HEADER = "X-Request-Id"
 MODE_HEADER = "X-Pdserve-Mode"
 # The bucket of the routing table a request fell in, on the router's answers.
 BUCKET_HEADER = "X-Pdserve-Bucket"
+# The prefill worker a disaggregated request's decode worker hands its prompt to
+# (honoured only with the pool's credential, and only for one of the pool's workers).
+PREFILL_URL_HEADER = "X-Pdserve-Prefill-Url"

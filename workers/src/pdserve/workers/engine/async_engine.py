@@ -44,8 +44,8 @@ class QueueTimeoutError(RuntimeError):
 
 
 Sink = Callable[[RequestOutput | BaseException], None]
-# Puts a request into the engine (on the engine thread); may return a first output.
-Admit = Callable[[LLMEngine], RequestOutput | None]
+# Puts a request into the engine (on the engine thread); may return first outputs.
+Admit = Callable[[LLMEngine], list[RequestOutput]]
 
 
 @dataclass
@@ -58,6 +58,7 @@ class _Admit:
 @dataclass
 class _Abort:
     request_id: str
+    index: int | None = None  # one choice of a request with n > 1
 
 
 @dataclass
@@ -125,15 +126,18 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         prompt = list(prompt_token_ids)
 
-        def admit(engine: LLMEngine) -> None:
+        def admit(engine: LLMEngine) -> list[RequestOutput]:
             engine.add_request(request_id, prompt, params, hold_blocks=hold_blocks)
+            return []
 
         async for output in self.stream(request_id, admit):
             yield output
 
     async def stream(self, request_id: str, admit: Admit) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of a request that `admit` puts into the engine (on the engine
-        thread), until it finishes. Leaving the iteration early aborts it."""
+        thread), until it finishes: those of every choice for n > 1, each with its
+        index, in the order the engine produced them. Leaving the iteration early
+        aborts it."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
@@ -172,9 +176,10 @@ class AsyncEngine:
         self._post(_Call(function, done))
         return await future
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request by id (no-op if it already ended)."""
-        self._post(_Abort(request_id))
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Abort a request by id, or only its choice `index` (no-op if it already
+        ended); the choice's last output reaches the request's stream."""
+        self._post(_Abort(request_id, index))
 
     def _post(self, command: _Admit | _Abort | _Call) -> None:
         """Queue a command for the engine thread, or answer it at once if the loop died."""
@@ -268,7 +273,7 @@ class AsyncEngine:
             elif isinstance(command, _Call):
                 self._call(command)
             else:
-                self._abort(command.request_id)
+                self._abort(command)
 
     def _admit(self, command: _Admit) -> None:
         try:
@@ -276,10 +281,10 @@ class AsyncEngine:
         except (ValueError, LookupError) as error:
             command.sink(error)
             return
-        if first is None or not first.finished:
+        if not any(output.finished for output in first):
             self._sinks[command.request_id] = command.sink
-        if first is not None:
-            command.sink(first)
+        for output in first:
+            command.sink(output)
 
     def _call(self, command: _Call) -> None:
         try:
@@ -289,9 +294,11 @@ class AsyncEngine:
             return
         command.done(result, None)
 
-    def _abort(self, request_id: str) -> None:
-        output = self.engine.abort(request_id)
-        sink = self._sinks.pop(request_id, None)
+    def _abort(self, command: _Abort) -> None:
+        output = self.engine.abort(command.request_id, command.index)
+        sink = self._sinks.get(command.request_id)
+        if command.index is None or (output is not None and output.finished):
+            self._sinks.pop(command.request_id, None)
         if output is not None and sink is not None:
             sink(output)
 

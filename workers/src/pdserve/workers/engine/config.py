@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 import torch
 
+from pdserve.workers.engine.logprobs import LOGPROBS_MODES, LogprobsMode
+
 SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
 
 DTYPES: dict[str, torch.dtype] = {
@@ -223,3 +225,12 @@ class EngineConfig:
     served_model_name: str | None = None
     # How long a prefill worker keeps a finished prompt's blocks for their transfer.
     handoff_lease_s: float = 30.0
+    # Which log-probabilities requests get: the model's (raw) or the sampler's
+    # (processed: after temperature, top-k, top-p and min_tokens).
+    logprobs_mode: LogprobsMode = "raw_logprobs"
+
+    def __post_init__(self) -> None:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(
+                f"unknown logprobs mode {self.logprobs_mode!r}; known: {', '.join(LOGPROBS_MODES)}"
+            )

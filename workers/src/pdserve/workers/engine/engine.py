@@ -10,11 +10,20 @@ from dataclasses import dataclass, field, replace
 
 from pdserve.workers.engine.budget import budget_policy
 from pdserve.workers.engine.canary import KVCanary, pattern_from_environment
+from pdserve.workers.engine.choices import (
+    add_prompt_logprobs,
+    all_ended,
+    finished_request,
+    fork,
+    prompt_logprobs,
+)
 from pdserve.workers.engine.config import EngineConfig, ModelConfig
 from pdserve.workers.engine.kv_cache import BlockPool, KVCacheManager
 from pdserve.workers.engine.leases import LeaseBook, LeaseError, Reservation
+from pdserve.workers.engine.logprobs import PromptLogprobs
 from pdserve.workers.engine.request import FinishReason, Request, RequestStatus
 from pdserve.workers.engine.runner import ModelRunner, resolve_kv_dtype
+from pdserve.workers.engine.sampler import Sampled
 from pdserve.workers.engine.sampling import InvalidRequestError, SamplingParams
 from pdserve.workers.engine.scheduler import ScheduledChunk, Scheduler
 from pdserve.workers.engine.stats import FinishedRequest, RequestOutput, StepStats
@@ -81,9 +90,12 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         if any(not 0 <= token < vocab for token in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})")
+        self._check_choices(params)
         max_tokens = params.max_tokens if params.max_tokens is not None else 1
         total = num_prompt + max_tokens
-        if num_prompt >= self.max_model_len or total > self.max_model_len:
+        # A prompt that samples must leave room for the token it samples.
+        longest_prompt = self.max_model_len - (1 if max_tokens else 0)
+        if num_prompt > longest_prompt or total > self.max_model_len:
             raise InvalidRequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens; "
                 f"the request has {num_prompt} prompt tokens and asks for {max_tokens} "
@@ -96,6 +108,20 @@ class LLMEngine:
                 f"({num_prompt} prompt + {max_tokens} max_tokens), more than the "
                 f"{capacity} tokens this worker's KV cache holds"
             )
+
+    def _check_choices(self, params: SamplingParams) -> None:
+        """The parts of a request the batch and the vocabulary bound: n and the widths
+        of its log-probabilities (the server's own limits are usually lower)."""
+        seats = self.config.scheduler.max_num_seqs
+        if params.n > seats:
+            raise InvalidRequestError(
+                f"n must not exceed the running batch's {seats} sequences (--max-num-seqs)"
+            )
+        vocab = self.model_config.vocab_size
+        widths = {"logprobs": params.logprobs, "prompt_logprobs": params.prompt_logprobs}
+        for name, width in widths.items():
+            if width is not None and width > vocab:
+                raise InvalidRequestError(f"{name} must not exceed the vocabulary ({vocab})")
 
     def add_request(
         self,
@@ -159,32 +185,46 @@ class LLMEngine:
             hold_until=lease.hold_until,
         )
 
-    def adopt(self, request_id: str, first_token: int) -> RequestOutput:
+    def adopt(
+        self, request_id: str, first: Sampled, prompt: PromptLogprobs | None = None
+    ) -> list[RequestOutput]:
         """Decode side: the reserved blocks now hold the prompt's KV (the write is
-        over); continue the request from the first token as if it had been prefilled
-        here. If the lease is gone (LeaseError) or the token is not in the vocabulary
-        (InvalidRequestError), the blocks are freed and the request ends."""
-        vocab = self.model_config.vocab_size
+        over); continue the request from its first token (one per choice for n > 1:
+        it forks here; none for max_tokens 0) as if it had been prefilled here, with
+        the log-probabilities the prefill worker computed. If the lease is gone
+        (LeaseError) or the tokens do not fit the request (InvalidRequestError), the
+        blocks are freed and the request ends."""
         try:
-            if not 0 <= first_token < vocab:
-                raise InvalidRequestError(f"first token {first_token} not in [0, {vocab})")
+            self._check_first(request_id, first, prompt)
             request = self.leases.take(request_id)
         except (LeaseError, InvalidRequestError):
             self.release(request_id)
             raise
+        if prompt is not None and request.prompt_logprobs is not None:
+            request.prompt_logprobs = [entry for entry in prompt[1:] if entry is not None]
         request.num_computed_tokens = request.num_prompt_tokens
         request.first_scheduled_time = time.monotonic()
         self.kv_cache.cache_full_blocks(
             request_id, request.prompt_token_ids, request.num_computed_tokens
         )
-        request.output_token_ids.append(first_token)
-        reason = self._stop_reason(request, first_token)
         self.scheduler.add_running(request)
-        now = time.monotonic()
-        if reason is not None:
-            self.scheduler.finish(request, reason)
-            self._forget(request)
-        return self._output(request, (first_token,), now)
+        outputs, _ = self._take_sampled([(request, first)], time.monotonic())
+        return outputs
+
+    def _check_first(self, request_id: str, first: Sampled, prompt: PromptLogprobs | None) -> None:
+        """The drawn tokens' count (n, or none for max_tokens 0) and range; prompt
+        log-probabilities, if any, one per prompt token."""
+        request = self._requests.get(request_id)
+        if request is None or request_id not in self.leases:
+            raise LeaseError(f"no lease for request {request_id!r} (unknown or expired)")
+        expected = request.params.n if request.samples else 0
+        if len(first.tokens) != expected:
+            raise InvalidRequestError(f"{len(first.tokens)} first tokens, {expected} expected")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= token < vocab for token in first.tokens):
+            raise InvalidRequestError(f"first tokens must be in [0, {vocab})")
+        if prompt is not None and len(prompt) != request.num_prompt_tokens:
+            raise InvalidRequestError("prompt log-probabilities do not match the prompt")
 
     def held_blocks(self, request_id: str) -> list[int]:
         """Prefill side: the blocks of a finished request that holds them (in prompt
@@ -207,19 +247,31 @@ class LLMEngine:
             self._forget(request)
         return len(expired)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """End a request at once and free its blocks; None if it is not known."""
+    def abort(self, request_id: str, index: int | None = None) -> RequestOutput | None:
+        """End a request at once and free its blocks, or only its choice `index`;
+        None if it is not known (or that choice does not exist yet)."""
         request = self._requests.get(request_id)
         if request is None:
             return None
+        if index is not None and request.params.n > 1:
+            return self._abort_choice(request, index)
         if request_id in self.leases:
             self.leases.release(request_id)
-            request.status = RequestStatus.FINISHED
-            request.finish_reason = FinishReason.ABORT
-        else:
-            self.scheduler.finish(request, FinishReason.ABORT)
+        for part in request.choices or [request]:
+            self.scheduler.finish(part, FinishReason.ABORT)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = request.finish_reason or FinishReason.ABORT
         self._forget(request)
         return self._output(request, (), time.monotonic())
+
+    def _abort_choice(self, request: Request, index: int) -> RequestOutput | None:
+        if request.choices is None or not 0 <= index < len(request.choices):
+            return None
+        choice = request.choices[index]
+        self.scheduler.finish(choice, FinishReason.ABORT)
+        if all_ended(request):
+            self._forget(request)
+        return self._output(choice, (), time.monotonic())
 
     def expire_queued(self, max_wait_s: float) -> list[str]:
         """End the requests that have waited more than `max_wait_s` for their first
@@ -249,12 +301,16 @@ class LLMEngine:
         queries, hits = _prefix_lookups(newly_scheduled, output.chunks)
         features = StepFeatures.of(output.chunks)
         predicted = self.step_cost.predict(features)
-        sampled = self.runner.execute(output, self.kv_cache.block_table) if output.chunks else []
+        ran = self.runner.execute(output, self.kv_cache.block_table) if output.chunks else None
         self.scheduler.update(output)
         now = time.monotonic()
-        if output.chunks:
+        outputs: list[RequestOutput] = []
+        finished: list[FinishedRequest] = []
+        if ran is not None:
             self.step_cost.update(features, now - started)
-        outputs, finished = self._take_sampled(sampled, now)
+            for request, first_token, entries in ran.prompt_logprobs:
+                add_prompt_logprobs(request, first_token, entries)
+            outputs, finished = self._take_sampled(ran.sampled, now)
         interval = now - (self._last_busy_end or started)
         self._last_busy_end = now if self.has_unfinished() else None
         self.budget_policy.step_ended(self._last_busy_end)
@@ -274,22 +330,73 @@ class LLMEngine:
         return StepResult(outputs, stats, finished)
 
     def _take_sampled(
-        self, sampled: list[tuple[Request, int]], now: float
+        self, sampled: list[tuple[Request, Sampled]], now: float
     ) -> tuple[list[RequestOutput], list[FinishedRequest]]:
-        """Append each sampled token to its request and end the requests that stop."""
-        outputs, finished = [], []
-        for request, token in sampled:
-            request.output_token_ids.append(token)
-            reason = self._stop_reason(request, token)
+        """Append what each request drew and end the requests that stop; a request
+        with n > 1 forks into its choices at its first draw."""
+        outputs: list[RequestOutput] = []
+        finished: list[FinishedRequest] = []
+        for request, drawn in sampled:
+            if request.forks:
+                outputs.extend(self._fork(request, drawn, now, finished))
+                continue
+            first = not request.output_token_ids
+            request.output_token_ids.extend(drawn.tokens)
+            reason = self._end_reason(request)
             if reason is not None:
-                self.scheduler.finish(request, reason, free_blocks=not request.hold_blocks)
-                finished.append(self._finished(request, now))
-                if request.hold_blocks:
-                    self.leases.hold(request, self.config.handoff_lease_s)
-                else:
-                    self._forget(request)
-            outputs.append(self._output(request, (token,), now))
+                self._end(request, reason, now, finished)
+            outputs.append(self._output(request, tuple(drawn.tokens), now, drawn, first))
         return outputs, finished
+
+    def _fork(
+        self, parent: Request, drawn: Sampled, now: float, finished: list[FinishedRequest]
+    ) -> list[RequestOutput]:
+        """Turn a request whose prompt is computed into its n choices, each with its
+        first token. The choices that go on share the prompt's blocks (the partial
+        last one copied for all but one); if none goes on, the request's blocks are
+        freed, or held for their transfer on a prefill worker."""
+        choices = fork(parent, drawn.tokens)
+        reasons = [self._end_reason(choice) for choice in choices]
+        going = [choice for choice, reason in zip(choices, reasons, strict=True) if reason is None]
+        if going:
+            placed, copies = self.kv_cache.fork(
+                parent.request_id, [c.request_id for c in going], parent.num_computed_tokens
+            )
+            self.runner.copy_blocks(copies)
+            waiting = going[len(placed) :]
+            for choice in waiting:  # no block for its copy: it computes the prompt again
+                choice.num_computed_tokens = 0
+            self.scheduler.fork(parent, going[: len(placed)], waiting)
+        else:
+            self._end(parent, reasons[-1] or FinishReason.LENGTH, now, [])
+        outputs = []
+        # Ended one by one, so that only the last output says the request ended.
+        for choice, reason in zip(choices, reasons, strict=True):
+            if reason is not None:
+                self._end(choice, reason, now, finished)
+            tokens = tuple(choice.output_token_ids)
+            outputs.append(self._output(choice, tokens, now, drawn.of_choice(choice.index), True))
+        return outputs
+
+    def _end_reason(self, request: Request) -> FinishReason | None:
+        """Why a request ends with the token it just drew (LENGTH when it draws none:
+        max_tokens 0), or None."""
+        if not request.output_token_ids:
+            return FinishReason.LENGTH
+        return self._stop_reason(request, request.output_token_ids[-1])
+
+    def _end(
+        self, request: Request, reason: FinishReason, now: float, finished: list[FinishedRequest]
+    ) -> None:
+        """Finish a request or a choice; once the whole request ended, report it."""
+        self.scheduler.finish(request, reason, free_blocks=not request.hold_blocks)
+        if request.hold_blocks:
+            self.leases.hold(request, self.config.handoff_lease_s)
+        whole = request.parent or request
+        if all_ended(whole):
+            finished.append(finished_request(whole, reason, now))
+            if not whole.hold_blocks:
+                self._forget(whole)
 
     def _over_target(self, features: StepFeatures, interval: float) -> bool:
         """Whether the step's decodes waited longer than the ITL target for its tokens."""
@@ -317,6 +424,7 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.kv_cache.pool.usage,
             leases_expired_total=self.leases.num_expired,
+            kv_blocks_allocated_total=self.kv_cache.pool.num_allocated_total,
             step_cost=self.step_cost.estimate(),
             **counters,  # type: ignore[arg-type]
         )
@@ -337,40 +445,44 @@ class LLMEngine:
 
     def _forget(self, request: Request) -> None:
         self._requests.pop(request.request_id, None)
-        self.runner.sampler.forget(request.request_id)
 
     @staticmethod
-    def _output(request: Request, tokens: tuple[int, ...], now: float) -> RequestOutput:
+    def _output(
+        request: Request,
+        tokens: tuple[int, ...],
+        now: float,
+        drawn: Sampled | None = None,
+        first: bool = False,
+    ) -> RequestOutput:
+        """A choice's output (or a request's); `first`: its first, which carries the
+        prompt's log-probabilities."""
+        whole = request.parent or request
+        logprobs = drawn.logprobs if drawn is not None else None
         return RequestOutput(
-            request_id=request.request_id,
+            request_id=whole.request_id,
             new_token_ids=tokens,
-            finished=request.is_finished,
+            finished=all_ended(whole),
             finish_reason=request.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=len(request.output_token_ids),
             num_cached_tokens=request.num_cached_tokens,
             time=now,
-        )
-
-    @staticmethod
-    def _finished(request: Request, now: float) -> FinishedRequest:
-        assert request.finish_reason is not None
-        return FinishedRequest(
-            request_id=request.request_id,
-            arrival_time=request.arrival_time,
-            first_scheduled_time=request.first_scheduled_time,
-            finish_time=now,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=len(request.output_token_ids),
-            num_cached_tokens=request.num_cached_tokens,
-            num_preemptions=request.num_preemptions,
-            finish_reason=request.finish_reason,
+            index=request.index,
+            logprobs=None if logprobs is None else tuple(logprobs),
+            prompt_logprobs=prompt_logprobs(whole) if first else None,
         )
 
 
 def _prefix_lookups(candidates: list[Request], chunks: Sequence[ScheduledChunk]) -> tuple[int, int]:
     """Prompt tokens looked up in the prefix cache by requests admitted this step,
-    and how many of them were found."""
+    and how many of them were found (a request scoring its prompt looks up nothing)."""
     admitted = {chunk.request for chunk in chunks}
-    fresh = [r for r in candidates if r in admitted and r.num_preemptions == 0]
+    fresh = [
+        r
+        for r in candidates
+        if r in admitted
+        and r.num_preemptions == 0
+        and r.parent is None
+        and r.params.prompt_logprobs is None
+    ]
     return sum(r.num_prompt_tokens for r in fresh), sum(r.num_cached_tokens for r in fresh)

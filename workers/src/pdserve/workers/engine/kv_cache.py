@@ -55,6 +55,8 @@ class BlockPool:
         self._hashes: list[BlockHash | None] = [None] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
+        # Blocks handed out by `allocate`, since start (shared blocks count once).
+        self.num_allocated_total = 0
 
     @property
     def num_free(self) -> int:
@@ -76,6 +78,7 @@ class BlockPool:
             self._evict(block)
             self._ref_counts[block] = 1
             blocks.append(block)
+        self.num_allocated_total += count
         if self.watcher is not None:
             self.watcher.taken(blocks)
         return blocks
@@ -185,6 +188,36 @@ class KVCacheManager:
             block_hash = hash_block(parent, token_ids[start : start + self.block_size])
             hashes.append(block_hash)
             self.pool.register(table[index], block_hash)
+
+    def fork(
+        self, parent_id: str, child_ids: Sequence[str], num_tokens: int
+    ) -> tuple[list[str], list[tuple[int, int]]]:
+        """Hand the blocks holding a request's first `num_tokens` tokens to its
+        children: the first takes the request's table, each other one shares its full
+        blocks (one more reference each) and gets a block of its own for the partial
+        last one, which all of them will write into. Returns the children that got a
+        table (fewer than asked when blocks ran out: the others hold none) and the
+        (source, destination) copies of the partial block to make before any child
+        writes."""
+        assert child_ids, "a fork needs a child to take the blocks"
+        table = self._tables.pop(parent_id)
+        hashes = self._hashes.pop(parent_id)
+        first, *others = child_ids
+        self._tables[first], self._hashes[first] = table, hashes
+        num_full = num_tokens // self.block_size
+        shared, partial = table[:num_full], table[num_full : self.blocks_for(num_tokens)]
+        placed, copies = [first], list[tuple[int, int]]()
+        for child in others:
+            own = self.pool.allocate(len(partial))
+            if own is None:
+                break
+            for block in shared:
+                self.pool.acquire(block)
+            self._tables[child] = shared + own
+            self._hashes[child] = list(hashes)
+            copies.extend(zip(partial, own, strict=True))
+            placed.append(child)
+        return placed, copies
 
     def free(self, request_id: str) -> None:
         """Release every block of a request (finished, aborted or preempted)."""

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pdserve.workers.engine.logprobs import TokenLogprob
 from pdserve.workers.engine.sampling import SamplingParams
 
 
@@ -45,6 +46,41 @@ class Request:
     # P/D hand-off: a prefill worker's request keeps its blocks when it finishes,
     # under a lease (see leases.py), until they are sent.
     hold_blocks: bool = False
+    # Choices (n > 1): a choice knows the request it forked from and its index; the
+    # request knows its choices once it forked.
+    index: int = 0
+    parent: Request | None = None
+    choices: list[Request] | None = None
+    # Log-probabilities of prompt tokens 1.. computed so far (None: not asked for).
+    # A recomputed (preempted) prompt skips the positions already here.
+    prompt_logprobs: list[TokenLogprob] | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = []
+
+    @property
+    def forks(self) -> bool:
+        """Whether the next token sampled is the first of `n` > 1 choices."""
+        return self.params.n > 1 and self.choices is None
+
+    def choice_id(self, index: int) -> str:
+        """The engine's id of choice `index` of this request."""
+        return f"{self.request_id}#{index}"
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether prompt log-probabilities are still to be computed: then the prompt
+        is computed in full, never taken from the prefix cache (a cached position
+        computes no logits)."""
+        done = self.prompt_logprobs
+        return done is not None and len(done) < self.num_prompt_tokens - 1
+
+    @property
+    def samples(self) -> bool:
+        """Whether computing the prompt's last token also samples (not for
+        max_tokens 0: the prompt is all it asks for)."""
+        return self.params.max_tokens != 0
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -10,9 +10,10 @@ import torch
 
 from pdserve.workers.engine.attention import AttentionMetadata, PrefillSegment
 from pdserve.workers.engine.config import DTYPES, ConfigError, EngineConfig, ModelConfig
+from pdserve.workers.engine.logprobs import TokenLogprob, token_logprobs
 from pdserve.workers.engine.model import CausalLM, load_model
 from pdserve.workers.engine.request import Request
-from pdserve.workers.engine.sampler import Sampler
+from pdserve.workers.engine.sampler import Sampled, Sampler
 from pdserve.workers.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 BlockTables = Callable[[str], list[int]]
@@ -39,14 +40,40 @@ def resolve_dtype(config: EngineConfig, model: ModelConfig) -> torch.dtype:
 
 
 @dataclass(frozen=True)
+class PromptRows:
+    """Logits rows of a chunk whose prompt log-probabilities are asked for: rows
+    [first_row, first_row + len(targets)) hold the distributions of `targets`, the
+    prompt tokens from index `first_token` on."""
+
+    request: Request
+    first_row: int
+    first_token: int
+    targets: list[int]
+
+
+@dataclass(frozen=True)
 class Batch:
-    """The tensors of one forward pass and which chunk each sampled row belongs to."""
+    """The tensors of one forward pass, which chunk each sampled row belongs to, and
+    the rows that give prompt log-probabilities."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_rows: torch.Tensor
     sampling_chunks: tuple[ScheduledChunk, ...]
+    sampling_rows: tuple[int, ...] = ()  # where each sampling chunk's row is in the logits
+    prompt_rows: tuple[PromptRows, ...] = ()
+    # Chunks that complete a prompt whose request samples nothing (max_tokens 0).
+    scoring_chunks: tuple[ScheduledChunk, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What a step's forward pass produced for its requests."""
+
+    sampled: list[tuple[Request, Sampled]]
+    # Prompt log-probabilities computed this step: (request, first token index, entries).
+    prompt_logprobs: list[tuple[Request, int, list[TokenLogprob]]]
 
 
 class ModelRunner:
@@ -71,68 +98,150 @@ class ModelRunner:
             dtype=resolve_kv_dtype(config, model_config),
             device=self.device,
         )
-        self.sampler = Sampler(self.device, config.seed, frozenset(model_config.eos_token_ids))
+        self.sampler = Sampler(
+            self.device,
+            config.seed,
+            frozenset(model_config.eos_token_ids),
+            config.logprobs_mode,
+        )
 
-    def execute(
-        self, output: SchedulerOutput, block_tables: BlockTables
-    ) -> list[tuple[Request, int]]:
-        """Run one step; return the token sampled for each request that reached the
-        end of its tokens."""
+    def execute(self, output: SchedulerOutput, block_tables: BlockTables) -> StepOutput:
+        """Run one step: what each request that reached the end of its tokens drew
+        (nothing for a request with max_tokens 0), and the prompt log-probabilities
+        the step computed."""
         batch = self.prepare(output, block_tables)
         logits = self.model(
             batch.input_ids, batch.positions, self.kv_cache, batch.meta, batch.logits_rows
         )
         requests = [chunk.request for chunk in batch.sampling_chunks]
-        tokens = self.sampler.sample(logits, requests)
-        return list(zip(requests, tokens, strict=True))
+        rows = torch.tensor(batch.sampling_rows, dtype=torch.long, device=self.device)
+        drawn = self.sampler.sample(logits[rows], requests) if requests else []
+        sampled = list(zip(requests, drawn, strict=True))
+        sampled += [(chunk.request, Sampled([])) for chunk in batch.scoring_chunks]
+        scored = [self._prompt_logprobs(logits, rows) for rows in batch.prompt_rows]
+        return StepOutput(sampled, scored)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy KV blocks (source, destination) in every layer: a fork's partial last
+        block, before any of its choices writes into it."""
+        if not copies:
+            return
+        sources = self._long([source for source, _ in copies])
+        destinations = self._long([destination for _, destination in copies])
+        self.kv_cache[:, destinations] = self.kv_cache[:, sources]
+
+    def _prompt_logprobs(
+        self, logits: torch.Tensor, rows: PromptRows
+    ) -> tuple[Request, int, list[TokenLogprob]]:
+        params = rows.request.params
+        assert params.prompt_logprobs is not None
+        span = logits[rows.first_row : rows.first_row + len(rows.targets)]
+        if self.sampler.logprobs_mode == "processed_logprobs":
+            values = self.sampler.processed(span, params)
+        else:
+            values = torch.log_softmax(span, dim=-1)
+        width = [params.prompt_logprobs] * len(rows.targets)
+        return rows.request, rows.first_token, token_logprobs(values, rows.targets, width)
 
     def prepare(self, output: SchedulerOutput, block_tables: BlockTables) -> Batch:
         """Flatten the step's chunks into batch tensors: single-token chunks first, as
         they take the batched decode path."""
-        chunks = sorted(output.chunks, key=lambda chunk: chunk.num_tokens > 1)
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slot_blocks: list[int] = []
-        slot_offsets: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillSegment] = []
-        logits_rows: list[int] = []
-        sampling: list[ScheduledChunk] = []
-        for chunk in chunks:
-            table = block_tables(chunk.request.request_id)
-            start, end = chunk.start, chunk.start + chunk.num_tokens
-            row = len(token_ids)
-            token_ids.extend(chunk.request.all_token_ids[start:end])
-            span = range(start, end)
-            positions.extend(span)
-            slot_blocks.extend(table[p // self.block_size] for p in span)
-            slot_offsets.extend(p % self.block_size for p in span)
-            used_blocks = table[: -(-end // self.block_size)]
-            if chunk.num_tokens == 1:
-                decode_tables.append(used_blocks)
-                decode_lens.append(end)
-            else:
-                prefills.append(PrefillSegment(row, len(token_ids), end, self._long(used_blocks)))
-            if chunk.samples:
-                logits_rows.append(len(token_ids) - 1)
-                sampling.append(chunk)
-        width = max((len(t) for t in decode_tables), default=0)
+        builder = _BatchBuilder(self.block_size, self.device)
+        for chunk in sorted(output.chunks, key=lambda chunk: chunk.num_tokens > 1):
+            builder.add(chunk, block_tables(chunk.request.request_id))
+        return builder.build()
+
+    def _long(self, values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+class _BatchBuilder:
+    """Collects a step's chunks into the lists a Batch is made of."""
+
+    def __init__(self, block_size: int, device: str) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.token_ids: list[int] = []
+        self.positions: list[int] = []
+        self.slot_blocks: list[int] = []
+        self.slot_offsets: list[int] = []
+        self.decode_tables: list[list[int]] = []
+        self.decode_lens: list[int] = []
+        self.prefills: list[PrefillSegment] = []
+        self.logits_rows: list[int] = []
+        self.sampling: list[ScheduledChunk] = []
+        self.sampling_rows: list[int] = []
+        self.prompt_rows: list[PromptRows] = []
+        self.scoring: list[ScheduledChunk] = []
+
+    def add(self, chunk: ScheduledChunk, table: list[int]) -> None:
+        """Append a chunk's tokens, their KV slots, and the logits rows it needs."""
+        start, end = chunk.start, chunk.start + chunk.num_tokens
+        row = len(self.token_ids)
+        self.token_ids.extend(chunk.request.all_token_ids[start:end])
+        span = range(start, end)
+        self.positions.extend(span)
+        self.slot_blocks.extend(table[p // self.block_size] for p in span)
+        self.slot_offsets.extend(p % self.block_size for p in span)
+        used_blocks = table[: -(-end // self.block_size)]
+        if chunk.num_tokens == 1:
+            self.decode_tables.append(used_blocks)
+            self.decode_lens.append(end)
+        else:
+            segment = PrefillSegment(row, len(self.token_ids), end, self._long(used_blocks))
+            self.prefills.append(segment)
+        self._add_logits_rows(chunk, row)
+
+    def _add_logits_rows(self, chunk: ScheduledChunk, row: int) -> None:
+        """Rows for the prompt log-probabilities the chunk gives, then its sampling row."""
+        scored = _scored_positions(chunk)
+        if scored:
+            prompt = chunk.request.prompt_token_ids
+            targets = [prompt[p + 1] for p in scored]
+            first_row = len(self.logits_rows)
+            self.prompt_rows.append(PromptRows(chunk.request, first_row, scored[0] + 1, targets))
+            self.logits_rows.extend(row + p - chunk.start for p in scored)
+        if chunk.samples and chunk.request.samples:
+            self.sampling_rows.append(len(self.logits_rows))
+            self.logits_rows.append(len(self.token_ids) - 1)
+            self.sampling.append(chunk)
+        elif chunk.samples:
+            self.scoring.append(chunk)
+
+    def build(self) -> Batch:
+        """The batch's tensors."""
+        long = self._long
+        width = max((len(t) for t in self.decode_tables), default=0)
+        padded = [t + [0] * (width - len(t)) for t in self.decode_tables]
         meta = AttentionMetadata(
-            slot_blocks=self._long(slot_blocks),
-            slot_offsets=self._long(slot_offsets),
-            num_decode_tokens=len(decode_tables),
-            decode_block_tables=self._long([t + [0] * (width - len(t)) for t in decode_tables]),
-            decode_context_lens=self._long(decode_lens),
-            prefills=tuple(prefills),
+            slot_blocks=long(self.slot_blocks),
+            slot_offsets=long(self.slot_offsets),
+            num_decode_tokens=len(self.decode_tables),
+            decode_block_tables=long(padded),
+            decode_context_lens=long(self.decode_lens),
+            prefills=tuple(self.prefills),
         )
         return Batch(
-            self._long(token_ids),
-            self._long(positions),
+            long(self.token_ids),
+            long(self.positions),
             meta,
-            self._long(logits_rows),
-            tuple(sampling),
+            long(self.logits_rows),
+            tuple(self.sampling),
+            tuple(self.sampling_rows),
+            tuple(self.prompt_rows),
+            tuple(self.scoring),
         )
 
     def _long(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def _scored_positions(chunk: ScheduledChunk) -> range:
+    """Positions of the chunk whose logits give prompt log-probabilities not yet
+    computed: position p gives that of prompt token p + 1."""
+    request = chunk.request
+    if request.prompt_logprobs is None:
+        return range(0)
+    done = len(request.prompt_logprobs)  # tokens 1..done have theirs
+    last = request.num_prompt_tokens - 1  # the last prompt position predicts no prompt token
+    return range(max(chunk.start, done), min(chunk.start + chunk.num_tokens, last))

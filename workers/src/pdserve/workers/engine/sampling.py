@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 class InvalidRequestError(ValueError):
@@ -14,7 +14,9 @@ class SamplingParams:
     """How to pick tokens and when to stop.
 
     temperature 0 is greedy. A seed makes a sampled request reproducible, whatever
-    else shares its batch.
+    else shares its batch. With `n` > 1 the prompt is computed once and `n` choices
+    are drawn from it; choice i behaves as a request of its own with seed `seed + i`.
+    max_tokens 0 computes the prompt (for its log-probabilities) and samples nothing.
     """
 
     max_tokens: int | None = 16  # None: up to the model's context length
@@ -27,6 +29,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    n: int = 1
+    logprobs: int | None = None  # per sampled token: its logprob and this many alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token
 
     @property
     def greedy(self) -> bool:
@@ -36,7 +41,7 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first parameter out of range."""
         checks: list[tuple[bool, str]] = [
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1"),
+            (self.max_tokens is None or self.max_tokens >= 0, "max_tokens must not be negative"),
             (0.0 <= self.temperature <= 100.0, "temperature must be between 0 and 100"),
             (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
             (self.top_k >= 0, "top_k must be 0 (disabled) or positive"),
@@ -46,8 +51,23 @@ class SamplingParams:
                 "min_tokens must not exceed max_tokens",
             ),
             (all(self.stop), "stop strings must not be empty"),
-            (self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)"),
+            (
+                self.seed is None or 0 <= self.seed <= 2**63 - self.n,
+                "seed must be in [0, 2**63 - n]",
+            ),
+            (self.n >= 1, "n must be at least 1"),
+            (self.logprobs is None or self.logprobs >= 0, "logprobs must not be negative"),
+            (
+                self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+                "prompt_logprobs must not be negative",
+            ),
         ]
         for ok, message in checks:
             if not ok:
                 raise InvalidRequestError(message)
+
+    def choice(self, index: int) -> SamplingParams:
+        """The parameters of choice `index` of a request with n > 1: a request of its
+        own, seeded `seed + index`, whose prompt is already computed."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed, prompt_logprobs=None)

@@ -132,7 +132,7 @@ class Scheduler:
         prefilling = sorted(
             (r for r in self.running if r.is_prefilling), key=lambda r: r.arrival_time
         )
-        seats = max(0, self.config.max_num_seqs - len(self.running))
+        seats = max(0, self.config.max_num_seqs - self._seats_taken())
         queued = [*prefilling, *islice(self.waiting, seats)]
         prefills = tuple(
             PrefillWork(r.num_computed_tokens, r.num_tokens - r.num_computed_tokens) for r in queued
@@ -160,9 +160,11 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> int:
         """Admit waiting requests in arrival order while budget, seats and blocks last."""
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0:
             request = self.waiting[0]
-            if request.num_computed_tokens == 0:
+            if self._seats_taken() + request.params.n > self.config.max_num_seqs:
+                break
+            if request.num_computed_tokens == 0 and not request.needs_prompt_logits:
                 cached = self.kv_cache.find_cached_prefix(request.request_id, request.all_token_ids)
                 request.num_computed_tokens = cached
                 request.num_cached_tokens = min(cached, request.num_prompt_tokens)
@@ -184,6 +186,11 @@ class Scheduler:
             chunks.append(ScheduledChunk.of(request, num_tokens))
             budget -= num_tokens
         return budget
+
+    def _seats_taken(self) -> int:
+        """Seats of the running batch in use: a request that will fork into n choices
+        holds n from the start, so the fork never overfills the batch."""
+        return sum(request.params.n for request in self.running)
 
     def _unschedule(self, request: Request) -> None:
         """Give back the prefix-cache blocks a waiting request picked up this step."""
@@ -210,6 +217,18 @@ class Scheduler:
             self.kv_cache.cache_full_blocks(
                 request.request_id, request.all_token_ids, request.num_computed_tokens
             )
+
+    def fork(self, parent: Request, running: list[Request], waiting: list[Request]) -> None:
+        """Replace a running request by its choices: those holding blocks run from the
+        next step, the others wait at the head of the queue to compute the prompt again
+        (blocks ran out for them)."""
+        self.running.remove(parent)
+        for choice in running:
+            choice.status = RequestStatus.RUNNING
+            self.running.append(choice)
+        for choice in reversed(waiting):
+            choice.status = RequestStatus.WAITING
+            self.waiting.appendleft(choice)
 
     def finish(self, request: Request, reason: FinishReason, free_blocks: bool = True) -> None:
         """End a request (stopped, too long, or aborted); free its blocks unless the

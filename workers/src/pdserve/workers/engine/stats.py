@@ -4,22 +4,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.workers.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.workers.engine.request import FinishReason
 from pdserve.workers.engine.step_cost import StepCostEstimate
 
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """What one step produced for one request."""
+    """What one step produced for one choice of a request (a request with n = 1 has
+    one choice, index 0)."""
 
     request_id: str
     new_token_ids: tuple[int, ...]
-    finished: bool
-    finish_reason: FinishReason | None
+    finished: bool  # the request ended: every choice did
+    finish_reason: FinishReason | None  # this choice's, once it ended
     num_prompt_tokens: int
-    num_output_tokens: int
+    num_output_tokens: int  # of this choice
     num_cached_tokens: int
     time: float  # time.monotonic() when the step ended
+    index: int = 0
+    # One per new token, when the request asked for log-probabilities.
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    # The prompt's, on each choice's first output, when asked for.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,7 @@ class StepStats:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache this step
     prefix_cache_hits: int  # of which found
     leases_expired_total: int  # hand-off leases that ran out, since start
+    kv_blocks_allocated_total: int = 0  # KV blocks handed out, since start
     token_budget: int = 0  # tokens the step was allowed to compute
     predicted_duration_s: float = 0.0  # the step-cost model's prediction for this step
     # The step's decodes waited longer than the ITL target for its tokens (since the

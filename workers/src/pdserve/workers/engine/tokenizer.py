@@ -8,6 +8,7 @@ the special tokens and the chat template.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,8 @@ class Tokenizer:
         self._settings = settings
         self.bos_id: int | None = self._token_id(settings.special_tokens.get("bos_token"))
         self.eos_ids: frozenset[int] = self._collect_eos_ids()
+        self._byte_level = _is_byte_level(json.loads(backend.to_str()).get("decoder"))
+        self._token_bytes: dict[int, bytes] = {}
 
     @classmethod
     def from_dir(cls, path: Path | str) -> Tokenizer:
@@ -75,6 +78,23 @@ class Tokenizer:
         text: str = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return text
 
+    def token_string(self, token_id: int) -> str | None:
+        """A token's own form in the vocabulary (e.g. `Ġthe`), None for an unknown id."""
+        token: str | None = self._backend.id_to_token(token_id)
+        return token
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for, alone: part of a character for tokens that
+        split one (what text decoding would show as U+FFFD), a word's leading space
+        included. Special tokens stand for their text."""
+        cached = self._token_bytes.get(token_id)
+        if cached is None:
+            token = self.token_string(token_id) or ""
+            cached = self._token_bytes[token_id] = (
+                _byte_level_bytes(token) if self._byte_level else _piece_bytes(token)
+            )
+        return cached
+
     def token_to_id(self, token: str) -> int | None:
         """Id of a token by its text form, or None if the vocabulary lacks it."""
         token_id: int | None = self._backend.token_to_id(token)
@@ -103,6 +123,46 @@ class Tokenizer:
         names = [self._settings.special_tokens.get("eos_token"), *_END_OF_TURN_TOKENS]
         ids = {self._token_id(name) for name in names}
         return frozenset(i for i in ids if i is not None) | self._settings.extra_eos_ids
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The byte-level BPE alphabet: each byte as the printable character standing
+    for it in the vocabulary (GPT-2's table)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table = {byte: chr(byte) for byte in printable}
+    shifted = 0
+    for byte in range(256):
+        if byte not in table:
+            table[byte] = chr(256 + shifted)
+            shifted += 1
+    return table
+
+
+_BYTE_OF_CHAR = {char: byte for byte, char in _bytes_to_unicode().items()}
+_BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def _is_byte_level(decoder: Any) -> bool:
+    """Whether a tokenizer.json decoder (possibly a Sequence) decodes byte-level BPE."""
+    if not isinstance(decoder, dict):
+        return False
+    if decoder.get("type") == "Sequence":
+        return any(_is_byte_level(part) for part in decoder.get("decoders", []))
+    return decoder.get("type") == "ByteLevel"
+
+
+def _byte_level_bytes(token: str) -> bytes:
+    if all(char in _BYTE_OF_CHAR for char in token):
+        return bytes(_BYTE_OF_CHAR[char] for char in token)
+    return token.encode("utf-8")  # an added token, written as plain text
+
+
+def _piece_bytes(token: str) -> bytes:
+    """SentencePiece-style: `<0xNN>` byte pieces, `▁` for a space."""
+    match = _BYTE_PIECE.match(token)
+    if match:
+        return bytes([int(match.group(1), 16)])
+    return token.replace("\u2581", " ").encode("utf-8")
 
 
 def _read_json(path: Path) -> dict[str, Any]:

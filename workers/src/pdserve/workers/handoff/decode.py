@@ -32,8 +32,11 @@ from pydantic import ValidationError
 from pdserve.workers.api_errors import validation_message
 from pdserve.workers.engine.async_engine import AsyncEngine
 from pdserve.workers.engine.leases import LeaseError, Reservation
+from pdserve.workers.engine.logprobs import PromptLogprobs
+from pdserve.workers.engine.sampler import Sampled
 from pdserve.workers.engine.sampling import InvalidRequestError, SamplingParams
 from pdserve.workers.engine.stats import RequestOutput
+from pdserve.workers.handoff.answers import drawn_inconsistencies
 from pdserve.workers.handoff.blocking import BlockingCalls
 from pdserve.workers.handoff.errors import HandoffError
 from pdserve.workers.handoff.observer import HandoffObserver
@@ -76,6 +79,8 @@ class _Attempt:
     url: str
     pair: str
     reservation: Reservation
+    prompt: list[int]
+    params: SamplingParams
 
     @property
     def last_chance(self) -> float:
@@ -111,6 +116,7 @@ class DecodeHandoff:
         self.margin_s = release_margin(lease_s)
         self.calls = BlockingCalls()
         self.peers = PrefillPeers(agent, self.calls)
+        self.vocab = engine.engine.model_config.vocab_size
         self.headers = headers or {}  # sent to prefill workers: the pool's credential
         self._session: aiohttp.ClientSession | None = None
         self._settling: set[asyncio.Task[None]] = set()
@@ -161,9 +167,9 @@ class DecodeHandoff:
         """The outputs of the request once its KV is adopted, the first one taken."""
         # The engine's id of this hand-off: unique, whatever id the client gave.
         transfer_id = f"{request_id[:64]}.kv-{uuid.uuid4().hex[:16]}"
-        first_token = await self._prefill_remotely(transfer_id, prompt, params, url)
+        drawn, prompt_logprobs = await self._prefill_remotely(transfer_id, prompt, params, url)
         outputs = self.engine.stream(
-            transfer_id, lambda engine: engine.adopt(transfer_id, first_token)
+            transfer_id, lambda engine: engine.adopt(transfer_id, drawn, prompt_logprobs)
         )
         try:
             first = await anext(outputs)
@@ -179,9 +185,10 @@ class DecodeHandoff:
 
     async def _prefill_remotely(
         self, transfer_id: str, prompt: list[int], params: SamplingParams, url: str
-    ) -> int:
-        """Have the prefill worker at `url` write the prompt's KV into reserved blocks;
-        the first token. On failure the blocks are released once that is safe."""
+    ) -> tuple[Sampled, PromptLogprobs | None]:
+        """Have the prefill worker at `url` write the prompt's KV into reserved blocks
+        (once, whatever n); the first token of each choice with the log-probabilities
+        asked for. On failure the blocks are released once that is safe."""
         session = self._http()
         pair = await self.peers.hold(session, url, time.monotonic() + self.lease_s)
         try:
@@ -199,11 +206,11 @@ class DecodeHandoff:
         except BaseException:  # nothing was posted
             self.engine.abort(transfer_id)
             raise
-        attempt = _Attempt(url, pair, reservation)
-        asking = asyncio.ensure_future(self._ask_prefill(session, attempt, prompt, params))
+        attempt = _Attempt(url, pair, reservation, prompt, params)
+        asking = asyncio.ensure_future(self._ask_prefill(session, attempt))
         try:
             reply = await asyncio.shield(asking)
-            first_token = self._accept(reply, attempt)
+            drawn = self._accept(reply, attempt)
             await self.calls.move(reservation.deadline, pending.wait)
         except BaseException as error:
             self._settle_later(attempt, asking, pending)
@@ -213,7 +220,7 @@ class DecodeHandoff:
             raise failure from error
         self.peers.let_go(url)
         self.metrics.observe_peers(self.agent.num_peers())
-        return first_token
+        return drawn
 
     async def _expect(
         self, session: aiohttp.ClientSession, url: str, pair: str, reservation: Reservation
@@ -241,20 +248,14 @@ class DecodeHandoff:
         self.peers.let_go(url)
         return HandoffError(f"KV transfer failed: {error}", "transfer_failed")
 
-    async def _ask_prefill(
-        self,
-        session: aiohttp.ClientSession,
-        attempt: _Attempt,
-        prompt: list[int],
-        params: SamplingParams,
-    ) -> Reply:
+    async def _ask_prefill(self, session: aiohttp.ClientSession, attempt: _Attempt) -> Reply:
         reservation = attempt.reservation
         left = reservation.deadline - time.monotonic()
         body = PrefillRequest(
             peer=attempt.pair,
             request_id=reservation.request_id,
-            prompt_token_ids=prompt,
-            sampling=WireSampling.of(params),
+            prompt_token_ids=attempt.prompt,
+            sampling=WireSampling.of(attempt.params),
             block_ids=reservation.block_ids,
             first_block=reservation.first_block,
             lease_ms=max(1, int(left * 1000)),
@@ -263,9 +264,9 @@ class DecodeHandoff:
             session, f"{attempt.url}/pd/prefill", body.model_dump(), reservation.deadline
         )
 
-    def _accept(self, reply: Reply, attempt: _Attempt) -> int:
-        """The first token of a prefill worker's answer, once every field checks out
-        against what was asked (HandoffError otherwise)."""
+    def _accept(self, reply: Reply, attempt: _Attempt) -> tuple[Sampled, PromptLogprobs | None]:
+        """The first tokens of a prefill worker's answer and the log-probabilities,
+        once every field checks out against what was asked (HandoffError otherwise)."""
         if not reply.ok:
             error = reply.error()
             if error.code == "unknown_peer":  # it forgot the pair: meet again next time
@@ -277,24 +278,20 @@ class DecodeHandoff:
             message = f"{attempt.url} answered a malformed hand-off: {validation_message(error)}"
             raise HandoffError(message, "bad_handoff") from error
         problems = self._inconsistencies(answer, attempt.reservation)
+        problems += drawn_inconsistencies(answer, attempt.prompt, attempt.params, self.vocab)
         if problems:
             message = f"{attempt.url} answered an inconsistent hand-off: {'; '.join(problems)}"
             raise HandoffError(message, "bad_handoff")
         stats = TransferStats(answer.bytes, answer.transfer_seconds, answer.descriptors)
         self.metrics.observe_transfer(stats)
-        return answer.first_token
+        return answer.drawn()
 
     def _inconsistencies(self, answer: PrefillAnswer, reservation: Reservation) -> list[str]:
         """What in a well-formed answer contradicts the hand-off asked for."""
-        vocab = self.engine.engine.model_config.vocab_size
         layout = self.agent.layout
         blocks = len(reservation.block_ids)
         copies = blocks * layout.num_layers  # most descriptors: one per block per layer
         problems = []
-        if not answer.first_token < vocab:
-            problems.append(
-                f"first_token {answer.first_token} is outside the vocabulary (< {vocab})"
-            )
         if answer.blocks != blocks:
             problems.append(f"{answer.blocks} blocks written, {blocks} asked for")
         if answer.bytes != copies * layout.block_bytes:

@@ -1,8 +1,9 @@
 """The prefill worker's side of the hand-off: `/pd/connect`, `/pd/prefill` and
 `/pd/cancel`.
 
-A prefill runs as an ordinary request of one token under this worker's own token
-budget (chunked), keeping its KV blocks when it finishes; the blocks are then
+A prefill runs as an ordinary request of one token (one per choice for n > 1, none
+when only the prompt's log-probabilities are asked for) under this worker's own
+token budget (chunked), keeping its KV blocks when it finishes; the blocks are then
 written into the decode worker's reserved blocks and released. They are released
 whatever happens: written, failed, past the deadline, cancelled, or the decode
 worker gone, and only once the write has stopped reading them.
@@ -32,6 +33,8 @@ from pdserve.workers import faults
 from pdserve.workers.api_errors import APIError, read_body
 from pdserve.workers.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.workers.engine.leases import LeaseError
+from pdserve.workers.engine.logprobs import PromptLogprobs, TokenLogprob
+from pdserve.workers.engine.sampler import Sampled
 from pdserve.workers.engine.sampling import InvalidRequestError
 from pdserve.workers.handoff.blocking import BlockingCalls
 from pdserve.workers.handoff.expiring import ExpiringMap
@@ -43,6 +46,8 @@ from pdserve.workers.handoff.protocol import (
     ConnectRequest,
     PrefillAnswer,
     PrefillRequest,
+    WireLogprob,
+    wire_prompt_logprobs,
 )
 from pdserve.workers.kv_transfer.base import (
     KVTransferAgent,
@@ -65,6 +70,8 @@ ENDED_MEMORY_S = 60.0
 MAX_ENDED = 65536
 
 Key = tuple[str, str]  # (pair id, the decode worker's transfer id)
+# What the prefill drew (a token per choice) and the prompt's log-probabilities.
+Drawn = tuple[Sampled, PromptLogprobs | None]
 
 
 @dataclass
@@ -76,7 +83,7 @@ class _Transfer:
     deadline: float
     cancelled: threading.Event = field(default_factory=threading.Event)
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
-    computing: asyncio.Task[int] | None = None
+    computing: asyncio.Task[Drawn] | None = None
 
     @property
     def key(self) -> Key:
@@ -208,8 +215,8 @@ class PrefillService:
         writing: asyncio.Future[TransferStats] | None = None
         try:
             self._check(body)
-            transfer.computing = asyncio.ensure_future(self._first_token(request_id, body))
-            first_token = await transfer.computing
+            transfer.computing = asyncio.ensure_future(self._first_draw(request_id, body))
+            drawn, prompt_logprobs = await transfer.computing
             self._check_going(transfer)
             blocks = await self.engine.call(lambda engine: engine.held_blocks(request_id))
             writing = asyncio.ensure_future(
@@ -249,8 +256,11 @@ class PrefillService:
                 await self._decline(body.peer, body.block_ids, body.request_id)
                 self._end(transfer)
         self.metrics.observe_transfer(stats)
+        logprobs = drawn.logprobs
         return PrefillAnswer(
-            first_token=first_token,
+            first_tokens=drawn.tokens,
+            logprobs=None if logprobs is None else [WireLogprob.of(e) for e in logprobs],
+            prompt_logprobs=wire_prompt_logprobs(prompt_logprobs),
             blocks=len(body.block_ids),
             bytes=stats.bytes,
             transfer_seconds=stats.seconds,
@@ -283,16 +293,26 @@ class PrefillService:
             message = "the hand-off's deadline passed before the write began"
             raise _refused(410, message, "lease_expired")
 
-    async def _first_token(self, request_id: str, body: PrefillRequest) -> int:
+    async def _first_draw(self, request_id: str, body: PrefillRequest) -> Drawn:
+        """Compute the prompt (keeping its blocks) and draw its first token, one per
+        choice; with the log-probabilities asked for."""
         params = body.sampling.first_token_params()
-        tokens: list[int] = []
+        tokens: dict[int, int] = {}
+        logprobs: dict[int, TokenLogprob] = {}
+        prompt: PromptLogprobs | None = None
         outputs = self.engine.generate(body.prompt_token_ids, params, request_id, hold_blocks=True)
         async for output in outputs:
-            tokens.extend(output.new_token_ids)
-        if not tokens:
-            raise _refused(503, "the prefill ended without a token", "prefill_failed")
+            for token in output.new_token_ids:
+                tokens[output.index] = token
+            for entry in output.logprobs or ():
+                logprobs[output.index] = entry
+            prompt = output.prompt_logprobs or prompt
+        choices = list(range(params.n)) if body.sampling.sample else []
+        if sorted(tokens) != choices:
+            raise _refused(503, "the prefill ended without its tokens", "prefill_failed")
         await faults.point("prefill.before_write")
-        return tokens[0]
+        drawn = [logprobs[index] for index in choices] if params.logprobs is not None else None
+        return Sampled([tokens[index] for index in choices], drawn), prompt
 
     async def _decline(self, peer: str, block_ids: list[int], transfer_id: str) -> None:
         """Complete the receives the decode worker posted for a transfer that will not

@@ -1,5 +1,6 @@
 """The router's HTTP API: OpenAI-compatible `/v1/completions` and
-`/v1/chat/completions` (SSE passed through as it streams), `/v1/models`, the probes
+`/v1/chat/completions` (SSE passed through as it streams), `/tokenize` and
+`/detokenize` (answered here, with the model's tokenizer), `/v1/models`, the probes
 `/health` and `/ready`, `/workers` (what discovery found, and each worker's state)
 and `/metrics`. Every error is answered in OpenAI's shape by the workers' middleware.
 
@@ -34,6 +35,7 @@ from pdserve.workers.server.limits import Admission, RequestLimits
 from pdserve.workers.server.models import ServedModel
 from pdserve.workers.server.prompts import chat_prompt, completion_prompt
 from pdserve.workers.server.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.workers.server.tokenization import TokenizationServing
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,7 @@ class RouterServer:
         self.api_keys = api_keys
         self.kubeconfig = kubeconfig
         self.model = served_model(table)
+        self.tokenization = TokenizationServing(tokenizer, self.model)
         self.sets: dict[Role, WorkerSet] = {
             "prefill": forwarder.prefill,
             "decode": forwarder.decode,
@@ -77,6 +80,8 @@ class RouterServer:
         app = web.Application(middlewares=middlewares, client_max_size=self.limits.max_body_size)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/tokenize", self.tokenization.tokenize)
+        app.router.add_post("/detokenize", self.tokenization.detokenize)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.readiness)
@@ -130,6 +135,11 @@ class RouterServer:
             reply_id=client_id or request_id,
             arrival=arrival,
             slo=table.slo,
+            choices=params.n,
+            echo_tokens=prompt_tokens
+            if isinstance(parsed, CompletionRequest) and parsed.echo
+            else 0,
+            generates=params.max_tokens != 0,
         )
         return await self.forwarder.serve(request, routed)
 

@@ -19,7 +19,9 @@ from pdserve.workers.server.internal import presented_token
 log = logging.getLogger(__name__)
 
 CHECK_INTERVAL_S = 1.0
-PROTECTED_PREFIX = "/v1/"
+# The paths that need a key: the OpenAI API, and the tokenizer's endpoints (they cost
+# the router CPU as completions do; vLLM leaves them open).
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
 class ApiKeyError(ValueError):
@@ -84,11 +86,12 @@ class ApiKeys:
             raise _unauthorized("Incorrect API key provided.")
 
     def middleware(self) -> Middleware:
-        """Checks keys on the OpenAI endpoints (probes and /metrics stay open)."""
+        """Checks keys on the OpenAI and tokenizer endpoints (probes and /metrics stay
+        open)."""
 
         @web.middleware
         async def require_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-            if request.path.startswith(PROTECTED_PREFIX):
+            if request.path.startswith(PROTECTED_PREFIXES):
                 self.check(request)
             return await handler(request)
 

@@ -37,11 +37,12 @@ class RouterMetrics:
         )
         self.itl = histogram(
             "pdserve_inter_token_latency_seconds",
-            "Every gap between consecutive tokens the router relayed.",
+            "Every gap between consecutive tokens of a choice the router relayed.",
         )
         self.tpot = histogram(
             "pdserve_time_per_output_token_seconds",
-            "Per streamed request: (end-to-end - TTFT) / (output tokens - 1).",
+            "Per streamed request: (last - first token) / (output tokens - 1), the mean "
+            "over its choices.",
         )
         self.e2e = histogram(
             "pdserve_e2e_request_latency_seconds", "Request arrival to its last byte."
@@ -124,43 +125,58 @@ class RouterMetrics:
         mode: str,
         outcome: str,
         arrival: float,
-        token_times: Sequence[float],
+        streams: Sequence[Sequence[float]],
         ended: float,
         slo: Slo,
         output_tokens: int | None = None,
     ) -> None:
-        """Record a request that ended. `token_times` are the times streamed tokens
-        left the router (empty for an answer sent whole, with `output_tokens`)."""
+        """Record a request that ended. `streams`: for each choice that streamed tokens,
+        the times they left the router (none for an answer sent whole, which gives
+        `output_tokens`, per choice). TTFT is the first token of any choice, ITL every
+        gap within a choice, TPOT the mean of the choices'."""
         labels = self._labels(bucket=bucket, mode=mode)
         self.requests.labels(**labels, outcome=outcome).inc()
         if outcome != "ok":
             return
         self.e2e.labels(**labels).observe(ended - arrival)
-        if token_times:
-            first, last = token_times[0], token_times[-1]
-            self.ttft.labels(**labels).observe(first - arrival)
-            for earlier, later in pairwise(token_times):
-                self.itl.labels(**labels).observe(later - earlier)
-            if len(token_times) > 1:
-                self.tpot.labels(**labels).observe((last - first) / (len(token_times) - 1))
-        if meets_slo(slo, arrival, token_times, ended, output_tokens):
+        if streams:
+            self.ttft.labels(**labels).observe(first_token(streams) - arrival)
+            for times in streams:
+                for earlier, later in pairwise(times):
+                    self.itl.labels(**labels).observe(later - earlier)
+            tpot = time_per_output_token(streams)
+            if tpot is not None:
+                self.tpot.labels(**labels).observe(tpot)
+        if meets_slo(slo, arrival, streams, ended, output_tokens):
             self.slo_met.labels(**labels).inc()
+
+
+def first_token(streams: Sequence[Sequence[float]]) -> float:
+    """When the first token of any choice left."""
+    return min(times[0] for times in streams)
+
+
+def time_per_output_token(streams: Sequence[Sequence[float]]) -> float | None:
+    """The mean over the choices of (last - first token) / (tokens - 1); None when no
+    choice had two tokens."""
+    tpots = [(times[-1] - times[0]) / (len(times) - 1) for times in streams if len(times) > 1]
+    return sum(tpots) / len(tpots) if tpots else None
 
 
 def meets_slo(
     slo: Slo,
     arrival: float,
-    token_times: Sequence[float],
+    streams: Sequence[Sequence[float]],
     ended: float,
     output_tokens: int | None,
 ) -> bool:
     """Whether a request met the pool's targets: TTFT, and TPOT against the ITL target
     (as vLLM's goodput does). An answer sent whole meets them when it came within the
-    time its tokens were allowed: TTFT + ITL x (tokens - 1)."""
-    if token_times:
-        ttft = token_times[0] - arrival
-        tokens = len(token_times)
-        tpot = (token_times[-1] - token_times[0]) / (tokens - 1) if tokens > 1 else None
+    time its tokens were allowed: TTFT + ITL x (tokens per choice - 1); its choices
+    decode side by side."""
+    if streams:
+        ttft = first_token(streams) - arrival
+        tpot = time_per_output_token(streams)
         ttft_ok = slo.ttft_seconds is None or ttft <= slo.ttft_seconds
         tpot_ok = slo.itl_seconds is None or tpot is None or tpot <= slo.itl_seconds
         return ttft_ok and tpot_ok

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -28,8 +29,12 @@ import aiohttp
 from aiohttp import web
 
 from pdserve.workers.api_errors import APIError
-from pdserve.workers.handoff.protocol import PREFILL_URL_HEADER
-from pdserve.workers.headers import BUCKET_HEADER, MODE_HEADER, REQUEST_ID_HEADER
+from pdserve.workers.headers import (
+    BUCKET_HEADER,
+    MODE_HEADER,
+    PREFILL_URL_HEADER,
+    REQUEST_ID_HEADER,
+)
 from pdserve.workers.router.metrics import RouterMetrics
 from pdserve.workers.router.sse import TokenStream, error_event
 from pdserve.workers.router.table import Mode, Slo
@@ -57,6 +62,13 @@ class Routed:
     reply_id: str  # echoed to the client: its X-Request-Id, else the router's
     arrival: float
     slo: Slo
+    choices: int = 1  # n
+    echo_tokens: int = 0  # the prompt's tokens, when the answer echoes them
+    generates: bool = True  # False: max_tokens 0, the prompt scored, nothing generated
+
+    def token_stream(self) -> TokenStream:
+        """A watcher of this request's relayed stream."""
+        return TokenStream(self.echo_tokens, self.generates)
 
 
 class _Retry(Exception):
@@ -271,7 +283,7 @@ class Forwarder:
         headers = self._headers(routed, upstream)
         self.metrics.observe_request(
             routed.bucket, headers[MODE_HEADER], "ok", routed.arrival, (), time.monotonic(),
-            routed.slo, _completion_tokens(data),
+            routed.slo, _tokens_per_choice(data, routed.choices),
         )  # fmt: skip
         return web.Response(body=data, headers=headers)
 
@@ -281,7 +293,7 @@ class Forwarder:
         headers = {**self._headers(routed, upstream), "Cache-Control": "no-cache"}
         mode = headers[MODE_HEADER]
         response: web.StreamResponse | None = None
-        tokens = TokenStream()
+        tokens = routed.token_stream()
         broken: str | None = None
         outcome: str | None = "cancelled"  # None: retried, not answered here
         try:
@@ -315,9 +327,13 @@ class Forwarder:
             assert response is not None
             return response
         finally:
+            if outcome == "cancelled" and tokens.done:
+                # The client hung up once it had read the end of the stream (clients
+                # do, before the worker's stream closes): it got the whole answer.
+                outcome = "ok" if tokens.error is None else "error"
             if outcome is not None:
                 self.metrics.observe_request(
-                    routed.bucket, mode, outcome, routed.arrival, tokens.token_times,
+                    routed.bucket, mode, outcome, routed.arrival, tokens.streams,
                     time.monotonic(), routed.slo,
                 )  # fmt: skip
 
@@ -331,10 +347,12 @@ def _error_code(data: bytes) -> str:
     return str(error.get("code")) if isinstance(error, dict) else "unknown"
 
 
-def _completion_tokens(data: bytes) -> int | None:
+def _tokens_per_choice(data: bytes, choices: int) -> int | None:
+    """The tokens of each choice of an answer sent whole: its usage's completion
+    tokens (of all choices) shared out (the choices decode side by side)."""
     try:
         usage = json.loads(data).get("usage") or {}
     except (ValueError, AttributeError):
         return None
     tokens = usage.get("completion_tokens")
-    return tokens if isinstance(tokens, int) else None
+    return math.ceil(tokens / choices) if isinstance(tokens, int) else None

@@ -1,6 +1,11 @@
 """Watching a worker's SSE stream as the router relays it, byte for byte: when each
-token left, whether the stream ended properly (`[DONE]`), and whether the worker
-ended it with an error event."""
+token of each choice left, whether the stream ended properly (`[DONE]`), and whether
+the worker ended it with an error event.
+
+Only generated tokens count: a completion with `echo` carries the prompt in its
+first chunk (with `logprobs`, the prompt's tokens too), and one with `max_tokens: 0`
+(scoring the prompt) carries no generated token at all. With `n > 1` each choice is a
+stream of its own, interleaved with the others by its index."""
 
 from __future__ import annotations
 
@@ -8,19 +13,33 @@ import json
 from typing import Any
 
 from pdserve.workers.api_errors import error_body
-from pdserve.workers.bench.client import chunk_token_count
+from pdserve.workers.bench.client import choice_token_count
 
 DONE = b"data: [DONE]\n\n"
 
 
 class TokenStream:
-    """What a relayed stream carried so far."""
+    """What a relayed stream carried so far. `echo_tokens`: the prompt's length when the
+    request echoes it (its first chunk of each choice carries that many tokens more
+    when they are listed); `generates`: False for `max_tokens: 0`."""
 
-    def __init__(self) -> None:
-        self.token_times: list[float] = []
+    def __init__(self, echo_tokens: int = 0, generates: bool = True) -> None:
+        self.echo_tokens = echo_tokens
+        self.generates = generates
+        self.choices: dict[int, list[float]] = {}  # token times, by choice index
         self.done = False
         self.error: str | None = None
         self._pending = b""
+
+    @property
+    def streams(self) -> list[list[float]]:
+        """The token times of each choice that carried tokens, by index."""
+        return [times for _, times in sorted(self.choices.items()) if times]
+
+    @property
+    def token_times(self) -> list[float]:
+        """Every token's time, of all choices, in order."""
+        return sorted(time for times in self.choices.values() for time in times)
 
     def feed(self, data: bytes, now: float) -> None:
         """Take bytes as they arrived at `now` (events may be split across reads)."""
@@ -44,7 +63,22 @@ class TokenStream:
         if "error" in event:
             self.error = _message(event["error"])
             return
-        self.token_times.extend([now] * chunk_token_count(event))
+        for choice in event.get("choices") or ():
+            if isinstance(choice, dict):
+                self._choice(choice, now)
+
+    def _choice(self, choice: dict[str, Any], now: float) -> None:
+        index = choice.get("index", 0)
+        if not isinstance(index, int):
+            return
+        first = index not in self.choices
+        times = self.choices.setdefault(index, [])
+        if not self.generates:
+            return
+        count = choice_token_count(choice)
+        if first and self.echo_tokens and _lists_tokens(choice):
+            count = max(0, count - self.echo_tokens)
+        times.extend([now] * count)
 
 
 def error_event(message: str, code: str) -> bytes:
@@ -52,6 +86,15 @@ def error_event(message: str, code: str) -> bytes:
     the end of the stream."""
     payload = json.dumps(error_body(message, "server_error", code)).encode()
     return b"data: " + payload + b"\n\n" + DONE
+
+
+def _lists_tokens(choice: dict[str, Any]) -> bool:
+    """Whether a completion choice counts its tokens by its logprobs (which list an
+    echoed prompt's tokens too), not by `token_ids` (generated tokens only)."""
+    logprobs = choice.get("logprobs")
+    if isinstance(choice.get("token_ids"), list) or not isinstance(logprobs, dict):
+        return False
+    return isinstance(logprobs.get("tokens"), list)
 
 
 def _message(error: Any) -> str:

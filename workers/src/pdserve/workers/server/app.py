@@ -1,8 +1,9 @@
-"""A worker's HTTP API: the OpenAI-compatible endpoints (see `serving`), the P/D
-hand-off endpoints of a prefill worker (for holders of the pool's credential only),
-`/v1/models`, `/openapi.json`, the probes `/health` and `/ready`, `/load` (for the
-router) and `/metrics`. Every error, from any of them, is answered in OpenAI's shape
-by one middleware (`pdserve.workers.api_errors`)."""
+"""A worker's HTTP API: the OpenAI-compatible endpoints (see `serving`), `/tokenize`
+and `/detokenize` (see `tokenization`), the P/D hand-off endpoints of a prefill worker
+(for holders of the pool's credential only), `/v1/models`, `/openapi.json`, the probes
+`/health` and `/ready`, `/load` (for the router) and `/metrics`. Every error, from any
+of them, is answered in OpenAI's shape by one middleware
+(`pdserve.workers.api_errors`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pdserve.workers.server.drain import Drain
 from pdserve.workers.server.load import LoadTracker
 from pdserve.workers.server.openapi import openapi_spec
 from pdserve.workers.server.serving import OpenAIServing
+from pdserve.workers.server.tokenization import TokenizationServing
 
 
 class WorkerServer:
@@ -39,6 +41,7 @@ class WorkerServer:
         self.max_body_size = max_body_size
         self.ready = False
         self.drain = Drain()
+        self.tokenization = TokenizationServing(serving.tokenizer, self.model)
 
     def app(self) -> web.Application:
         """The aiohttp application."""
@@ -51,6 +54,8 @@ class WorkerServer:
         app = web.Application(middlewares=middlewares, client_max_size=self.max_body_size)
         app.router.add_post("/v1/completions", self.serving.completions)
         app.router.add_post("/v1/chat/completions", self.serving.chat_completions)
+        app.router.add_post("/tokenize", self.tokenization.tokenize)
+        app.router.add_post("/detokenize", self.tokenization.detokenize)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/openapi.json", self.openapi)
         app.router.add_get("/health", self.health)

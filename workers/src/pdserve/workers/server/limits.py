@@ -32,9 +32,19 @@ class RequestLimits:
     max_stop_token_ids: int = option(
         256, parse=positive_int, group=LIMITS, help="most stop_token_ids per request (400)"
     )
+    max_logprobs: int = option(
+        20, parse=positive_int, group=LIMITS,
+        help="most alternatives per token in logprobs, top_logprobs and an echoed "
+        "prompt's logprobs (400)",
+    )  # fmt: skip
+    max_n: int = option(
+        16, parse=positive_int, group=LIMITS,
+        help="most choices per request, n (400; a worker also caps it at --max-num-seqs)",
+    )  # fmt: skip
 
     def check(self, params: SamplingParams) -> None:
         """A 400 naming the first limit `params` exceeds."""
+        self._check_choices(params)
         if len(params.stop) > self.max_stop_strings:
             raise APIError(
                 400, f"stop: at most {self.max_stop_strings} stop strings, got {len(params.stop)}"
@@ -49,6 +59,16 @@ class RequestLimits:
             raise APIError(
                 400, f"stop_token_ids: at most {self.max_stop_token_ids} ids, "
                 f"got {len(params.stop_token_ids)}",
+            )  # fmt: skip
+
+    def _check_choices(self, params: SamplingParams) -> None:
+        if params.n > self.max_n:
+            raise APIError(400, f"n: at most {self.max_n} choices per request, got {params.n}")
+        widest = max(params.logprobs or 0, params.prompt_logprobs or 0)
+        if widest > self.max_logprobs:
+            raise APIError(
+                400, f"logprobs/top_logprobs: at most {self.max_logprobs} alternatives per token "
+                f"(--max-logprobs), got {widest}",
             )  # fmt: skip
 
 

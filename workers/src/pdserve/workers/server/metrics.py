@@ -106,6 +106,12 @@ class WorkerMetrics:
             "pdserve_kv_cache_usage_ratio", "Fraction of KV cache blocks in use.",
             names, registry=reg,
         )  # fmt: skip
+        self.kv_blocks_allocated = Counter(
+            "pdserve_kv_blocks_allocated_total",
+            "KV cache blocks handed out to requests (a block shared by several, as a "
+            "prompt's blocks are by the choices of n > 1, counts once).",
+            names, registry=reg,
+        )  # fmt: skip
         self.preemptions = Counter(
             "pdserve_preemptions_total", "Requests preempted (KV cache full), to be recomputed.",
             names, registry=reg,
@@ -170,6 +176,7 @@ class WorkerMetrics:
         self._queries_seen = 0
         self._hits_seen = 0
         self._expired_seen = 0
+        self._allocated_seen = 0
 
     def _add_budget_metrics(self, names: tuple[str, ...]) -> None:
         """The token budget and what the step-cost model believes."""
@@ -214,7 +221,13 @@ class WorkerMetrics:
             self._record_step_cost(stats.step_cost)
         self.preemptions.labels(**labels).inc(stats.num_preemptions)
         self.prefill_chunks.labels(**labels).inc(stats.num_prefill_chunks)
-        self.generation_tokens.labels(**labels).inc(len(result.outputs))
+        self.generation_tokens.labels(**labels).inc(
+            sum(len(output.new_token_ids) for output in result.outputs)
+        )
+        self.kv_blocks_allocated.labels(**labels).inc(
+            stats.kv_blocks_allocated_total - self._allocated_seen
+        )
+        self._allocated_seen = stats.kv_blocks_allocated_total
         self._record_prefix(stats.prefix_cache_queries, stats.prefix_cache_hits)
         self.leases_expired.labels(**labels).inc(stats.leases_expired_total - self._expired_seen)
         self._expired_seen = stats.leases_expired_total

@@ -8,7 +8,12 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from pdserve.workers.server.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.workers.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 
 _ERROR = {
     "type": "object",
@@ -37,7 +42,12 @@ _ERRORS = {
 
 def openapi_spec(title: str, version: str) -> dict[str, Any]:
     """The OpenAPI document of a worker's HTTP API."""
-    bodies: list[type[BaseModel]] = [CompletionRequest, ChatCompletionRequest]
+    bodies: list[type[BaseModel]] = [
+        CompletionRequest,
+        ChatCompletionRequest,
+        TokenizeRequest,
+        DetokenizeRequest,
+    ]
     refs, schemas = models_json_schema(
         [(model, "validation") for model in bodies], ref_template="#/components/schemas/{model}"
     )
@@ -48,6 +58,10 @@ def openapi_spec(title: str, version: str) -> dict[str, Any]:
         "/v1/chat/completions": _post(
             refs[(ChatCompletionRequest, "validation")], "Answer a conversation"
         ),
+        "/tokenize": _post(
+            refs[(TokenizeRequest, "validation")], "Token ids of a prompt or a conversation"
+        ),
+        "/detokenize": _post(refs[(DetokenizeRequest, "validation")], "Text of token ids"),
         "/v1/models": _get("The served model"),
         "/health": _get("200 while the engine runs"),
         "/ready": _get("200 once the model is loaded and warmed up"),

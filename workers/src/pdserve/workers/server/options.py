@@ -24,6 +24,8 @@ DEFAULT_MIN_BUDGET = 32
 # The same default as the ServingPool's `spec.kvTransfer.backend`.
 DEFAULT_KV_TRANSFER = "nixl"
 KV_TRANSFER_BACKENDS = ("nixl", "torch")
+# As in pdserve.workers.engine.logprobs (vLLM's names).
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 _ENGINE = "engine"
 _BUDGET = "token budget"
@@ -92,6 +94,12 @@ class WorkerOptions:
     )  # fmt: skip
     device: str = option("cpu", group=_ENGINE, help="cpu, cuda or cuda:N")
     seed: int = option(0, group=_ENGINE, help="seed of requests that give none")
+    logprobs_mode: str = option(
+        "raw_logprobs", choices=LOGPROBS_MODES, group=_ENGINE,
+        help="log-probabilities requests get: raw_logprobs, the model's own distribution; "
+        "processed_logprobs, the one tokens are drawn from (after temperature, top-k, top-p "
+        "and min_tokens)",
+    )  # fmt: skip
     threads: int | None = option(
         None, parse=positive_int, group=_ENGINE, help="torch CPU threads (default on CPU: 1)"
     )

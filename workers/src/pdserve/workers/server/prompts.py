@@ -8,7 +8,7 @@ import asyncio
 
 from pdserve.workers.api_errors import APIError
 from pdserve.workers.engine.tokenizer import Tokenizer
-from pdserve.workers.server.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.workers.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 # Text longer than this is tokenized on a thread, so the event loop stays free.
 _TOKENIZE_INLINE_CHARS = 16 * 1024
@@ -18,21 +18,29 @@ async def completion_prompt(tokenizer: Tokenizer, parsed: CompletionRequest) -> 
     """The token ids of a completion's prompt."""
     prompt = parsed.prompt
     if isinstance(prompt, str):
-        return await _encode(tokenizer, prompt, add_special_tokens=True)
+        return await encode(tokenizer, prompt, add_special_tokens=True)
     return [int(token) for token in prompt]  # type: ignore[arg-type]
 
 
 async def chat_prompt(tokenizer: Tokenizer, parsed: ChatCompletionRequest) -> list[int]:
     """The token ids of a conversation with the chat template applied."""
-    messages = [{"role": m.role, "content": m.text()} for m in parsed.messages]
+    text = chat_text(tokenizer, parsed.messages, add_generation_prompt=True)
+    return await encode(tokenizer, text, add_special_tokens=False)
+
+
+def chat_text(
+    tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool
+) -> str:
+    """A conversation rendered by the model's chat template; a 400 if it does not fit."""
+    plain = [{"role": m.role, "content": m.text()} for m in messages]
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
     except Exception as error:  # a template may raise on unusual conversations
         raise APIError(400, f"messages do not fit the chat template: {error}") from error
-    return await _encode(tokenizer, text, add_special_tokens=False)
 
 
-async def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+async def encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """Token ids of `text` (on a thread when it is long)."""
     if len(text) > _TOKENIZE_INLINE_CHARS:
         return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
     return tokenizer.encode(text, add_special_tokens)

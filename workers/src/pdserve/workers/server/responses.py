@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -29,6 +29,31 @@ class PreparedRequest:
     include_usage: bool
     chat: bool
     return_token_ids: bool
+    logprobs: bool = False  # whether choices carry log-probabilities
+    echo_text: str | None = None  # completions with echo: the prompt, sent first
+
+
+@dataclass
+class ChoiceDelta:
+    """What there is to send of one choice: new text, the new tokens and their
+    log-probabilities (None: not asked for), and the reason once it ended."""
+
+    index: int
+    text: str = ""
+    reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: dict[str, Any] | None = None
+
+    def extend(self, delta: ChoiceDelta) -> None:
+        """Append a later delta of the same choice."""
+        self.text += delta.text
+        self.reason = delta.reason or self.reason
+        self.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = {key: [] for key in delta.logprobs}
+            for key, values in delta.logprobs.items():
+                self.logprobs[key] += values
 
 
 class RequestTracker:
@@ -37,49 +62,57 @@ class RequestTracker:
     def __init__(self, prepared: PreparedRequest, arrival: float) -> None:
         self.prepared = prepared
         self.arrival = arrival
+        # When the steps that gave the request tokens ended: one time per step, however
+        # many of its choices got a token in it.
         self.token_times: list[float] = []
-        self.token_ids: list[int] = []
-        self.num_output_tokens = 0
+        self.num_output_tokens: dict[int, int] = {}  # by choice
         self.num_cached_tokens = 0
         self.reason = "abort"
         self.mode = "colocated"
 
-    def record(self, output: RequestOutput) -> None:
-        self.token_times.extend(output.time for _ in output.new_token_ids)
-        self.token_ids.extend(output.new_token_ids)
-        self.num_output_tokens = output.num_output_tokens
+    def record(self, output: RequestOutput, reason: str | None) -> None:
+        """Account for an output; `reason`: its choice's, if it ended."""
+        if output.new_token_ids and (not self.token_times or self.token_times[-1] != output.time):
+            self.token_times.append(output.time)
+        self.num_output_tokens[output.index] = output.num_output_tokens
         self.num_cached_tokens = output.num_cached_tokens
-        if output.finish_reason is not None:
-            self.reason = output.finish_reason.value
+        if reason is not None:
+            self.reason = reason
 
     def usage(self) -> dict[str, Any]:
         prompt = len(self.prepared.prompt_token_ids)
+        completion = sum(self.num_output_tokens.values())
         return {
             "prompt_tokens": prompt,
-            "completion_tokens": self.num_output_tokens,
-            "total_tokens": prompt + self.num_output_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
         }
 
 
 def completion_body(
-    prepared: PreparedRequest, text: str, reason: str | None, final: bool
+    prepared: PreparedRequest, choices: Sequence[ChoiceDelta], final: bool
 ) -> dict[str, Any]:
     """A completion (final=True) or a streamed chunk, for either endpoint."""
     created = int(time.time())
+    kind = "chat.completion" if prepared.chat else "text_completion"
+    if prepared.chat and not final:
+        kind = "chat.completion.chunk"
+    shaped = [_choice(prepared, choice, final) for choice in choices]
+    return {"id": prepared.request_id, "object": kind, "created": created, "choices": shaped}
+
+
+def _choice(prepared: PreparedRequest, choice: ChoiceDelta, final: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"index": choice.index}
     if prepared.chat:
-        content_key = "message" if final else "delta"
-        choice = {
-            "index": 0,
-            content_key: {"role": "assistant", "content": text},
-            "finish_reason": reason,
-            "logprobs": None,
-        }
-        kind = "chat.completion" if final else "chat.completion.chunk"
+        body["message" if final else "delta"] = {"role": "assistant", "content": choice.text}
     else:
-        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-        kind = "text_completion"
-    return {"id": prepared.request_id, "object": kind, "created": created, "choices": [choice]}
+        body["text"] = choice.text
+    body["logprobs"] = choice.logprobs
+    body["finish_reason"] = choice.reason
+    if prepared.return_token_ids:
+        body["token_ids"] = choice.token_ids
+    return body
 
 
 async def first_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:

@@ -22,10 +22,10 @@ from pdserve.workers.api_errors import APIError, read_body
 from pdserve.workers.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.workers.engine.sampling import InvalidRequestError
 from pdserve.workers.engine.stats import RequestOutput
-from pdserve.workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.workers.engine.tokenizer import Tokenizer
 from pdserve.workers.handoff.decode import DecodeHandoff
-from pdserve.workers.handoff.protocol import PREFILL_URL_HEADER
-from pdserve.workers.headers import MODE_HEADER, REQUEST_ID_HEADER
+from pdserve.workers.headers import MODE_HEADER, PREFILL_URL_HEADER, REQUEST_ID_HEADER
+from pdserve.workers.server.choices import Choice
 from pdserve.workers.server.internal import InternalAuth, PrefillAllowList
 from pdserve.workers.server.limits import Admission, RequestLimits
 from pdserve.workers.server.metrics import WorkerMetrics
@@ -33,6 +33,7 @@ from pdserve.workers.server.models import ServedModel
 from pdserve.workers.server.prompts import chat_prompt, completion_prompt
 from pdserve.workers.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.workers.server.responses import (
+    ChoiceDelta,
     PreparedRequest,
     RequestTracker,
     chain,
@@ -40,7 +41,6 @@ from pdserve.workers.server.responses import (
     first_output,
     send_event,
 )
-from pdserve.workers.server.text_stream import TextStream
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,11 @@ class OpenAIServing:
         self.model.check(parsed.model)
         token_ids = await completion_prompt(self.tokenizer, parsed)
         prepared = self._prepare(parsed, token_ids, chat=False)
+        if parsed.echo:
+            prompt = parsed.prompt
+            prepared.echo_text = (
+                prompt if isinstance(prompt, str) else self.tokenizer.decode(token_ids)
+            )
         return await self._serve(request, prepared)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -117,6 +122,7 @@ class OpenAIServing:
             include_usage=bool(options and options.include_usage),
             chat=chat,
             return_token_ids=parsed.return_token_ids,
+            logprobs=params.logprobs is not None,
         )
 
     async def _serve(self, request: web.Request, prepared: PreparedRequest) -> web.StreamResponse:
@@ -128,12 +134,7 @@ class OpenAIServing:
         arrival = time.monotonic()
         tracker = RequestTracker(prepared, arrival)
         outputs = self._outputs(prefill_url, prepared, tracker)
-        text = TextStream(
-            IncrementalDetokenizer(self.tokenizer, prepared.prompt_token_ids),
-            prepared.params.stop,
-            prepared.params.include_stop_str_in_output,
-            prepared.params.min_tokens,
-        )
+        answer = Answer(prepared, self.tokenizer, tracker, self.engine)
         headers = {REQUEST_ID_HEADER: client_id or prepared.request_id}
         try:
             # The first output decides between an answer and an error status; only
@@ -142,8 +143,8 @@ class OpenAIServing:
             headers[MODE_HEADER] = tracker.mode
             chained = chain(first, outputs)
             if prepared.stream:
-                return await self._stream(request, prepared, chained, text, tracker, headers)
-            return await self._complete(prepared, chained, text, tracker, headers)
+                return await self._stream(request, prepared, chained, answer, headers)
+            return await self._complete(prepared, chained, answer, headers)
         finally:
             await outputs.aclose()  # aborts the request if it had not finished
             self.metrics.observe_request(
@@ -189,25 +190,18 @@ class OpenAIServing:
         self,
         prepared: PreparedRequest,
         outputs: AsyncIterator[RequestOutput],
-        text: TextStream,
-        tracker: RequestTracker,
+        answer: Answer,
         headers: dict[str, str],
     ) -> web.Response:
-        pieces = []
         try:
             async for output in outputs:
-                pieces.append(text.add(output.new_token_ids).text)
-                tracker.record(output)
-                if text.stopped:
-                    tracker.reason = "stop"
+                answer.add(output)
+                if answer.ended:
                     break
         except EngineDeadError as error:
             raise APIError(503, str(error), "server_error") from error
-        pieces.append(text.flush())
-        body = completion_body(prepared, "".join(pieces), tracker.reason, final=True)
-        if prepared.return_token_ids:
-            body["choices"][0]["token_ids"] = tracker.token_ids
-        body["usage"] = tracker.usage()
+        body = completion_body(prepared, [choice.whole for choice in answer.choices], final=True)
+        body["usage"] = answer.tracker.usage()
         return web.json_response(body, headers=headers)
 
     async def _stream(
@@ -215,8 +209,7 @@ class OpenAIServing:
         request: web.Request,
         prepared: PreparedRequest,
         outputs: AsyncIterator[RequestOutput],
-        text: TextStream,
-        tracker: RequestTracker,
+        answer: Answer,
         headers: dict[str, str],
     ) -> web.StreamResponse:
         response = web.StreamResponse(
@@ -225,26 +218,51 @@ class OpenAIServing:
         await response.prepare(request)
         try:
             async for output in outputs:
-                delta = text.add(output.new_token_ids)
-                tracker.record(output)
-                if text.stopped:
-                    tracker.reason = "stop"
-                done = output.finished or text.stopped
-                piece = delta.text + (text.flush() if done else "")
-                reason = tracker.reason if done else None
-                chunk = completion_body(prepared, piece, reason, final=False)
-                if prepared.return_token_ids:
-                    chunk["choices"][0]["token_ids"] = list(output.new_token_ids)
-                await send_event(response, chunk)
-                if done:
+                delta = answer.add(output)
+                if delta is not None:
+                    await send_event(response, completion_body(prepared, [delta], final=False))
+                if answer.ended:
                     break
         except EngineDeadError as error:
             await send_event(response, {"error": {"message": str(error), "type": "server_error"}})
         if prepared.include_usage:
-            usage_chunk = completion_body(prepared, "", None, final=False)
-            usage_chunk["choices"] = []
-            usage_chunk["usage"] = tracker.usage()
+            usage_chunk = completion_body(prepared, [], final=False)
+            usage_chunk["usage"] = answer.tracker.usage()
             await send_event(response, usage_chunk)
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+class Answer:
+    """The choices of one request as its outputs arrive (interleaved, each with its
+    choice's index). A choice that reaches a stop string ends there: with n > 1 the
+    engine is told to stop that choice alone; with n = 1 the request ends."""
+
+    def __init__(
+        self,
+        prepared: PreparedRequest,
+        tokenizer: Tokenizer,
+        tracker: RequestTracker,
+        engine: AsyncEngine,
+    ) -> None:
+        self.prepared = prepared
+        self.tracker = tracker
+        self.engine = engine
+        self.choices = [Choice(index, prepared, tokenizer) for index in range(prepared.params.n)]
+
+    @property
+    def ended(self) -> bool:
+        """Whether every choice has ended."""
+        return all(choice.ended for choice in self.choices)
+
+    def add(self, output: RequestOutput) -> ChoiceDelta | None:
+        """Take an output; what to send of its choice (None: the choice had ended)."""
+        choice = self.choices[output.index]
+        if choice.ended:  # e.g. the last word of a choice stopped by a stop string
+            return None
+        delta = choice.add(output)
+        self.tracker.record(output, choice.reason)
+        if choice.stopped_by_text and output.finish_reason is None and not self.ended:
+            self.engine.abort(self.prepared.request_id, choice.index)
+        return delta

@@ -56,6 +56,9 @@ def engine_config(options: WorkerOptions) -> EngineConfig:
         max_model_len=options.max_model_len,
         handoff_lease_s=options.handoff_timeout,
         seed=options.seed,
+        logprobs_mode="processed_logprobs"
+        if options.logprobs_mode == "processed_logprobs"
+        else "raw_logprobs",
         cache=CacheConfig(
             block_size=options.block_size,
             num_blocks=options.num_kv_blocks,
