@@ -11,6 +11,10 @@ BIN := .venv/bin
 PY := $(BIN)/python
 DEMO_MODEL := $(CACHE_DIR)/models/tiny-llama
 PYTEST_ARGS ?=
+# Test processes for `make unit`: most tests wait on worker processes rather than
+# compute, so more processes than cores shortens the run. Files stay whole (module
+# fixtures start their workers once).
+TEST_WORKERS ?= 3
 CODE := cli operator workers tests
 
 .PHONY: venv lock demo test lint typecheck unit e2e bench crd clean
@@ -35,14 +39,17 @@ typecheck: venv
 
 # Unit and integration tests: real worker processes, no Kubernetes.
 unit: venv
-	$(BIN)/pytest tests -m "not slow and not cluster" $(PYTEST_ARGS)
+	$(BIN)/pytest tests -m "not slow and not cluster" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Against a real control plane (etcd, kube-apiserver, controller-manager, scheduler,
 # kwok), built from Go modules once per machine (see mk/cluster.mk).
 e2e: venv cluster-bin
 	$(BIN)/pytest tests/e2e -m "cluster and not slow" $(PYTEST_ARGS)
 
-test: lint typecheck unit e2e
+# Unit and e2e tests at once: the e2e tests mostly wait on the control plane. Each
+# target's output is printed whole when it ends.
+test: lint typecheck
+	$(MAKE) --no-print-directory -j2 --output-sync=target unit e2e
 
 bench: venv
 	$(BIN)/pytest tests/bench -m slow -s $(PYTEST_ARGS)
