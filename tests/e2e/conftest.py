@@ -15,7 +15,13 @@ import pytest
 
 from pdserve.devcluster import DevCluster
 from support.cluster import binaries_or_skip
-from support.operator import OperatorProcess, install_crd, operator_kubeconfig, running
+from support.operator import (
+    OperatorProcess,
+    install_crd,
+    operator_kubeconfig,
+    running,
+    wait_established,
+)
 from support.pool_cluster import SERVICE_MONITOR_CRD, make_namespace
 
 HERE = Path(__file__).parent
@@ -66,7 +72,7 @@ def service_monitors(cluster: DevCluster) -> Iterator[None]:
     crd = "crd/" + SERVICE_MONITOR_CRD["metadata"]["name"]
     cluster.kubectl("apply", "-f", "-", input=json.dumps(SERVICE_MONITOR_CRD))
     try:
-        cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", crd)
+        wait_established(cluster, crd.removeprefix("crd/"))
         yield
     finally:
         cluster.kubectl("delete", crd, "--wait=true")

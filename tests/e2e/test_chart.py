@@ -27,6 +27,7 @@ from support.operator import (
     account_kubeconfig,
     get_json,
     install_crd,
+    wait_established,
     wait_until,
 )
 
@@ -77,8 +78,7 @@ def monitoring_crds(cluster: Cluster) -> Iterator[None]:
     for plural, kind in MONITORING_KINDS.items():
         cluster.kubectl("apply", "-f", "-", input=json.dumps(crd_of(plural, kind)))
     for plural in MONITORING_KINDS:
-        crd = f"crd/{plural}.monitoring.coreos.com"
-        cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", crd)
+        wait_established(cluster, f"{plural}.monitoring.coreos.com")
     yield
     for plural in MONITORING_KINDS:
         cluster.kubectl("delete", f"crd/{plural}.monitoring.coreos.com", "--wait=true")

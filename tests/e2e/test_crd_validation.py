@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from pdserve.operator import api, render
+from support.operator import wait_established
 from support.pools import EXAMPLES, INVALID_CASES, ROOT, example, merged
 
 pytestmark = pytest.mark.cluster
@@ -42,7 +43,7 @@ def crd_ready(cluster: Cluster) -> Iterator[Cluster]:
     """
     applied = cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
     assert "Warning" not in applied.stderr, applied.stderr
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD_NAME}")
+    wait_established(cluster, CRD_NAME)
     if cluster.kubectl("get", "namespace", NAMESPACE, check=False).returncode != 0:
         cluster.kubectl("create", "namespace", NAMESPACE)
     yield cluster

@@ -19,7 +19,14 @@ import pytest
 from pdserve.workers.faults import Fault
 from support.load import load
 from support.network import refusing_url
-from support.operator import Cluster, OperatorProcess, get_json, running, wait_until
+from support.operator import (
+    Cluster,
+    OperatorProcess,
+    get_json,
+    running,
+    wait_established,
+    wait_until,
+)
 from support.pool_cluster import (
     apply_pool,
     condition,
@@ -196,9 +203,7 @@ def keda_crds(cluster: Cluster) -> Iterator[None]:
     files = sorted(directory.glob("keda.sh_*.yaml"))
     for path in files:
         cluster.kubectl("apply", "--server-side", "-f", str(path))
-    cluster.kubectl(
-        "wait", "--for=condition=Established", "--timeout=60s", "crd/scaledobjects.keda.sh"
-    )
+    wait_established(cluster, "scaledobjects.keda.sh")
     wait_until(
         lambda: cluster.kubectl("get", "scaledobjects", "-A", check=False).returncode == 0,
         60, "the API server to list ScaledObjects",

@@ -42,12 +42,22 @@ class Cluster(Protocol):
     ) -> subprocess.CompletedProcess[str]: ...
 
 
+def wait_established(cluster: Cluster, name: str, timeout_s: float = 60.0) -> None:
+    """Wait until CustomResourceDefinition `name` is Established. (`kubectl wait` gives
+    up at once while a new CRD has no conditions yet, so its status is polled.)"""
+
+    def established() -> bool:
+        crd = get_json(cluster, "crd", name)
+        conditions = ((crd or {}).get("status") or {}).get("conditions") or []
+        return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+    wait_until(established, timeout_s, f"CRD {name} to be established")
+
+
 def install_crd(cluster: Cluster) -> None:
     """Apply crds/ and wait until the API server serves ServingPools."""
     cluster.kubectl("apply", "--server-side", "-f", str(CRDS))
-    cluster.kubectl(
-        "wait", "--for=condition=Established", "--timeout=60s", "crd/servingpools.pdserve.dev"
-    )
+    wait_established(cluster, "servingpools.pdserve.dev")
     # Established comes before the API server's cache of the new resource is filled;
     # until then lists answer 429 ("storage is (re)initializing").
     wait_until(
