@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+START_TIMEOUT_S = 300.0
 CALL_TIMEOUT_S = 60.0
 
 
@@ -63,7 +64,9 @@ class AgentProcess:
         """The answer of the oldest command sent; AgentCallError if it raised."""
         if not self._started:
             self._started = True
-            self.receive(timeout_s)  # the agent is built
+            # The agent is built: a new interpreter imports torch and NIXL, which takes
+            # minutes on a machine loaded many times over, not a command's timeout.
+            self.receive(START_TIMEOUT_S)
         if not self.conn.poll(timeout_s):
             raise TimeoutError(f"no answer from the agent process within {timeout_s}s")
         status, value = self.conn.recv()
