@@ -52,7 +52,7 @@ if all_built; then
     exit 0
 fi
 
-go_setup
+go_setup cluster
 
 k8s_ldflags() {
     local date major minor flags="-s -w" pkg key value

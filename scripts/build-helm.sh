@@ -34,7 +34,7 @@ if [[ -x $BIN_DIR/helm ]]; then
     exit 0
 fi
 
-go_setup
+go_setup helm
 # As Helm's Makefile stamps a release: without the version Helm calls itself "v4.3",
 # and `helm version` is what users compare with the chart's requirements.
 commit=$(module_field "$MODULE" "$HELM_MODULE" '{{with .Origin}}{{.Hash}}{{end}}' || true)

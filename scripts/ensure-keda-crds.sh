@@ -23,7 +23,7 @@ mkdir -p "$CACHE"
 exec 9>"$DIR.lock"
 flock 9
 if [[ ! -f $DIR/keda.sh_scaledobjects.yaml ]]; then
-    go_setup
+    go_setup keda
     source_dir=$("$GO" mod download -json "$KEDA_MODULE@$KEDA_VERSION" |
         sed -nE 's/^[[:space:]]*"Dir": "(.*)",?$/\1/p')
     [[ -d $source_dir/config/crd/bases ]] || { echo "no CRDs in $source_dir" >&2; exit 1; }

@@ -2,11 +2,13 @@
 # (one module per upstream). Source it; it defines:
 #   CACHE                        the pdserve cache (XDG_CACHE_HOME or ~/.cache, /pdserve)
 #   module_version DIR MODULE    the version of MODULE required by DIR/go.mod
-#   go_setup                     GO and the build environment (private module and build
-#                                caches under $CACHE/go unless GOMODCACHE/GOCACHE are set)
+#   go_setup [NAME]              GO and the build environment: the module cache under
+#                                $CACHE/go/mod (shared: go locks it), and a build cache of
+#                                NAME's own under $CACHE/go/build-NAME (unless GOMODCACHE or
+#                                GOCACHE are set)
 #   module_field DIR MODULE FMT  `go list -m -f FMT MODULE` in DIR (module proxy metadata)
 #   go_build BIN_DIR NAME DIR PACKAGE LDFLAGS   build one binary, atomically
-#   go_clean_private_cache       empty the private build cache (unless KEEP_GOCACHE=1)
+#   go_clean_private_cache       remove NAME's build cache (unless KEEP_GOCACHE=1)
 
 CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/pdserve
 
@@ -22,7 +24,9 @@ go_setup() {
     [[ -x $GO ]] || { echo "go not found: install Go >= 1.26 or set GO=/path/to/go" >&2; exit 1; }
     PRIVATE_GOCACHE=${GOCACHE:+no}
     export GOMODCACHE=${GOMODCACHE:-$CACHE/go/mod}
-    export GOCACHE=${GOCACHE:-$CACHE/go/build}
+    # A build cache per build: Helm's and the cluster's builds run side by side (make
+    # -j2), and one emptying a shared cache when it ends breaks the other mid-build.
+    export GOCACHE=${GOCACHE:-$CACHE/go/build-${1:-default}}
     # -modcacherw: a plain `rm -rf` can clear the cache. -buildvcs=false: the wrapper
     # modules live inside this checkout, whose state says nothing about the upstreams.
     export GOFLAGS="-modcacherw -buildvcs=false"
@@ -52,5 +56,6 @@ go_build() {
 go_clean_private_cache() {
     if [[ ${PRIVATE_GOCACHE:-yes} == yes && ${KEEP_GOCACHE:-0} != 1 ]]; then
         "$GO" clean -cache
+        rm -rf "$GOCACHE"
     fi
 }
