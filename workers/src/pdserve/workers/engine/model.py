@@ -16,6 +16,23 @@ from pdserve.workers.engine.attention import AttentionMetadata, paged_attention,
 from pdserve.workers.engine.config import ConfigError, ModelConfig, RopeScaling
 
 
+# Every weight comes from the checkpoint, so the layers skip torch's random
+# initialisation: on the meta device it is not just wasted work, it imports torch's
+# compiler (seconds of CPU at every worker start).
+class Linear(nn.Linear):
+    """nn.Linear without random initialisation."""
+
+    def reset_parameters(self) -> None:
+        """Nothing: the checkpoint supplies the weights."""
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding without random initialisation."""
+
+    def reset_parameters(self) -> None:
+        """Nothing: the checkpoint supplies the weights."""
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm, computed in float32 as the reference does."""
 
@@ -39,9 +56,12 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         dim = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2).float() / dim))
-        if config.rope_scaling is not None:
-            inv_freq = _scale_frequencies(inv_freq, config.rope_scaling)
+        # A table computed, never loaded: on the CPU even while the model is built on
+        # the meta device (arithmetic on meta tensors imports torch's compiler).
+        with torch.device("cpu"):
+            inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2).float() / dim))
+            if config.rope_scaling is not None:
+                inv_freq = _scale_frequencies(inv_freq, config.rope_scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(
@@ -88,10 +108,10 @@ class Attention(nn.Module):
         bias = config.attention_bias
         hidden, q_size = config.hidden_size, config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
-        self.q_proj = nn.Linear(hidden, q_size, bias=bias)
-        self.k_proj = nn.Linear(hidden, kv_size, bias=bias)
-        self.v_proj = nn.Linear(hidden, kv_size, bias=bias)
-        self.o_proj = nn.Linear(q_size, hidden, bias=False)
+        self.q_proj = Linear(hidden, q_size, bias=bias)
+        self.k_proj = Linear(hidden, kv_size, bias=bias)
+        self.v_proj = Linear(hidden, kv_size, bias=bias)
+        self.o_proj = Linear(q_size, hidden, bias=False)
         self.scale = config.head_dim**-0.5
 
     def forward(
@@ -118,9 +138,9 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         gated = nn.functional.silu(self.gate_proj(hidden)) * self.up_proj(hidden)
@@ -157,7 +177,7 @@ class DecoderStack(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -170,7 +190,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = DecoderStack(config)
         self.rotary = RotaryEmbedding(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @torch.inference_mode()
     def forward(
