@@ -82,6 +82,31 @@ def test_decode_goes_to_the_fewest_requests_then_the_emptier_cache() -> None:
     assert decode.choose() is a
 
 
+def test_requests_that_ended_since_the_last_poll_do_not_count() -> None:
+    # Seven streams the router sent to `a` end together; `a`'s published load, read
+    # while they ran, still says 7 until the next poll. The seven clients' next requests
+    # must not all herd onto `b`.
+    clock = Clock()
+    decode = workers("decode", clock, "http://a:1", "http://b:1")
+    a, b = decode.get("http://a:1"), decode.get("http://b:1")
+    assert a is not None and b is not None
+    a.in_flight, b.in_flight = 7, 1
+    a.read({"in_flight": 7}, clock.now)
+    b.read({"in_flight": 1}, clock.now)
+    a.in_flight = 0  # the burst ended
+    chosen = []
+    for _ in range(7):
+        worker = decode.choose()
+        assert worker is not None
+        worker.in_flight += 1
+        chosen.append(worker.url)
+    assert sorted(chosen).count("http://a:1") == 4  # 4 + 0 beside 3 + 1
+    # What the worker holds beyond the router's count (another router's requests)
+    # still counts while fresh.
+    b.read({"in_flight": b.in_flight + 5}, clock.now)
+    assert decode.choose() is a
+
+
 def test_workers_with_an_open_breaker_get_nothing_and_discovery_keeps_state() -> None:
     clock = Clock()
     decode = workers("decode", clock, "http://a:1", "http://b:1")

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import aiohttp
 
-from pdserve.workers.router.workers import PublishedLoad, Worker, WorkerSet
+from pdserve.workers.router.workers import Worker, WorkerSet
 
 log = logging.getLogger(__name__)
 
@@ -60,5 +60,5 @@ class LoadPoller:
             worker.breaker.failed()
             return
         # A server without /load (404) is alive; it just publishes no load.
-        worker.published = PublishedLoad.of(body, time.monotonic())
+        worker.read(body, time.monotonic())
         worker.breaker.succeeded()

@@ -3,8 +3,12 @@ they may be used (a circuit breaker each), and how loaded they are (what each
 publishes at /load, polled, combined with the router's own count of what it sent).
 
 Choice by load: a prefill worker by the fewest prompt tokens waiting to be prefilled,
-a decode worker by the fewest requests in flight, then the lowest KV cache usage. A
-published load older than `FRESH_S` is not used; the router's own count always is.
+a decode worker by the fewest requests in flight, then the lowest KV cache usage. The
+router's own count of what it sent is always used, and is current; a published load
+adds only what it held beyond that count when it was read (work other routers sent,
+or work the worker has not let go of), and only while fresh (`FRESH_S`). Taking a
+published figure as it stands would make requests herd: a burst that ended a moment
+ago still looks busy until the next poll, and every new request goes elsewhere.
 """
 
 from __future__ import annotations
@@ -32,12 +36,28 @@ class PublishedLoad:
     waiting: int = 0
     kv_cache_usage: float = 0.0
     prefill_tokens: int = 0
+    # The router's own counts when the load was read: what it had sent and not seen end.
+    own_in_flight: int = 0
+    own_prefill_tokens: int = 0
+
+    @property
+    def other_in_flight(self) -> int:
+        """Requests the worker held beyond those the router had sent."""
+        return max(0, self.in_flight - self.own_in_flight)
+
+    @property
+    def other_prefill_tokens(self) -> int:
+        """Prompt tokens waiting beyond those the router had sent."""
+        return max(0, self.prefill_tokens - self.own_prefill_tokens)
 
     @classmethod
-    def of(cls, body: Any, at: float) -> PublishedLoad:
-        """From the JSON body of /load (missing or odd fields count as zero)."""
+    def of(
+        cls, body: Any, at: float, own_in_flight: int = 0, own_prefill_tokens: int = 0
+    ) -> PublishedLoad:
+        """From the JSON body of /load (missing or odd fields count as zero), read
+        when the router's own counts were `own_in_flight` and `own_prefill_tokens`."""
         if not isinstance(body, dict):
-            return cls(at)
+            return cls(at, own_in_flight=own_in_flight, own_prefill_tokens=own_prefill_tokens)
 
         def number(key: str) -> float:
             value = body.get(key, 0)
@@ -49,6 +69,8 @@ class PublishedLoad:
             waiting=int(number("waiting")),
             kv_cache_usage=number("kv_cache_usage"),
             prefill_tokens=int(number("prefill_tokens")),
+            own_in_flight=own_in_flight,
+            own_prefill_tokens=own_prefill_tokens,
         )
 
 
@@ -68,12 +90,16 @@ class Worker:
         published = self.published
         return published if published is not None and now - published.at <= FRESH_S else None
 
+    def read(self, body: Any, at: float) -> None:
+        """Record a /load answer read at `at`, beside the router's own counts then."""
+        self.published = PublishedLoad.of(body, at, self.in_flight, self.prefill_tokens)
+
     def score(self, now: float) -> tuple[float, ...]:
         """Lower is better."""
         load = self.fresh(now) or PublishedLoad(now)
-        requests = max(self.in_flight, load.in_flight)
+        requests = self.in_flight + load.other_in_flight
         if self.role == "prefill":
-            return (max(self.prefill_tokens, load.prefill_tokens), requests)
+            return (self.prefill_tokens + load.other_prefill_tokens, requests)
         return (float(load.kv_cache_usage >= KV_NEARLY_FULL), requests, load.kv_cache_usage)
 
 
