@@ -25,6 +25,10 @@ DEADLINE_S = 2.0
 # Pipe round trips on a loaded machine; far below the 30 s of a default timeout, and
 # a wait without end never ends at all.
 SLACK_S = 8.0
+# A pair's meeting where a test does not judge its deadline: two new processes' first
+# gloo handshake, which on a machine loaded many times over takes far longer than the
+# product's default (a hand-off that cannot meet in that time fails, by design).
+JOIN_S = 120.0
 
 
 @dataclass
@@ -42,12 +46,17 @@ def start_pair(stack: ExitStack, backend: str) -> tuple[AgentProcess, AgentProce
     return decode, prefill
 
 
-def connect(decode: AgentProcess, prefill: AgentProcess, peer: str, timeout_s: float = 20) -> None:
-    """The decode worker's meeting: accept beside the prefill side's connect."""
+def connect(
+    decode: AgentProcess, prefill: AgentProcess, peer: str, timeout_s: float = JOIN_S
+) -> None:
+    """The decode worker's meeting: accept beside the prefill side's connect. Both
+    agents are built first (a new process imports torch, which can take minutes on a
+    loaded machine), so the accept's deadline covers the meeting alone."""
     metadata = decode.call("metadata")
+    prefill.call("peers")
     decode.send("accept", peer, timeout_s)
-    prefill.call("connect", peer, metadata, timeout_s)
-    decode.receive()
+    prefill.call("connect", peer, metadata, timeout_s, timeout_s=timeout_s + SLACK_S)
+    decode.receive(timeout_s + SLACK_S)
 
 
 def transfer(pair: Pair, src: list[int], dst: list[int], transfer_id: str) -> dict[str, Any]:
