@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from pdserve.workers.engine.budget import AdaptiveBudget, BatchShape, PrefillWork, StaticBudget
@@ -25,9 +27,21 @@ def seconds(features: StepFeatures) -> float:
     )
 
 
-@pytest.fixture(scope="module")
-def cost() -> StepCostModel:
-    """A cost model taught the device above, on a spread of steps."""
+def cpu_seconds(features: StepFeatures) -> float:
+    """A CPU attending each chunk at once: 3 ms a step, then attention over the chunk's
+    keys costs so much that chunks past sqrt(3 ms / 1e-7 s) = 173 tokens compute
+    prompts more slowly per token."""
+    return (
+        0.003
+        + 0.0005 * features.decode_tokens
+        + 0.0001 * features.prefill_tokens
+        + 1e-7 * features.decode_keys
+        + 1e-7 * features.prefill_keys
+    )
+
+
+def taught(device: Callable[[StepFeatures], float]) -> StepCostModel:
+    """A cost model taught `device`, on a spread of steps."""
     model = StepCostModel()
     for decodes in (0, 1, 4, 8, 16, 32, 64):
         for chunk in (0, 16, 64, 256, 1024):
@@ -36,8 +50,14 @@ def cost() -> StepCostModel:
                     features = BatchShape(decodes, 1000, (PrefillWork(start, 4096),)).features(
                         chunk
                     )
-                    model.update(features, seconds(features))
+                    model.update(features, device(features))
     return model
+
+
+@pytest.fixture(scope="module")
+def cost() -> StepCostModel:
+    """A cost model taught the device above."""
+    return taught(seconds)
 
 
 class Clock:
@@ -66,6 +86,26 @@ def test_the_model_learned_the_device(cost: StepCostModel) -> None:
 
 def test_with_no_decode_running_prefill_takes_the_ceiling(cost: StepCostModel) -> None:
     assert adaptive(cost).budget(shape(0)) == CEILING
+
+
+def test_no_chunk_is_larger_than_the_one_that_computes_prompts_fastest() -> None:
+    # On the CPU-like device a 2048-token chunk takes longer per token than a 173-token
+    # one: with no decode running, prefill gets the fastest chunk, not the ceiling.
+    cpu = taught(cpu_seconds)
+    policy = adaptive(cpu)
+    fastest = policy.budget(shape(0))
+    assert fastest == pytest.approx((0.003 / 1e-7) ** 0.5, abs=2)
+
+    def rate(tokens: int) -> float:
+        return tokens / cpu_seconds(shape(0).features(tokens))
+
+    assert rate(fastest) > rate(fastest // 2) and rate(fastest) > rate(2 * fastest)
+    # With decodes running the step's fixed cost is larger and so is the fastest chunk;
+    # a loose target would allow more, but more would only be slower.
+    loose = AdaptiveBudget(10.0, FLOOR, CEILING, cpu, clock=Clock())
+    with_decodes = loose.budget(shape(8)) - 8
+    assert fastest < with_decodes < CEILING // 4
+    assert cpu.predict(shape(8).features(with_decodes + 100)) < 10.0
 
 
 def test_the_budget_shrinks_as_decodes_grow(cost: StepCostModel) -> None:

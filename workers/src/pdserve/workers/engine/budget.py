@@ -13,6 +13,12 @@ predicted duration (the step-cost model's, plus its learned margin) fits in what
 left. It never goes above the ceiling, and while a prompt waits it always gives at
 least the floor, so a long prompt progresses however many decodes run. With no decode
 running there is no stream to protect and prefill takes the ceiling.
+
+Nor does it go above the chunk the model predicts computes prompts fastest (tokens per
+second of step). Where a step's fixed cost dominates, as on an accelerator, that is the
+ceiling; where attention grows with the square of the chunk (a CPU attending a whole
+chunk at once), a larger chunk takes longer per token: it would slow every prompt and
+every stream and help nothing, so the policy stops at the fastest one.
 """
 
 from __future__ import annotations
@@ -105,11 +111,14 @@ class AdaptiveBudget:
         """Decodes plus the prefill tokens the target leaves room for (at least the
         floor, at most the ceiling in all)."""
         room = self.ceiling - shape.num_decodes
-        if shape.num_decodes == 0 or not shape.prefills or room <= 0:
+        if not shape.prefills or room <= 0:
             return self.ceiling
+        fastest = self._fastest(shape, room)
+        if shape.num_decodes == 0:
+            return max(fastest, min(self.floor, room))
         allowed_s = self.target_s - self._elapsed() - self.cost.margin_s
-        prefill = max(self._largest_fit(shape, room, allowed_s), min(self.floor, room))
-        return shape.num_decodes + prefill
+        fitting = min(self._largest_fit(shape, room, allowed_s), fastest)
+        return shape.num_decodes + max(fitting, min(self.floor, room))
 
     def step_ended(self, at: float | None) -> None:
         """Remember when the running decodes last got a token."""
@@ -120,6 +129,29 @@ class AdaptiveBudget:
         if self._last_tokens_at is None:
             return 0.0
         return max(0.0, self.clock() - self._last_tokens_at)
+
+    def _fastest(self, shape: BatchShape, room: int) -> int:
+        """The prefill tokens, up to `room`, that the model predicts are computed at the
+        highest rate (tokens per second of step). The rate rises while the step's fixed
+        cost dominates and falls once the chunk's attention does (the predicted time is
+        convex in the tokens), so a ternary search finds its peak; a model that has
+        learned nothing yet predicts no cost, and the answer is `room`."""
+
+        if self.cost.predict(shape.features(room)) <= 0:
+            return room
+
+        def rate(tokens: int) -> float:
+            features = shape.features(tokens)  # prompts may need fewer than `tokens`
+            return features.prefill_tokens / max(self.cost.predict(features), 1e-12)
+
+        low, high = 1, room  # the peak lies in [low, high]; ties go to the larger chunk
+        while high - low > 2:
+            third = (high - low) // 3
+            if rate(low + third) <= rate(high - third):
+                low = low + third + 1
+            else:
+                high = high - third
+        return max(range(low, high + 1), key=lambda tokens: (rate(tokens), tokens))
 
     def _largest_fit(self, shape: BatchShape, room: int, allowed_s: float) -> int:
         """The most prefill tokens, up to `room`, whose predicted step fits in
