@@ -16,32 +16,35 @@ CEILING = 2048
 PROMPT = (PrefillWork(start=1024, remaining=3000),)
 
 
-def seconds(features: StepFeatures) -> float:
-    """The device: 10 ms a step, 1 ms a decode, 0.4 ms a prefill token, plus attention."""
-    return (
-        0.01
-        + 0.001 * features.decode_tokens
-        + 0.0004 * features.prefill_tokens
-        + 1e-7 * features.decode_keys
-        + 1e-9 * features.prefill_keys
-    )
+Device = Callable[[StepFeatures], float]
 
 
-def cpu_seconds(features: StepFeatures) -> float:
-    """A CPU attending each chunk at once: 3 ms a step, then attention over the chunk's
-    keys costs so much that chunks past sqrt(3 ms / 1e-7 s) = 173 tokens compute
-    prompts more slowly per token."""
-    return (
-        0.003
-        + 0.0005 * features.decode_tokens
-        + 0.0001 * features.prefill_tokens
-        + 1e-7 * features.decode_keys
-        + 1e-7 * features.prefill_keys
-    )
+def device(step: float, decode: float, prefill: float, key: float, prefill_key: float) -> Device:
+    """Step time: a fixed cost, a cost per decode and per prefill token, and attention
+    costs per key a decode and a prefill token attend."""
+
+    def step_seconds(features: StepFeatures) -> float:
+        return (
+            step
+            + decode * features.decode_tokens
+            + prefill * features.prefill_tokens
+            + key * features.decode_keys
+            + prefill_key * features.prefill_keys
+        )
+
+    return step_seconds
 
 
-def taught(device: Callable[[StepFeatures], float]) -> StepCostModel:
-    """A cost model taught `device`, on a spread of steps."""
+# 10 ms a step, 1 ms a decode, 0.4 ms a prefill token, plus attention.
+seconds = device(0.01, 0.001, 0.0004, 1e-7, 1e-9)
+# A CPU attending each chunk at once: 3 ms a step, then attention over the chunk's keys
+# costs so much that chunks past sqrt(3 ms / 1e-7 s) = 173 tokens compute prompts more
+# slowly per token.
+cpu_seconds = device(0.003, 0.0005, 0.0001, 1e-7, 1e-7)
+
+
+def taught(steps: Device) -> StepCostModel:
+    """A cost model taught the step times `steps`, on a spread of steps."""
     model = StepCostModel()
     for decodes in (0, 1, 4, 8, 16, 32, 64):
         for chunk in (0, 16, 64, 256, 1024):
@@ -50,7 +53,7 @@ def taught(device: Callable[[StepFeatures], float]) -> StepCostModel:
                     features = BatchShape(decodes, 1000, (PrefillWork(start, 4096),)).features(
                         chunk
                     )
-                    model.update(features, device(features))
+                    model.update(features, steps(features))
     return model
 
 
