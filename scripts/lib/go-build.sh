@@ -55,7 +55,6 @@ go_build() {
 
 go_clean_private_cache() {
     if [[ ${PRIVATE_GOCACHE:-yes} == yes && ${KEEP_GOCACHE:-0} != 1 ]]; then
-        "$GO" clean -cache
-        rm -rf "$GOCACHE"
+        rm -rf "$GOCACHE"  # the build's own cache: nothing else uses it
     fi
 }
