@@ -51,16 +51,13 @@ class PublishedLoad:
         return max(0, self.prefill_tokens - self.own_prefill_tokens)
 
     @classmethod
-    def of(
-        cls, body: Any, at: float, own_in_flight: int = 0, own_prefill_tokens: int = 0
-    ) -> PublishedLoad:
+    def of(cls, body: Any, at: float, own_in_flight: int, own_prefill_tokens: int) -> PublishedLoad:
         """From the JSON body of /load (missing or odd fields count as zero), read
         when the router's own counts were `own_in_flight` and `own_prefill_tokens`."""
-        if not isinstance(body, dict):
-            return cls(at, own_in_flight=own_in_flight, own_prefill_tokens=own_prefill_tokens)
+        fields = body if isinstance(body, dict) else {}
 
         def number(key: str) -> float:
-            value = body.get(key, 0)
+            value = fields.get(key, 0)
             return float(value) if isinstance(value, int | float) else 0.0
 
         return cls(
