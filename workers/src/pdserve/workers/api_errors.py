@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 
 Body = TypeVar("Body", bound=BaseModel)
 
+# The code of a 500 for a request that failed alone in a worker's engine: the worker
+# goes on serving, and the request would fail anywhere, so the router does not retry it.
+REQUEST_FAILED = "request_failed"
+
 
 class APIError(Exception):
     """An error answered with `status` and an OpenAI-style body. `kind` is the body's

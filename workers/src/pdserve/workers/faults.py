@@ -8,8 +8,11 @@ A fault with `when` set to a path acts only while that file exists, so a test de
 the moment it strikes; `delay_per_request_s` stalls longer the more requests a step
 carries (`engine.step`), as an accelerator's step costs more with a larger batch, so
 latency follows load by construction; a point may carry a list of faults, applied in order (e.g. a
-stall on every step, and an error once a file appears). Each point is named where it
-is called; `POINTS` lists them.
+stall on every step, and an error once a file appears). A fault with `request` set
+acts only for the request a client sent with that `X-Request-Id` (at the points that
+concern single requests: `engine.prepare`, `engine.forward`, `engine.sample`,
+`server.detokenize`), so a test can make one request of a batch fail. Each point is
+named where it is called; `POINTS` lists them.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -39,6 +43,14 @@ POINTS = frozenset(
         "kv_transfer.before_post",
         # The engine thread, before each step.
         "engine.step",
+        # Building a step's batch, for each request in it.
+        "engine.prepare",
+        # The model's forward pass, for each request in the batch.
+        "engine.forward",
+        # Drawing a request's token from its logits.
+        "engine.sample",
+        # Turning a request's new tokens into text (the worker's server).
+        "server.detokenize",
     }
 )
 
@@ -55,9 +67,13 @@ class Fault:
     error: str | None = None
     when: str | None = None  # a path: the fault acts only while this file exists
     delay_per_request_s: float = 0.0  # more stall per request the point is told of
+    request: str | None = None  # acts only for the request with this client id
 
-    def active(self) -> bool:
-        """Whether the fault acts now."""
+    def active(self, labels: Collection[str | None] = ()) -> bool:
+        """Whether the fault acts now, for work carrying the requests `labels` (their
+        clients' ids)."""
+        if self.request is not None and self.request not in labels:
+            return False
         return self.when is None or os.path.exists(self.when)
 
 
@@ -89,11 +105,12 @@ async def point(name: str) -> None:
             raise InjectedFault(fault.error)
 
 
-def blocking_point(name: str, requests: int = 0) -> None:
-    """An injection point on a thread of its own; `requests` is how many requests the
-    work that follows carries (for `delay_per_request_s`)."""
+def blocking_point(name: str, requests: int = 0, labels: Collection[str | None] = ()) -> None:
+    """An injection point on a thread of its own (or in synchronous code); `requests`
+    is how many requests the work that follows carries (for `delay_per_request_s`),
+    `labels` their clients' ids (for faults aimed at one request)."""
     for fault in configured().get(name, ()):
-        if not fault.active():
+        if not fault.active(labels):
             continue
         log.warning(MESSAGE, name, fault)
         delay = fault.delay_s + fault.delay_per_request_s * requests

@@ -21,6 +21,7 @@ from typing import Any, Protocol, TypeVar
 
 from pdserve.workers import faults
 from pdserve.workers.engine.engine import LLMEngine, StepResult
+from pdserve.workers.engine.isolation import is_engine_fault
 from pdserve.workers.engine.sampling import SamplingParams
 from pdserve.workers.engine.stats import RequestOutput
 
@@ -119,15 +120,17 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         hold_blocks: bool = False,
+        label: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Validate (raising InvalidRequestError at once), queue, and yield outputs
-        until the request finishes. Leaving the iteration early aborts it."""
+        until the request finishes. Leaving the iteration early aborts it. `label` is
+        the client's name for the request (logs, faults aimed at one request)."""
         self.engine.validate(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
         prompt = list(prompt_token_ids)
 
         def admit(engine: LLMEngine) -> list[RequestOutput]:
-            engine.add_request(request_id, prompt, params, hold_blocks=hold_blocks)
+            engine.add_request(request_id, prompt, params, hold_blocks=hold_blocks, label=label)
             return []
 
         async for output in self.stream(request_id, admit):
@@ -278,7 +281,9 @@ class AsyncEngine:
     def _admit(self, command: _Admit) -> None:
         try:
             first = command.admit(self.engine)
-        except (ValueError, LookupError) as error:
+        except Exception as error:  # the request's own failure, unless the engine's
+            if is_engine_fault(error, num_tokens=1):
+                raise
             command.sink(error)
             return
         if not any(output.finished for output in first):
@@ -309,6 +314,10 @@ class AsyncEngine:
                 sink(output)
             if output.finished:
                 self._sinks.pop(output.request_id, None)
+        for failure in result.failed:
+            sink = self._sinks.pop(failure.request_id, None)
+            if sink is not None:
+                sink(failure)
         for observer in self.observers:
             try:
                 observer.on_step(result)

@@ -31,6 +31,7 @@ def fork(parent: Request, tokens: Sequence[int]) -> list[Request]:
             first_scheduled_time=parent.first_scheduled_time,
             index=index,
             parent=parent,
+            label=parent.label,
         )
         for index in range(parent.params.n)
     ]

@@ -3,10 +3,12 @@ single-threaded; `async_engine` runs it in a thread behind an asyncio front."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from pdserve.workers.engine.budget import budget_policy
 from pdserve.workers.engine.canary import KVCanary, pattern_from_environment
@@ -18,18 +20,26 @@ from pdserve.workers.engine.choices import (
     prompt_logprobs,
 )
 from pdserve.workers.engine.config import EngineConfig, ModelConfig
+from pdserve.workers.engine.isolation import (
+    Isolated,
+    RequestFailedError,
+    RequestFailure,
+    is_engine_fault,
+    run_isolated,
+)
 from pdserve.workers.engine.kv_cache import BlockPool, KVCacheManager
 from pdserve.workers.engine.leases import LeaseBook, LeaseError, Reservation
 from pdserve.workers.engine.logprobs import PromptLogprobs
 from pdserve.workers.engine.request import FinishReason, Request, RequestStatus
-from pdserve.workers.engine.runner import ModelRunner, resolve_kv_dtype
+from pdserve.workers.engine.runner import ModelRunner, StepOutput, resolve_kv_dtype
 from pdserve.workers.engine.sampler import Sampled
 from pdserve.workers.engine.sampling import InvalidRequestError, SamplingParams
-from pdserve.workers.engine.scheduler import ScheduledChunk, Scheduler
+from pdserve.workers.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from pdserve.workers.engine.stats import FinishedRequest, RequestOutput, StepStats
 from pdserve.workers.engine.step_cost import StepCostModel, StepFeatures
 
 log = logging.getLogger(__name__)
+Result = TypeVar("Result")
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,8 @@ class StepResult:
     outputs: list[RequestOutput]
     stats: StepStats
     finished: list[FinishedRequest] = field(default_factory=list)
+    # Requests that failed in the step (each alone: the others went on).
+    failed: list[RequestFailedError] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -129,11 +141,14 @@ class LLMEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         hold_blocks: bool = False,
+        label: str | None = None,
     ) -> Request:
         """Validate and queue a request. With `hold_blocks` its KV blocks outlive it
-        (under a lease, see `held_blocks`): a prefill worker sends them afterwards."""
+        (under a lease, see `held_blocks`): a prefill worker sends them afterwards.
+        `label` is the client's name for it (logs, faults aimed at one request)."""
         request = self._new_request(request_id, prompt_token_ids, params)
         request.hold_blocks = hold_blocks
+        request.label = label
         self.scheduler.add(request)
         return request
 
@@ -208,7 +223,10 @@ class LLMEngine:
             request_id, request.prompt_token_ids, request.num_computed_tokens
         )
         self.scheduler.add_running(request)
-        outputs, _ = self._take_sampled([(request, first)], time.monotonic())
+        failed: list[RequestFailedError] = []
+        outputs, _ = self._take_sampled([(request, first)], time.monotonic(), failed)
+        if failed:
+            raise failed[0]
         return outputs
 
     def _check_first(self, request_id: str, first: Sampled, prompt: PromptLogprobs | None) -> None:
@@ -257,7 +275,8 @@ class LLMEngine:
             return self._abort_choice(request, index)
         if request_id in self.leases:
             self.leases.release(request_id)
-        for part in request.choices or [request]:
+        # The request itself too once it forked: a failure can strike mid-fork.
+        for part in [*(request.choices or ()), request]:
             self.scheduler.finish(part, FinishReason.ABORT)
         request.status = RequestStatus.FINISHED
         request.finish_reason = request.finish_reason or FinishReason.ABORT
@@ -294,23 +313,30 @@ class LLMEngine:
     # -- the step --------------------------------------------------------------
 
     def step(self) -> StepResult:
-        """Schedule, run the model, sample, and account for one step."""
+        """Schedule, run the model, sample, and account for one step. A request that
+        fails in it ends alone (see `isolation`): its blocks are freed and the step
+        reports it in `failed`; the others go on."""
         started = time.monotonic()
         newly_scheduled = list(self.scheduler.waiting)
         output = self.scheduler.schedule()
         queries, hits = _prefix_lookups(newly_scheduled, output.chunks)
         features = StepFeatures.of(output.chunks)
         predicted = self.step_cost.predict(features)
-        ran = self.runner.execute(output, self.kv_cache.block_table) if output.chunks else None
-        self.scheduler.update(output)
+        ran = self._execute(output) if output.chunks else None
+        failures = [] if ran is None else [*ran.failures, *ran.results[0].failures]
+        failed = self._fail_all(failures)
+        self._account(output, failed)
         now = time.monotonic()
         outputs: list[RequestOutput] = []
         finished: list[FinishedRequest] = []
         if ran is not None:
-            self.step_cost.update(features, now - started)
-            for request, first_token, entries in ran.prompt_logprobs:
-                add_prompt_logprobs(request, first_token, entries)
-            outputs, finished = self._take_sampled(ran.sampled, now)
+            if not ran.bisected:  # a step run again in parts says nothing of its cost
+                self.step_cost.update(features, now - started)
+            step_output = ran.results[0]
+            for request, first_token, entries in step_output.prompt_logprobs:
+                add = functools.partial(add_prompt_logprobs, request, first_token, entries)
+                self._guard(request, failed, add)
+            outputs, finished = self._take_sampled(step_output.sampled, now, failed)
         interval = now - (self._last_busy_end or started)
         self._last_busy_end = now if self.has_unfinished() else None
         self.budget_policy.step_ended(self._last_busy_end)
@@ -327,26 +353,85 @@ class LLMEngine:
             predicted_duration_s=predicted,
             over_target=self._over_target(features, interval),
         )
-        return StepResult(outputs, stats, finished)
+        return StepResult(outputs, stats, finished, failed)
+
+    def _execute(self, output: SchedulerOutput) -> Isolated[StepOutput]:
+        """Run the step's chunks, in parts if one of them fails (see `isolation`); the
+        parts' outputs merged into one."""
+
+        def run(chunks: Sequence[ScheduledChunk]) -> StepOutput:
+            part = replace(output, chunks=tuple(chunks))
+            return self.runner.execute(part, self.kv_cache.block_table)
+
+        ran = run_isolated(run, output.chunks, _request_of, _tokens_of)
+        return replace(ran, results=[StepOutput.merged(ran.results)])
+
+    def _account(self, output: SchedulerOutput, failed: list[RequestFailedError]) -> None:
+        """Progress and full blocks of the step's chunks whose requests did not fail
+        (a failed request's KV is never offered to the prefix cache)."""
+        for chunk in output.chunks:
+            if not chunk.request.is_finished:
+                update = functools.partial(self.scheduler.update_chunk, chunk)
+                self._guard(chunk.request, failed, update)
+
+    def _guard(
+        self, request: Request, failed: list[RequestFailedError], action: Callable[[], Result]
+    ) -> Result | None:
+        """Run one request's part of the step; an error (unless it is the engine's)
+        ends that request alone, at once, and is added to `failed`."""
+        if request.is_finished:
+            return None  # it failed earlier in this step
+        try:
+            return action()
+        except Exception as error:
+            if is_engine_fault(error, num_tokens=1):
+                raise
+            failed.extend(self._fail_all([RequestFailure(request, error)]))
+            return None
+
+    def _fail_all(self, failures: list[RequestFailure]) -> list[RequestFailedError]:
+        """End each failed request whole (all its choices), freeing its blocks and any
+        lease; one error per request."""
+        failed: list[RequestFailedError] = []
+        for failure in failures:
+            whole = failure.request.parent or failure.request
+            if self._requests.get(whole.request_id) is not whole:
+                continue  # already ended in this step
+            error = RequestFailedError(whole.request_id, failure.error)
+            level = logging.WARNING if error.invalid else logging.ERROR
+            log.log(level, "%s (client id %s)", error, whole.label, exc_info=failure.error)
+            self.abort(whole.request_id)
+            failed.append(error)
+        return failed
 
     def _take_sampled(
-        self, sampled: list[tuple[Request, Sampled]], now: float
+        self,
+        sampled: list[tuple[Request, Sampled]],
+        now: float,
+        failed: list[RequestFailedError],
     ) -> tuple[list[RequestOutput], list[FinishedRequest]]:
         """Append what each request drew and end the requests that stop; a request
-        with n > 1 forks into its choices at its first draw."""
+        with n > 1 forks into its choices at its first draw. A request whose draw
+        cannot be taken fails alone (added to `failed`)."""
         outputs: list[RequestOutput] = []
         finished: list[FinishedRequest] = []
         for request, drawn in sampled:
-            if request.forks:
-                outputs.extend(self._fork(request, drawn, now, finished))
-                continue
-            first = not request.output_token_ids
-            request.output_token_ids.extend(drawn.tokens)
-            reason = self._end_reason(request)
-            if reason is not None:
-                self._end(request, reason, now, finished)
-            outputs.append(self._output(request, tuple(drawn.tokens), now, drawn, first))
+            take = functools.partial(self._take_one, request, drawn, now, finished)
+            outputs.extend(self._guard(request, failed, take) or [])
         return outputs, finished
+
+    def _take_one(
+        self, request: Request, drawn: Sampled, now: float, finished: list[FinishedRequest]
+    ) -> list[RequestOutput]:
+        """The outputs of one request's draw (one per choice when it forks)."""
+        if request.forks:
+            return self._fork(request, drawn, now, finished)
+        first = not request.output_token_ids
+        request.output_token_ids.extend(drawn.tokens)
+        reason = self._end_reason(request)
+        if reason is not None:
+            self._end(request, reason, now, finished)
+        return [self._output(request, tuple(drawn.tokens), now, drawn, first)]
 
     def _fork(
         self, parent: Request, drawn: Sampled, now: float, finished: list[FinishedRequest]
@@ -486,3 +571,11 @@ def _prefix_lookups(candidates: list[Request], chunks: Sequence[ScheduledChunk])
         and r.params.prompt_logprobs is None
     ]
     return sum(r.num_prompt_tokens for r in fresh), sum(r.num_cached_tokens for r in fresh)
+
+
+def _request_of(chunk: ScheduledChunk) -> Request:
+    return chunk.request
+
+
+def _tokens_of(chunk: ScheduledChunk) -> int:
+    return chunk.num_tokens

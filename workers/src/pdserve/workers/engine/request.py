@@ -54,6 +54,9 @@ class Request:
     # Log-probabilities of prompt tokens 1.. computed so far (None: not asked for).
     # A recomputed (preempted) prompt skips the positions already here.
     prompt_logprobs: list[TokenLogprob] | None = None
+    # The client's name for the request (its X-Request-Id), for logs and for faults
+    # injected into one request; never a key.
+    label: str | None = None
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:

@@ -4,12 +4,14 @@ into batch tensors, runs the forward pass and samples."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.workers import faults
 from pdserve.workers.engine.attention import AttentionMetadata, PrefillSegment
 from pdserve.workers.engine.config import DTYPES, ConfigError, EngineConfig, ModelConfig
+from pdserve.workers.engine.isolation import RequestFailure
 from pdserve.workers.engine.logprobs import TokenLogprob, token_logprobs
 from pdserve.workers.engine.model import CausalLM, load_model
 from pdserve.workers.engine.request import Request
@@ -74,6 +76,17 @@ class StepOutput:
     sampled: list[tuple[Request, Sampled]]
     # Prompt log-probabilities computed this step: (request, first token index, entries).
     prompt_logprobs: list[tuple[Request, int, list[TokenLogprob]]]
+    # Requests whose draw failed (the others' went on).
+    failures: list[RequestFailure] = field(default_factory=list)
+
+    @classmethod
+    def merged(cls, outputs: list[StepOutput]) -> StepOutput:
+        """The outputs of a step run in parts, as one."""
+        return cls(
+            [item for output in outputs for item in output.sampled],
+            [item for output in outputs for item in output.prompt_logprobs],
+            [item for output in outputs for item in output.failures],
+        )
 
 
 class ModelRunner:
@@ -110,16 +123,22 @@ class ModelRunner:
         (nothing for a request with max_tokens 0), and the prompt log-probabilities
         the step computed."""
         batch = self.prepare(output, block_tables)
+        labels = [chunk.request.label for chunk in output.chunks]
+        faults.blocking_point("engine.forward", len(labels), labels)
         logits = self.model(
             batch.input_ids, batch.positions, self.kv_cache, batch.meta, batch.logits_rows
         )
         requests = [chunk.request for chunk in batch.sampling_chunks]
         rows = torch.tensor(batch.sampling_rows, dtype=torch.long, device=self.device)
         drawn = self.sampler.sample(logits[rows], requests) if requests else []
-        sampled = list(zip(requests, drawn, strict=True))
+        sampled = [(r, d) for r, d in zip(requests, drawn, strict=True) if isinstance(d, Sampled)]
+        failures = [
+            RequestFailure(r, d) for r, d in zip(requests, drawn, strict=True)
+            if not isinstance(d, Sampled)
+        ]  # fmt: skip
         sampled += [(chunk.request, Sampled([])) for chunk in batch.scoring_chunks]
         scored = [self._prompt_logprobs(logits, rows) for rows in batch.prompt_rows]
-        return StepOutput(sampled, scored)
+        return StepOutput(sampled, scored, failures)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy KV blocks (source, destination) in every layer: a fork's partial last
@@ -176,6 +195,7 @@ class _BatchBuilder:
 
     def add(self, chunk: ScheduledChunk, table: list[int]) -> None:
         """Append a chunk's tokens, their KV slots, and the logits rows it needs."""
+        faults.blocking_point("engine.prepare", labels=(chunk.request.label,))
         start, end = chunk.start, chunk.start + chunk.num_tokens
         row = len(self.token_ids)
         self.token_ids.extend(chunk.request.all_token_ids[start:end])

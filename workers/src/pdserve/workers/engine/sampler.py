@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.workers import faults
+from pdserve.workers.engine.isolation import is_engine_fault
 from pdserve.workers.engine.logprobs import LogprobsMode, TokenLogprob, token_logprobs
 from pdserve.workers.engine.request import Request
 from pdserve.workers.engine.sampling import SamplingParams
@@ -49,30 +51,42 @@ class Sampler:
         self._shared.manual_seed(seed)
         self._seeded = torch.Generator(device=device)
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[Sampled]:
-        """What each request draws from its row of float32 logits [N, vocab]."""
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[Sampled | Exception]:
+        """What each request draws from its row of float32 logits [N, vocab], or the
+        error its row raised: one request's failure to draw is its own."""
         greedy = logits.argmax(dim=-1).tolist()
         raw = self._raw_logprobs(logits, requests)
-        drawn = []
+        drawn: list[Sampled | Exception] = []
         for row, request in enumerate(requests):
-            params = request.params
-            # Never written in place: the logits may be an inference-mode tensor.
-            row_logits = logits[row]
-            if len(request.output_token_ids) < params.min_tokens:
-                row_logits = self._suppress_stops(row_logits, request)
-                greedy[row] = int(row_logits.argmax())
-            if params.greedy:
-                tokens = [int(greedy[row])] * (params.n if request.forks else 1)
-            else:
-                position = len(request.output_token_ids)
-                tokens = [self._draw(row_logits, choice, position) for choice in _draws(request)]
-            logprobs = None
-            if params.logprobs is not None:
-                source = raw[row] if row in raw else self.processed(row_logits, params)
-                width = [params.logprobs] * len(tokens)
-                logprobs = token_logprobs(source.expand(len(tokens), -1), tokens, width)
-            drawn.append(Sampled(tokens, logprobs))
+            try:
+                drawn.append(self._sample_row(logits[row], greedy[row], raw.get(row), request))
+            except Exception as error:
+                if is_engine_fault(error, num_tokens=1):
+                    raise
+                drawn.append(error)
         return drawn
+
+    def _sample_row(
+        self, row_logits: torch.Tensor, greedy: int, raw: torch.Tensor | None, request: Request
+    ) -> Sampled:
+        """One request's draw from its row of logits (never written in place: they may
+        be an inference-mode tensor)."""
+        faults.blocking_point("engine.sample", labels=(request.label,))
+        params = request.params
+        if len(request.output_token_ids) < params.min_tokens:
+            row_logits = self._suppress_stops(row_logits, request)
+            greedy = int(row_logits.argmax())
+        if params.greedy:
+            tokens = [greedy] * (params.n if request.forks else 1)
+        else:
+            position = len(request.output_token_ids)
+            tokens = [self._draw(row_logits, choice, position) for choice in _draws(request)]
+        logprobs = None
+        if params.logprobs is not None:
+            source = raw if raw is not None else self.processed(row_logits, params)
+            width = [params.logprobs] * len(tokens)
+            logprobs = token_logprobs(source.expand(len(tokens), -1), tokens, width)
+        return Sampled(tokens, logprobs)
 
     def processed(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """Log-probabilities of the distribution a request draws from, for rows of

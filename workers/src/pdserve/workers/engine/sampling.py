@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, replace
+
+# Temperatures below this sample greedily, as in vLLM: dividing logits by a smaller one
+# overflows the sampler's float32 (1e-300 is 0 there), and the distribution is then
+# one token anyway.
+GREEDY_TEMPERATURE = 1e-5
 
 
 class InvalidRequestError(ValueError):
@@ -13,9 +19,10 @@ class InvalidRequestError(ValueError):
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    temperature 0 is greedy. A seed makes a sampled request reproducible, whatever
-    else shares its batch. With `n` > 1 the prompt is computed once and `n` choices
-    are drawn from it; choice i behaves as a request of its own with seed `seed + i`.
+    temperature 0 (or below GREEDY_TEMPERATURE) is greedy. A seed makes a sampled
+    request reproducible, whatever else shares its batch. With `n` > 1 the prompt is
+    computed once and `n` choices are drawn from it; choice i behaves as a request of
+    its own with seed `seed + i`.
     max_tokens 0 computes the prompt (for its log-probabilities) and samples nothing.
     """
 
@@ -36,7 +43,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """Whether the argmax is taken (no randomness)."""
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first parameter out of range."""
@@ -44,6 +51,11 @@ class SamplingParams:
             (self.max_tokens is None or self.max_tokens >= 0, "max_tokens must not be negative"),
             (0.0 <= self.temperature <= 100.0, "temperature must be between 0 and 100"),
             (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (
+                as_float32(self.top_p) > 0.0,
+                f"top_p {self.top_p!r} rounds to 0 in the sampler's float32: it must be "
+                "at least 1e-45",
+            ),
             (self.top_k >= 0, "top_k must be 0 (disabled) or positive"),
             (self.min_tokens >= 0, "min_tokens must not be negative"),
             (
@@ -71,3 +83,8 @@ class SamplingParams:
         own, seeded `seed + index`, whose prompt is already computed."""
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed, prompt_logprobs=None)
+
+
+def as_float32(value: float) -> float:
+    """`value` as the sampler computes with it (float32, rounded to nearest)."""
+    return array("f", [value])[0]

@@ -212,11 +212,16 @@ class Scheduler:
     def update(self, output: SchedulerOutput) -> None:
         """Account for a finished step: progress and full blocks (sampling is done)."""
         for chunk in output.chunks:
-            request = chunk.request
-            request.num_computed_tokens = chunk.start + chunk.num_tokens
-            self.kv_cache.cache_full_blocks(
-                request.request_id, request.all_token_ids, request.num_computed_tokens
-            )
+            self.update_chunk(chunk)
+
+    def update_chunk(self, chunk: ScheduledChunk) -> None:
+        """Account for one chunk a step computed: its request's progress and full
+        blocks."""
+        request = chunk.request
+        request.num_computed_tokens = chunk.start + chunk.num_tokens
+        self.kv_cache.cache_full_blocks(
+            request.request_id, request.all_token_ids, request.num_computed_tokens
+        )
 
     def fork(self, parent: Request, running: list[Request], waiting: list[Request]) -> None:
         """Replace a running request by its choices: those holding blocks run from the
@@ -235,7 +240,9 @@ class Scheduler:
         caller keeps them (a prefill worker's blocks wait for their transfer)."""
         if request.is_finished:
             return
-        if request.status is RequestStatus.RUNNING:
+        # By membership, not status: a request that forked left the running batch
+        # to its choices while still marked running.
+        if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)

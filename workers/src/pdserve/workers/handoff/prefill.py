@@ -32,6 +32,7 @@ from aiohttp import web
 from pdserve.workers import faults
 from pdserve.workers.api_errors import APIError, read_body
 from pdserve.workers.engine.async_engine import AsyncEngine, EngineDeadError
+from pdserve.workers.engine.isolation import RequestFailedError
 from pdserve.workers.engine.leases import LeaseError
 from pdserve.workers.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.workers.engine.sampler import Sampled
@@ -243,6 +244,9 @@ class PrefillService:
             ) from error
         except EngineDeadError as error:
             raise _refused(503, str(error), "prefill_failed") from error
+        except RequestFailedError as error:
+            status, code = (400, "bad_handoff") if error.invalid else (500, "prefill_failed")
+            raise _refused(status, str(error), code) from error
         except NotConnectedError as error:
             raise _refused(400, str(error), "unknown_peer") from error
         except TransferError as error:

@@ -28,7 +28,7 @@ from typing import Literal
 import aiohttp
 from aiohttp import web
 
-from pdserve.workers.api_errors import APIError
+from pdserve.workers.api_errors import REQUEST_FAILED, APIError
 from pdserve.workers.headers import (
     BUCKET_HEADER,
     MODE_HEADER,
@@ -235,7 +235,8 @@ class Forwarder:
         self, routed: Routed, upstream: aiohttp.ClientResponse, disaggregated: bool
     ) -> web.Response:
         """A worker's error answer: raise _Retry when another worker (or path) may do
-        better, else pass it on (a 4xx that is the request's own fault)."""
+        better, else pass it on (a 4xx, or a 500 for a request that failed alone: the
+        request's own fault, which another worker would share)."""
         data = await upstream.read()
         headers = {REQUEST_ID_HEADER: routed.reply_id}
         for name in ("Content-Type", "Retry-After"):
@@ -248,10 +249,11 @@ class Forwarder:
             raise _Retry("worker_busy", message, "none", answer)
         if disaggregated and (status in (401, 403) or (status == 502 and code != "no_blocks")):
             raise _Retry("handoff_failed", message, "prefill", answer)
-        if status >= 500:
+        if status >= 500 and code != REQUEST_FAILED:
             raise _Retry("worker_failed", message, "decode", answer)
+        outcome = "error" if status >= 500 else "invalid"
         self.metrics.observe_request(
-            routed.bucket, routed.mode, "invalid", routed.arrival, (), time.monotonic(),
+            routed.bucket, routed.mode, outcome, routed.arrival, (), time.monotonic(),
             routed.slo,
         )  # fmt: skip
         return answer

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdserve.workers import faults
 from pdserve.workers.engine.stats import RequestOutput
 from pdserve.workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.workers.server.logprobs import CompletionLogprobs, chat_logprobs
@@ -42,6 +43,7 @@ class Choice:
 
     def add(self, output: RequestOutput) -> ChoiceDelta:
         """Take the engine's output for this choice; what to send of it now."""
+        faults.blocking_point("server.detokenize", labels=(self.prepared.label,))
         first, self._started = not self._started, True
         tokens = output.new_token_ids
         delta = self.text.add(tokens)

@@ -316,4 +316,5 @@ _REASONS = {
     "queue_full": "queue_full",
     "queue_timeout": "queue_timeout",
     "engine_stopped": "engine_stopped",
+    "request_failed": "request_failed",
 }

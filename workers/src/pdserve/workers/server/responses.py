@@ -11,8 +11,9 @@ from typing import Any
 
 from aiohttp import web
 
-from pdserve.workers.api_errors import APIError
+from pdserve.workers.api_errors import REQUEST_FAILED, APIError
 from pdserve.workers.engine.async_engine import EngineDeadError, QueueTimeoutError
+from pdserve.workers.engine.isolation import RequestFailedError
 from pdserve.workers.engine.sampling import InvalidRequestError, SamplingParams
 from pdserve.workers.engine.stats import RequestOutput
 from pdserve.workers.handoff.errors import HandoffError
@@ -31,6 +32,7 @@ class PreparedRequest:
     return_token_ids: bool
     logprobs: bool = False  # whether choices carry log-probabilities
     echo_text: str | None = None  # completions with echo: the prompt, sent first
+    label: str | None = None  # the client's X-Request-Id (logs; faults aimed at it)
 
 
 @dataclass
@@ -115,20 +117,38 @@ def _choice(prepared: PreparedRequest, choice: ChoiceDelta, final: bool) -> dict
     return body
 
 
+# What the engine or a hand-off raises for one request; `api_error` says how each is
+# answered.
+REQUEST_ERRORS = (
+    HandoffError,
+    EngineDeadError,
+    QueueTimeoutError,
+    InvalidRequestError,
+    RequestFailedError,
+)
+
+
+def api_error(error: Exception) -> APIError:
+    """The HTTP error that stands for an engine's or a hand-off's failure of a request
+    (one of REQUEST_ERRORS)."""
+    if isinstance(error, HandoffError):
+        return APIError(502, f"prefill hand-off failed: {error}", "server_error", error.code)
+    if isinstance(error, EngineDeadError):
+        return APIError(503, str(error), "server_error", "engine_stopped")
+    if isinstance(error, QueueTimeoutError):
+        return APIError(503, str(error), "server_error", "queue_timeout")
+    if isinstance(error, RequestFailedError) and not error.invalid:
+        # The request's failure alone, not the worker's: the router does not retry it.
+        return APIError(500, str(error), "server_error", REQUEST_FAILED)
+    return APIError(400, str(error))
+
+
 async def first_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
     """The first output, or the HTTP error that stands for why there is none."""
     try:
         return await anext(outputs)
-    except HandoffError as error:
-        raise APIError(
-            502, f"prefill hand-off failed: {error}", "server_error", error.code
-        ) from error
-    except EngineDeadError as error:
-        raise APIError(503, str(error), "server_error", "engine_stopped") from error
-    except QueueTimeoutError as error:
-        raise APIError(503, str(error), "server_error", "queue_timeout") from error
-    except InvalidRequestError as error:
-        raise APIError(400, str(error)) from error
+    except REQUEST_ERRORS as error:
+        raise api_error(error) from error
 
 
 async def chain(

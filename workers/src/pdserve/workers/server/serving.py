@@ -18,8 +18,9 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 from aiohttp import web
 
-from pdserve.workers.api_errors import APIError, read_body
-from pdserve.workers.engine.async_engine import AsyncEngine, EngineDeadError
+from pdserve.workers.api_errors import APIError, error_body, read_body
+from pdserve.workers.engine.async_engine import AsyncEngine
+from pdserve.workers.engine.isolation import RequestFailedError
 from pdserve.workers.engine.sampling import InvalidRequestError
 from pdserve.workers.engine.stats import RequestOutput
 from pdserve.workers.engine.tokenizer import Tokenizer
@@ -33,9 +34,11 @@ from pdserve.workers.server.models import ServedModel
 from pdserve.workers.server.prompts import chat_prompt, completion_prompt
 from pdserve.workers.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.workers.server.responses import (
+    REQUEST_ERRORS,
     ChoiceDelta,
     PreparedRequest,
     RequestTracker,
+    api_error,
     chain,
     completion_body,
     first_output,
@@ -130,7 +133,8 @@ class OpenAIServing:
         self.admission.admit()
         client_id = request.headers.get(REQUEST_ID_HEADER)
         if client_id:
-            log.debug("request %s is the client's %s", prepared.request_id, client_id[:256])
+            prepared.label = client_id[:256]
+            log.debug("request %s is the client's %s", prepared.request_id, prepared.label)
         arrival = time.monotonic()
         tracker = RequestTracker(prepared, arrival)
         outputs = self._outputs(prefill_url, prepared, tracker)
@@ -139,7 +143,12 @@ class OpenAIServing:
         try:
             # The first output decides between an answer and an error status; only
             # then does a stream start.
-            first = await first_output(outputs)
+            try:
+                first = await first_output(outputs)
+            except APIError as error:
+                if error.status >= 500:
+                    tracker.reason = "error"
+                raise
             headers[MODE_HEADER] = tracker.mode
             chained = chain(first, outputs)
             if prepared.stream:
@@ -174,8 +183,9 @@ class OpenAIServing:
     ) -> AsyncGenerator[RequestOutput, None]:
         if prefill_url is None or self.handoff is None:
             return self.engine.generate(
-                prepared.prompt_token_ids, prepared.params, prepared.request_id
-            )
+                prepared.prompt_token_ids, prepared.params, prepared.request_id,
+                label=prepared.label,
+            )  # fmt: skip
         tracker.mode = "disaggregated"
 
         def fell_back() -> None:
@@ -194,12 +204,10 @@ class OpenAIServing:
         headers: dict[str, str],
     ) -> web.Response:
         try:
-            async for output in outputs:
-                answer.add(output)
-                if answer.ended:
-                    break
-        except EngineDeadError as error:
-            raise APIError(503, str(error), "server_error") from error
+            async for _ in _deltas(prepared, outputs, answer):
+                pass
+        except REQUEST_ERRORS as error:
+            raise api_error(error) from error
         body = completion_body(prepared, [choice.whole for choice in answer.choices], final=True)
         body["usage"] = answer.tracker.usage()
         return web.json_response(body, headers=headers)
@@ -217,14 +225,12 @@ class OpenAIServing:
         )
         await response.prepare(request)
         try:
-            async for output in outputs:
-                delta = answer.add(output)
+            async for delta in _deltas(prepared, outputs, answer):
                 if delta is not None:
                     await send_event(response, completion_body(prepared, [delta], final=False))
-                if answer.ended:
-                    break
-        except EngineDeadError as error:
-            await send_event(response, {"error": {"message": str(error), "type": "server_error"}})
+        except REQUEST_ERRORS as error:
+            failure = api_error(error)
+            await send_event(response, error_body(str(failure), failure.kind, failure.code))
         if prepared.include_usage:
             usage_chunk = completion_body(prepared, [], final=False)
             usage_chunk["usage"] = answer.tracker.usage()
@@ -232,6 +238,26 @@ class OpenAIServing:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+async def _deltas(
+    prepared: PreparedRequest, outputs: AsyncIterator[RequestOutput], answer: Answer
+) -> AsyncGenerator[ChoiceDelta | None, None]:
+    """What to send of each output until every choice ended. Anything that goes wrong
+    in building the answer is this request's failure alone (RequestFailedError)."""
+    try:
+        async for output in outputs:
+            yield answer.add(output)
+            if answer.ended:
+                return
+    except REQUEST_ERRORS:
+        answer.tracker.reason = "error"
+        raise
+    except Exception as error:
+        answer.tracker.reason = "error"
+        failure = RequestFailedError(prepared.request_id, error)
+        log.error("%s (client id %s)", failure, prepared.label, exc_info=error)
+        raise failure from error
 
 
 class Answer:
