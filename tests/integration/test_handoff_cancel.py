@@ -9,6 +9,7 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import aiohttp
@@ -30,8 +31,8 @@ from support.pd import (
 )
 from support.worker import metric
 
-STALL_S = 1.0  # every prefill waits this long before its write: cancels land mid-hand-off
-LEASE_S = 10.0
+# Hand-offs' leases: long enough that none runs out while a test holds hand-offs.
+LEASE_S = 30.0
 CANCELS = 1000
 AT_ONCE = 50
 # Threads and files that come and go with load, not with the number of hand-offs: the
@@ -43,17 +44,37 @@ THREAD_ALLOWANCE = 4 + 16 + 6
 FILE_ALLOWANCE = 100 + 16
 
 
+@pytest.fixture(scope="module")
+def gate(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """While this file exists, every prefill waits before its write (its prompt
+    computed, its blocks held): cancels land mid-hand-off, on any machine."""
+    return tmp_path_factory.mktemp("gate") / "hold-writes"
+
+
 @pytest.fixture(scope="module", params=["nixl", "torch"])
 def workers(
-    request: pytest.FixtureRequest, small_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    small_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    gate: Path,
 ) -> Iterator[PDPair]:
     logs = tmp_path_factory.mktemp(f"cancel-{request.param}")
     decode_args = ["--transfer-failure-policy", "fail", "--handoff-timeout", str(LEASE_S)]
     with pd_workers(
         small_model_dir, logs, request.param, decode_args=decode_args,
-        prefill_faults={"prefill.before_write": Fault(delay_s=STALL_S)},
+        prefill_faults={"prefill.before_write": Fault(hold_while=str(gate))},
     ) as started:  # fmt: skip
         yield started
+
+
+@contextmanager
+def writes_held(gate: Path) -> Iterator[None]:
+    """Hold every prefill's write until the block ends."""
+    gate.touch()
+    try:
+        yield
+    finally:
+        gate.unlink()
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +104,7 @@ def settled(workers: PDPair, timeout_s: float = 60.0) -> None:
 
 
 def test_one_cancelled_hand_off_leaves_the_other_nineteen_alone(
-    workers: PDPair, prompts: list[list[int]], expected: list[list[int]]
+    workers: PDPair, prompts: list[list[int]], expected: list[list[int]], gate: Path
 ) -> None:
     decode, prefill = workers.decode[0], workers.prefill[0]
     failures = metric(decode, "pdserve_kv_transfer_failures_total")
@@ -91,13 +112,15 @@ def test_one_cancelled_hand_off_leaves_the_other_nineteen_alone(
 
     async def twenty() -> list[tuple[int, dict[str, object]] | BaseException]:
         async with aiohttp.ClientSession() as session:
-            calls = [
-                asyncio.ensure_future(complete(session, decode.url, prompt, prefill.url))
-                for prompt in prompts
-            ]
-            # Every prefill has been computed and waits to write: cancel one.
-            await wait_for_log(prefill, fault_fired("prefill.before_write"), fired + 20)
-            calls[7].cancel()
+            with writes_held(gate):
+                calls = [
+                    asyncio.ensure_future(complete(session, decode.url, prompt, prefill.url))
+                    for prompt in prompts
+                ]
+                # Every prefill has been computed and waits to write: cancel one.
+                await wait_for_log(prefill, fault_fired("prefill.before_write"), fired + 20)
+                assert not any(call.done() for call in calls)
+                calls[7].cancel()
             return await asyncio.gather(*calls, return_exceptions=True)
 
     answers = asyncio.run(twenty())
@@ -113,23 +136,33 @@ def test_one_cancelled_hand_off_leaves_the_other_nineteen_alone(
 
 
 def test_a_thousand_cancelled_hand_offs_leave_nothing_behind(
-    workers: PDPair, prompts: list[list[int]], expected: list[list[int]], tmp_path: Path
+    workers: PDPair, prompts: list[list[int]], expected: list[list[int]], gate: Path
 ) -> None:
     decode, prefill = workers.decode[0], workers.prefill[0]
 
-    async def cancelled(count: int) -> None:
+    async def cancelled(count: int) -> int:
+        """Cancel `count` hand-offs, AT_ONCE at a time, each once its prompt is computed
+        and its write held; how many were cancelled mid-hand-off."""
+        mid_hand_off = 0
         async with aiohttp.ClientSession() as session:
-            limit = asyncio.Semaphore(AT_ONCE)
-
-            async def one(index: int) -> None:
-                async with limit:
-                    prompt = prompts[index % len(prompts)]
-                    call = asyncio.ensure_future(complete(session, decode.url, prompt, prefill.url))
-                    await asyncio.sleep(0.2)  # under way: reserved, or prefilling
-                    call.cancel()
-                    await asyncio.gather(call, return_exceptions=True)
-
-            await asyncio.gather(*(one(index) for index in range(count)))
+            for first in range(0, count, AT_ONCE):
+                wave = range(first, min(first + AT_ONCE, count))
+                fired = prefill.log().count(fault_fired("prefill.before_write"))
+                with writes_held(gate):
+                    calls = [
+                        asyncio.ensure_future(
+                            complete(session, decode.url, prompts[i % len(prompts)], prefill.url)
+                        )
+                        for i in wave
+                    ]
+                    await wait_for_log(
+                        prefill, fault_fired("prefill.before_write"), fired + len(wave)
+                    )
+                    mid_hand_off += sum(1 for call in calls if not call.done())
+                    for call in calls:
+                        call.cancel()
+                    await asyncio.gather(*calls, return_exceptions=True)
+        return mid_hand_off
 
     roles = {"prefill": prefill, "decode": decode}
     asyncio.run(cancelled(AT_ONCE))  # the pools and connections a busy worker has
@@ -137,12 +170,10 @@ def test_a_thousand_cancelled_hand_offs_leave_nothing_behind(
     before = {role: resources(w) for role, w in roles.items()}
     peers_before = {role: metric(w, "pdserve_kv_transfer_peers") for role, w in roles.items()}
 
-    fired = prefill.log().count(fault_fired("prefill.before_write"))
     started = time.monotonic()
-    asyncio.run(cancelled(CANCELS))
+    reached = asyncio.run(cancelled(CANCELS))
     settled(workers)
     seconds = time.monotonic() - started
-    reached = prefill.log().count(fault_fired("prefill.before_write")) - fired
 
     after = {role: resources(w) for role, w in roles.items()}
     peers_after = {role: metric(w, "pdserve_kv_transfer_peers") for role, w in roles.items()}
@@ -156,6 +187,8 @@ def test_a_thousand_cancelled_hand_offs_leave_nothing_behind(
         "peers_after": peers_after,
     }
     print(f"\n{json.dumps(record)}")
+    # Every one was cancelled while its prompt's KV waited to be written.
+    assert reached == CANCELS, record
     for role in before:
         assert after[role].threads <= before[role].threads + THREAD_ALLOWANCE, record
         assert after[role].open_files <= before[role].open_files + FILE_ALLOWANCE, record
@@ -177,21 +210,34 @@ def test_prefill_workers_that_never_answer_do_not_hold_up_hand_offs(
 
     async def real_beside_silent(silent: str) -> list[tuple[int, dict[str, object]]]:
         async with aiohttp.ClientSession() as session:
-            # Forty prefill workers that accept and never answer, each its own URL.
+            # Forty hand-offs to a prefill worker that accepts and never answers.
             stuck = [
-                asyncio.ensure_future(complete(session, decode.url, prompts[0], f"{silent}/p{i}"))
-                for i in range(40)
+                asyncio.ensure_future(complete(session, decode.url, prompts[0], silent))
+                for _ in range(40)
             ]
-            await asyncio.sleep(0.5)
+            while not accepted:  # the decode worker is waiting on it
+                await asyncio.sleep(0.02)
             real = [complete(session, decode.url, p, prefill.url) for p in prompts[:10]]
             answers = await asyncio.gather(*real)
+            # Served while every silent hand-off still waited for its answer (they
+            # give up only at their lease, LEASE_S): none was held up behind them.
+            assert not any(call.done() for call in stuck)
             for call in stuck:
                 call.cancel()
             await asyncio.gather(*stuck, return_exceptions=True)
             return answers
 
-    with silent_peer() as silent:
-        answers = asyncio.run(real_beside_silent(silent))
+    assert workers.peers is not None
+    listed = workers.peers.read_text()
+    accepted: list[str] = []
+    with silent_peer(accepted) as silent:
+        # The silent server is one of the pool's prefill workers (else the decode
+        # worker refuses its URL at once, and nothing waits on it).
+        workers.peers.write_text(f"{listed}{silent}\n")
+        try:
+            answers = asyncio.run(real_beside_silent(silent))
+        finally:
+            workers.peers.write_text(listed)
     for (status, body), tokens in zip(answers, expected[:10], strict=True):
         assert status == 200, body
         assert token_ids(body) == tokens

@@ -10,6 +10,7 @@ import asyncio
 import json
 import shutil
 import subprocess
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,87 @@ def test_openai_client_gets_the_colocated_answer_on_both_paths(
     assert [m.id for m in client.models.list().data] == ["small"]
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt=short, **GREEDY)
+
+
+def test_underflowing_temperature_and_top_p_stop_no_engine_on_either_path(
+    pool: LocalPool, client: openai.OpenAI, small_model_dir: Path
+) -> None:
+    # Once answered "engine_stopped" and left the prefill and the decode engine dead:
+    # in float32 both are 0 (a division by zero, a nucleus of nothing).
+    short, long = list(range(20, 20 + BOUNDARY)), list(range(20, 320))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    expected, _ = run_to_completion(make_engine(small_model_dir), [short, long], params)
+    for prompt, want, mode in (
+        (short, expected[0], "colocated"),
+        (long, expected[1], "disaggregated"),
+    ):
+        for temperature in (1e-300, 5e-324):
+            raw = client.completions.with_raw_response.create(
+                model="small", prompt=prompt, temperature=temperature, max_tokens=MAX_TOKENS,
+                extra_body=EXTRA,
+            )  # fmt: skip
+            assert raw.headers["X-Pdserve-Mode"] == mode
+            # Below the floor a temperature is greedy.
+            assert (raw.parse().choices[0].model_extra or {})["token_ids"] == want
+        with pytest.raises(openai.BadRequestError, match="top_p"):
+            client.completions.create(
+                model="small", prompt=prompt, top_p=1e-300, temperature=1.0, max_tokens=4
+            )
+    for url in (decode_url(pool), prefill_url(pool)):
+        assert urllib.request.urlopen(f"{url}/health", timeout=10).status == 200
+    again = client.completions.create(model="small", prompt=short, extra_body=EXTRA, **GREEDY)
+    assert (again.choices[0].model_extra or {})["token_ids"] == expected[0]
+
+
+# Numbers at the extremes of float64 and float32, as JSON numbers and as strings.
+EXTREMES: list[Any] = [
+    5e-324, 1e-310, 1e-300, 1e-46, 1e-40, -0.0, 3.5e38, 1e300, float("nan"), float("inf"),
+    float("-inf"), "NaN", "Infinity", "-Infinity", "1e-300", "5e-324", "-0.0", "1e300",
+]  # fmt: skip
+NUMERIC_FIELDS = (
+    "temperature", "top_p", "top_k", "max_tokens", "min_tokens", "n", "seed", "logprobs",
+    "presence_penalty",
+)  # fmt: skip
+
+
+def test_numbers_at_their_extremes_get_an_answer_or_a_4xx_on_either_path(pool: LocalPool) -> None:
+    short, long = list(range(30, 40)), list(range(30, 30 + 2 * BOUNDARY))
+
+    async def send_all() -> list[tuple[int, str]]:
+        limit = asyncio.Semaphore(16)
+        async with aiohttp.ClientSession() as session:
+
+            async def one(body: dict[str, Any]) -> tuple[int, str]:
+                async with limit:
+                    data = json.dumps(body).encode()  # NaN and Infinity as JSON numbers
+                    async with session.post(
+                        f"{pool.url}/v1/completions", data=data,
+                        headers={"Content-Type": "application/json"},
+                    ) as answer:  # fmt: skip
+                        return answer.status, await answer.text()
+
+            bodies = [
+                {"prompt": prompt, "max_tokens": 2, "stream": stream, field: value}
+                for prompt in (short, long)
+                for field in NUMERIC_FIELDS
+                for value in EXTREMES
+                for stream in (False, True)
+            ]
+            return list(await asyncio.gather(*(one(body) for body in bodies)))
+
+    answers = asyncio.run(send_all())
+    assert [a for a in answers if a[0] >= 500 or ('"error"' in a[1] and a[0] == 200)] == []
+    assert {status for status, _ in answers} <= {200, 400}
+    for url in (decode_url(pool), prefill_url(pool)):
+        assert urllib.request.urlopen(f"{url}/health", timeout=10).status == 200
+    wait_until(
+        lambda: (
+            worker_total(decode_url(pool), "pdserve_kv_cache_usage_ratio") == 0.0
+            and worker_total(prefill_url(pool), "pdserve_kv_cache_usage_ratio") == 0.0
+        ),
+        60,
+        "empty caches",
+    )
 
 
 def test_prompts_at_the_boundary_take_the_intended_path(

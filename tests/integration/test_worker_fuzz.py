@@ -1,6 +1,7 @@
 """Property-based fuzzing of a real worker: requests generated (hypothesis) from the
 request schemas the worker publishes at /openapi.json, and mutations of them (any
-field replaced by any JSON value, broken bodies), across the four POST endpoints, streamed and
+field replaced by any JSON value, numbers at the extremes of float64 and float32 as
+numbers and as strings, broken bodies), across the four POST endpoints, streamed and
 not.
 
 The property: no request gets a 5xx; the worker's probes keep answering while it
@@ -95,7 +96,7 @@ def from_schema(schema: dict[str, Any], named: dict[str, Any]) -> st.SearchStrat
         near = st.integers(-1 if low is None else low - 1, 12 if high is None else min(high, 64))
         return near | st.integers()
     if kind == "number":
-        return st.floats(-1.0, 3.0) | st.floats(allow_nan=False)
+        return st.floats(-1.0, 3.0) | st.floats() | st.sampled_from(EXTREMES)
     if kind == "string":
         return st.text(max_size=40) | st.sampled_from(["small", "hello world", "</s>"])
     if kind == "boolean":
@@ -166,21 +167,37 @@ def mutants(path: str, data: bytes, count: int) -> list[tuple[str, bytes]]:
     return out
 
 
-EDGE_JSON: list[Any] = [None, True, 0, -1, 2**64, 1e308, "", "x" * 300, [], {}, [[[]]], "\u0000"]
+# Numbers at the extremes of float64 and float32 (subnormals, values that round to 0 or
+# overflow in float32, signed zero, NaN and the infinities), as JSON numbers (Python's
+# encoder writes NaN and Infinity, as many clients' do) and as strings.
+EXTREME_NUMBERS: list[float] = [
+    5e-324, 1e-310, 1e-300, 1e-46, 1.4e-45, 1e-40, 1e-38, 1e-6, -0.0, 3.4e38, 3.5e38, 1e300,
+    1.7976931348623157e308, -1e300, float("nan"), float("inf"), float("-inf"),
+]  # fmt: skip
+EXTREMES: list[Any] = [
+    *EXTREME_NUMBERS,
+    *(repr(value) for value in EXTREME_NUMBERS),
+    "NaN", "Infinity", "-Infinity",
+]  # fmt: skip
+EDGE_JSON: list[Any] = [
+    None, True, 0, -1, 2**64, 1e308, "", "x" * 300, [], {}, [[[]]], "\u0000", *EXTREMES,
+]  # fmt: skip
 EDGE_VALUES: dict[str, list[Any]] = {
-    "max_tokens": [0, 1, MAX_TOKENS, -5, 2**63, "3", None],
-    "min_tokens": [0, 1, MAX_TOKENS, MAX_TOKENS + 1, -1],
-    "temperature": [0, 0.5, 2.0, -0.1, 101, "hot"],
-    "top_p": [0, 0.01, 1.0, 1.5],
-    "top_k": [-1, 0, 1, 5, 10**12],
-    "seed": [0, 7, -1, 2**63, 2**64],
+    "max_tokens": [0, 1, MAX_TOKENS, -5, 2**63, "3", None, 1e300, 2.0, float("nan")],
+    "min_tokens": [0, 1, MAX_TOKENS, MAX_TOKENS + 1, -1, 1e-300, float("inf")],
+    "temperature": [0, 0.5, 2.0, -0.1, 101, "hot", *EXTREMES],
+    "top_p": [0, 0.01, 1.0, 1.5, *EXTREMES],
+    "presence_penalty": [0, -0.0, 0.5, *EXTREMES],
+    "frequency_penalty": [0, -0.0, 0.5, *EXTREMES],
+    "top_k": [-1, 0, 1, 5, 10**12, 1e300, -0.0, float("nan")],
+    "seed": [0, 7, -1, 2**63, 2**64, 1e300, 5e-324, float("inf")],
     "stop": [["a"], [""], ["x" * 300], ["s"] * 20, "the", 5],
     "stop_token_ids": [[0], [1, 2], [10**9], list(range(300)), ["a"]],
     "prompt": ["hello", "", [1, 2, 3], [10**9], [[1, 2]], [["a"]], ["one", "two"], "\ud7ff"],
     "messages": [[], [{"role": "user", "content": "hi"}], [{"role": "robot", "content": "x"}]],
-    "n": [1, 2, 0, 16, 17, 2**63],
-    "logprobs": [None, False, 0, 1, True, 20, 21, -1],
-    "top_logprobs": [None, 0, 2, 20, 21, -1],
+    "n": [1, 2, 0, 16, 17, 2**63, 1e300, float("nan")],
+    "logprobs": [None, False, 0, 1, True, 20, 21, -1, 1e-300, float("inf")],
+    "top_logprobs": [None, 0, 2, 20, 21, -1, 1e300, float("-inf")],
     "tokens": [[], [1, 2, 3], [10**9], [-1], "abc"],
     "stream": [True, False, "yes"],
     "stream_options": [{"include_usage": True}, {"include_usage": 1}, []],

@@ -193,7 +193,10 @@ def _chat_logprobs(answer: Answer, body: Body, baseline: Answer) -> None:
 
 
 def _greedy(body: Body) -> bool:
-    return body.get("temperature", 1.0) == 0 or body.get("top_k") == 1
+    """Whether the body leaves one token to draw at each step: temperature 0, top_k 1,
+    or a top_p smaller than any token's probability (the most likely token is kept)."""
+    tiny_nucleus = body.get("top_p", 1.0) < 1e-6
+    return body.get("temperature", 1.0) == 0 or body.get("top_k") == 1 or tiny_nucleus
 
 
 def _limit(body: Body) -> int:
@@ -205,7 +208,8 @@ FIELDS: dict[str, Field] = {
     "model": Field({"model": "small"}, _nothing),
     "max_tokens": Field({"max_tokens": 5}, _max_tokens),
     "temperature": Field({"temperature": 0.8, "seed": 11}, _nothing),
-    "top_p": Field({"top_p": 0.5, "temperature": 1.0, "seed": 12}, _nothing),
+    # A nucleus of one token: the answer must be the greedy one (_assert_greedy_prefix).
+    "top_p": Field({"top_p": 1e-9, "temperature": 1.0, "seed": 12}, _nothing),
     "top_k": Field({"top_k": 3, "temperature": 1.0, "seed": 13}, _nothing),
     "seed": Field({"seed": 7, "temperature": 1.0}, _seed),
     "stop": Field({"stop": ["<set from the baseline>"]}, _stop),
@@ -306,6 +310,62 @@ def test_every_completion_field_alone_and_in_pairs(
 def test_every_chat_field_alone_and_in_pairs(worker: ServerProcess, small_model_dir: Path) -> None:
     sent = asyncio.run(run_matrix(worker, True, Tokenizer.from_dir(small_model_dir)))
     assert sent == 2 * (19 + 19 * 18 // 2)  # 16 common, max_completion_tokens, logprobs x2
+
+
+# -- what the sampling fields do -------------------------------------------------------
+
+
+async def _tokens(worker: ServerProcess, **fields: Any) -> list[int]:
+    """The generated tokens of a 16-token completion of PROMPT with `fields`."""
+    body = {"prompt": PROMPT, "max_tokens": 16, "ignore_eos": True, "return_token_ids": True}
+    async with aiohttp.ClientSession() as session:
+        status, payload = await post(session, f"{worker.url}/v1/completions", body | fields)
+    assert status == 200, payload
+    tokens: list[int] = payload["choices"][0]["token_ids"]
+    return tokens
+
+
+def test_sampling_fields_change_what_is_drawn(worker: ServerProcess) -> None:
+    """With the same seed, a sampler that ignored a field would draw the same tokens:
+    each field must change them, and its limit case must be the greedy answer."""
+    greedy = asyncio.run(_tokens(worker, temperature=0))
+    seeded = asyncio.run(_tokens(worker, temperature=1.0, seed=5))
+    assert seeded != greedy
+    sampled: dict[str, Any] = {"temperature": 1.0, "seed": 5}
+    for fields in ({"temperature": 4.0}, {"top_p": 0.5}, {"top_k": 3}):
+        assert asyncio.run(_tokens(worker, **(sampled | fields))) != seeded, fields
+    for limit in ({"temperature": 1e-6}, {"top_p": 1e-9}, {"top_k": 1}):
+        assert asyncio.run(_tokens(worker, **(sampled | limit))) == greedy, limit
+
+
+def test_top_k_draws_only_among_the_k_most_likely(worker: ServerProcess) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 24, "ignore_eos": True, "logprobs": 3}
+    fields = {"temperature": 1.0, "seed": 9, "top_k": 3}
+
+    async def send() -> Any:
+        async with aiohttp.ClientSession() as session:
+            return await post(session, f"{worker.url}/v1/completions", body | fields)
+
+    status, payload = asyncio.run(send())
+    assert status == 200, payload
+    logprobs = payload["choices"][0]["logprobs"]
+    # Raw log-probabilities: each drawn token must be one of its step's three most
+    # likely tokens (the alternatives listed), never one further down.
+    for token, top in zip(logprobs["tokens"], logprobs["top_logprobs"], strict=True):
+        ranked = sorted(top.items(), key=lambda item: -item[1])
+        assert token in dict(ranked[:3]), (token, top)
+
+
+@pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty"])
+def test_penalties_are_refused_rather_than_ignored(worker: ServerProcess, field: str) -> None:
+    async def send() -> tuple[int, Any]:
+        async with aiohttp.ClientSession() as session:
+            body = {"prompt": PROMPT, "max_tokens": 2, field: 0.5}
+            return await post(session, f"{worker.url}/v1/completions", body)
+
+    status, payload = asyncio.run(send())
+    assert status == 400
+    assert field in payload["error"]["message"]
 
 
 # -- requests that used to cost a worker or a 500 ---------------------------------------

@@ -45,12 +45,15 @@ def _in_a_thread(serve: Callable[[], AbstractAsyncContextManager[str]]) -> Itera
 
 
 @asynccontextmanager
-async def silent_server() -> AsyncIterator[str]:
-    """On the running loop: the URL of a server that accepts, reads, never answers."""
+async def silent_server(accepted: list[str] | None = None) -> AsyncIterator[str]:
+    """On the running loop: the URL of a server that accepts, reads, never answers;
+    the peer address of each connection it accepts is added to `accepted`."""
     connections: list[asyncio.StreamWriter] = []
 
     async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connections.append(writer)
+        if accepted is not None:
+            accepted.append(str(writer.get_extra_info("peername")))
         while await reader.read(65536):
             pass
 
@@ -64,9 +67,10 @@ async def silent_server() -> AsyncIterator[str]:
 
 
 @contextmanager
-def silent_peer() -> Iterator[str]:
-    """The URL of a server that accepts connections, reads, and never answers."""
-    with _in_a_thread(silent_server) as url:
+def silent_peer(accepted: list[str] | None = None) -> Iterator[str]:
+    """The URL of a server that accepts connections, reads, and never answers (each
+    connection's peer address added to `accepted`)."""
+    with _in_a_thread(lambda: silent_server(accepted)) as url:
         yield url
 
 

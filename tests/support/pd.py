@@ -66,6 +66,7 @@ class PDPair:
 
     prefill: list[ServerProcess]
     decode: list[ServerProcess]
+    peers: Path | None = None  # the decode workers' prefill peers file
 
 
 @contextmanager
@@ -88,7 +89,7 @@ def pd_workers(
     credential, holds = pool_credential(log_dir, f"{backend}-pool")
     peers, names = peers_file(log_dir, f"{backend}-pool")
     common = ["--threads", "1", "--kv-transfer", backend, "--served-model-name", "small", *holds]
-    started = PDPair([], [])
+    started = PDPair([], [], peers)
     try:
         prefill_env = environment(prefill_faults) if prefill_faults else None
         for role, count, extra, env, into in (

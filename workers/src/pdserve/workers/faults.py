@@ -11,8 +11,10 @@ latency follows load by construction; a point may carry a list of faults, applie
 stall on every step, and an error once a file appears). A fault with `request` set
 acts only for the request a client sent with that `X-Request-Id` (at the points that
 concern single requests: `engine.prepare`, `engine.forward`, `engine.sample`,
-`server.detokenize`), so a test can make one request of a batch fail. Each point is
-named where it is called; `POINTS` lists them.
+`server.detokenize`), so a test can make one request of a batch fail. A fault with
+`hold_while` set stalls for as long as that file exists: the test decides when the
+stall ends, whatever the machine's speed. Each point is named where it is called;
+`POINTS` lists them.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ log = logging.getLogger(__name__)
 ENV = "PDSERVE_FAULTS"
 # Logged each time a point fires: a test can wait for it to know the race is on.
 MESSAGE = "fault injected at %s: %s"
+_HOLD_POLL_S = 0.01  # how often a held point looks whether it may go on
 
 POINTS = frozenset(
     {
@@ -68,6 +71,7 @@ class Fault:
     when: str | None = None  # a path: the fault acts only while this file exists
     delay_per_request_s: float = 0.0  # more stall per request the point is told of
     request: str | None = None  # acts only for the request with this client id
+    hold_while: str | None = None  # a path: stall for as long as this file exists
 
     def active(self, labels: Collection[str | None] = ()) -> bool:
         """Whether the fault acts now, for work carrying the requests `labels` (their
@@ -101,6 +105,8 @@ async def point(name: str) -> None:
         log.warning(MESSAGE, name, fault)
         if fault.delay_s:
             await asyncio.sleep(fault.delay_s)
+        while fault.hold_while is not None and os.path.exists(fault.hold_while):
+            await asyncio.sleep(_HOLD_POLL_S)
         if fault.error is not None:
             raise InjectedFault(fault.error)
 
@@ -116,6 +122,8 @@ def blocking_point(name: str, requests: int = 0, labels: Collection[str | None] 
         delay = fault.delay_s + fault.delay_per_request_s * requests
         if delay:
             time.sleep(delay)
+        while fault.hold_while is not None and os.path.exists(fault.hold_while):
+            time.sleep(_HOLD_POLL_S)
         if fault.error is not None:
             raise InjectedFault(fault.error)
 
