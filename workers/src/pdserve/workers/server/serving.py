@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 from aiohttp import web
 
-from pdserve.workers.api_errors import APIError, read_body
+from pdserve.workers.api_errors import APIError, error_body, read_body
 from pdserve.workers.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.workers.engine.sampling import InvalidRequestError
 from pdserve.workers.engine.stats import RequestOutput
@@ -116,6 +116,7 @@ class OpenAIServing:
         options = parsed.stream_options
         return PreparedRequest(
             request_id=f"{prefix}-{uuid.uuid4().hex}",
+            model=parsed.model or self.model.name,
             prompt_token_ids=token_ids,
             params=params,
             stream=parsed.stream,
@@ -200,9 +201,9 @@ class OpenAIServing:
                     break
         except EngineDeadError as error:
             raise APIError(503, str(error), "server_error") from error
-        body = completion_body(prepared, [choice.whole for choice in answer.choices], final=True)
-        body["usage"] = answer.tracker.usage()
-        return web.json_response(body, headers=headers)
+        whole = [choice.whole for choice in answer.choices]
+        body = completion_body(prepared, whole, final=True, usage=answer.tracker.usage())
+        return web.json_response(text=body.model_dump_json(), headers=headers)
 
     async def _stream(
         self,
@@ -224,11 +225,10 @@ class OpenAIServing:
                 if answer.ended:
                     break
         except EngineDeadError as error:
-            await send_event(response, {"error": {"message": str(error), "type": "server_error"}})
+            await send_event(response, error_body(str(error), "server_error", "engine_stopped"))
         if prepared.include_usage:
-            usage_chunk = completion_body(prepared, [], final=False)
-            usage_chunk["usage"] = answer.tracker.usage()
-            await send_event(response, usage_chunk)
+            usage = answer.tracker.usage()
+            await send_event(response, completion_body(prepared, [], final=False, usage=usage))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
