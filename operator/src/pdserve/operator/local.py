@@ -32,7 +32,7 @@ from types import TracebackType
 import yaml
 
 from pdserve.cli.credentials import write_new_credential
-from pdserve.cli.ports import announce_port
+from pdserve.cli.ports import PortInUseError, announce_port, check_port_free
 from pdserve.cli.process import ServerProcess, spawn, stop_all
 from pdserve.operator import api, planner, render
 from pdserve.operator.local_scaling import STATUS_FILE, LocalScaler
@@ -326,8 +326,9 @@ def serve(
 ) -> int:
     """Run a pool until Ctrl-C (or SIGTERM); the exit code."""
     try:
+        check_port_free(host, port)  # the router's, before any worker starts
         pool = load_manifest(manifest)
-    except (LocalPoolError, api.InvalidPoolError) as error:
+    except (LocalPoolError, api.InvalidPoolError, PortInUseError) as error:
         print(f"pdserve local: {error}", file=sys.stderr)
         return 2
     if model_dir is not None:
