@@ -326,8 +326,8 @@ def serve(
 ) -> int:
     """Run a pool until Ctrl-C (or SIGTERM); the exit code."""
     try:
-        check_port_free(host, port)  # the router's, before any worker starts
         pool = load_manifest(manifest)
+        check_port_free(host, port)  # the router's, before any worker starts
     except (LocalPoolError, api.InvalidPoolError, PortInUseError) as error:
         print(f"pdserve local: {error}", file=sys.stderr)
         return 2

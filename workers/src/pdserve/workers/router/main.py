@@ -123,8 +123,8 @@ def serve(options: RouterOptions, limits: RequestLimits) -> int:
         level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        check_port_free(options.host, options.port)
         startup = prepare(options)
+        check_port_free(options.host, options.port)
     except (RoutingFileError, CredentialError, ApiKeyError, OSError, ValueError) as error:
         print(f"pdserve router: {error}", file=sys.stderr)
         return 2

@@ -191,10 +191,10 @@ def serve(options: WorkerOptions, limits: RequestLimits) -> int:
     logging.basicConfig(
         level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    for name, part in installed_parts().items():
-        log.info("%s %s from %s", name, part["version"], part["path"])
     try:
         check_port_free(options.host, options.port)  # before the model loads
+        for name, part in installed_parts().items():
+            log.info("%s %s from %s", name, part["version"], part["path"])
         server = build_server(options, limits)
     except (ConfigError, CredentialError, OSError, ValueError) as error:
         print(f"pdserve worker: {error}", file=sys.stderr)
