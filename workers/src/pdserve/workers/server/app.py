@@ -8,7 +8,6 @@ of them, is answered in OpenAI's shape by one middleware
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 from typing import Any
 
 from aiohttp import web
@@ -18,7 +17,13 @@ from pdserve.workers.api_errors import error_middleware
 from pdserve.workers.handoff.prefill import PrefillService
 from pdserve.workers.server.drain import Drain
 from pdserve.workers.server.load import LoadTracker, WorkerLoad
-from pdserve.workers.server.openapi import OPENAI_ENDPOINTS, Endpoint, openapi_spec, probes
+from pdserve.workers.server.openapi import (
+    OPENAI_ENDPOINTS,
+    OPENAI_ERRORS,
+    Endpoint,
+    openapi_spec,
+    probes,
+)
 from pdserve.workers.server.response_models import ProbeAnswer, probe_answer
 from pdserve.workers.server.serving import OpenAIServing
 from pdserve.workers.server.tokenization import TokenizationServing
@@ -29,16 +34,11 @@ ENDPOINTS = (
     Endpoint("get", "/load", "Requests in flight, running and queued, KV cache usage, prefill "
              "backlog (for the router)", WorkerLoad, unavailable=ProbeAnswer),
 )  # fmt: skip
-# The statuses the OpenAI endpoints answer with an error, and why.
 ERRORS = {
-    400: "invalid request",
+    **OPENAI_ERRORS,
     401: "a hand-off asked for without the pool's credential",
     403: "a hand-off to a worker that is not one of the pool's",
-    404: "unknown model",
-    413: "request body too large",
     429: "too many requests queued (see Retry-After)",
-    500: "the request failed in the server",
-    502: "the prefill hand-off failed",
     503: "the request waited too long in the queue, the worker is stopping, or the engine stopped",
 }
 
@@ -46,8 +46,7 @@ ERRORS = {
 @functools.cache
 def worker_openapi() -> dict[str, Any]:
     """The worker's OpenAPI document (made once)."""
-    version = importlib.metadata.version("pdserve-workers")
-    return openapi_spec("pdserve worker", version, ENDPOINTS, ERRORS)
+    return openapi_spec("pdserve worker", ENDPOINTS, ERRORS)
 
 
 class WorkerServer:

@@ -7,6 +7,7 @@ chunk (or, when the stream fails, an error), and `data: [DONE]` ends it."""
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -73,11 +74,22 @@ def probes(serving: str) -> tuple[Endpoint, ...]:
     )
 
 
+# The statuses the OpenAI endpoints of either server answer with an error, and why.
+OPENAI_ERRORS = {
+    400: "invalid request",
+    404: "unknown model",
+    413: "request body too large",
+    500: "the request failed in the server",
+    502: "the prefill hand-off failed",
+}
+
+
 def openapi_spec(
-    title: str, version: str, endpoints: Sequence[Endpoint], errors: Mapping[int, str]
+    title: str, endpoints: Sequence[Endpoint], errors: Mapping[int, str]
 ) -> dict[str, Any]:
     """The OpenAPI document of `endpoints`; `errors`: the statuses the OpenAI endpoints
     answer with an error, and why (any other error has the same shape)."""
+    version = importlib.metadata.version("pdserve-workers")
     refs, components = _schemas(endpoints)
     paths: dict[str, Any] = {}
     for endpoint in endpoints:
