@@ -1,9 +1,11 @@
-"""The `pdserve` command: options declared once, and parts that are not installed."""
+"""The `pdserve` command: options declared once, parts that are not installed, and a
+port another process holds."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.abc
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +14,7 @@ import pytest
 
 from pdserve.cli import main as cli_main
 from pdserve.cli.options import add_options, option, options_from, positive_int
+from pdserve.cli.ports import PortInUseError, binding, check_port_free
 from pdserve.workers.server.options import WorkerOptions
 
 
@@ -139,3 +142,21 @@ def test_worker_token_budget_flags_reach_the_engine(tmp_path: Path) -> None:
     )  # fmt: skip
     static = options_from(parser.parse_args(["--model", str(tmp_path)]), WorkerOptions)
     assert engine_config(static).scheduler.token_budget.mode == "static"
+
+
+def test_a_port_taken_at_bind_is_named_with_its_flag() -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        with pytest.raises(PortInUseError) as taken, binding("127.0.0.1", port, "--metrics-port"):
+            socket.create_server(("127.0.0.1", port))
+        assert str(taken.value) == (
+            f"port {port} on 127.0.0.1 is already in use: choose another with --metrics-port"
+        )
+        with pytest.raises(PortInUseError):
+            check_port_free("127.0.0.1", port)
+    check_port_free("127.0.0.1", port)  # free again
+    check_port_free("127.0.0.1", 0)
+    with pytest.raises(PermissionError), binding("127.0.0.1", 1):
+        raise PermissionError("not this")

@@ -1,20 +1,27 @@
 """Parts of the router that need no worker: reading relayed SSE streams, goodput
-against the pool's SLOs, EndpointSlices and kubeconfigs, and what the router loads."""
+against the pool's SLOs, a request's one outcome however it ends, EndpointSlices and
+kubeconfigs, and what the router loads."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from aiohttp import web
 
+from pdserve.workers.api_errors import APIError
 from pdserve.workers.router.kubernetes import KubeConfigError, load_access, ready_urls
-from pdserve.workers.router.metrics import meets_slo
+from pdserve.workers.router.metrics import RouterMetrics, meets_slo
+from pdserve.workers.router.outcome import RequestOutcome, counted
+from pdserve.workers.router.proxy import Routed
 from pdserve.workers.router.sse import TokenStream, error_event
 from pdserve.workers.router.table import Slo
 
@@ -89,6 +96,69 @@ def test_goodput_holds_requests_to_ttft_and_tpot() -> None:
 
 def endpoint(address: str, **conditions: bool) -> dict[str, Any]:
     return {"addresses": [address], "conditions": conditions}
+
+
+Ending = Callable[[RequestOutcome], None]
+
+
+def _ended_with_response(status: int) -> Ending:
+    def end(outcome: RequestOutcome) -> None:
+        outcome.answered(web.Response(status=status))
+
+    return end
+
+
+def _raised(error: BaseException) -> Ending:
+    def end(_: RequestOutcome) -> None:
+        raise error
+
+    return end
+
+
+def _left_after_the_end(outcome: RequestOutcome) -> None:
+    outcome.stream = TokenStream()
+    outcome.stream.feed(chunk("a") + b"data: [DONE]\n\n", 1.0)
+    raise asyncio.CancelledError
+
+
+@pytest.mark.parametrize(
+    ("end", "outcome"),
+    [
+        (_ended_with_response(200), "ok"),
+        (_ended_with_response(400), "invalid"),
+        (_ended_with_response(429), "error"),  # every worker busy: not the client's fault
+        (_ended_with_response(500), "error"),
+        (_raised(APIError(503, "no worker")), "error"),
+        (_raised(APIError(400, "bad")), "invalid"),
+        (_raised(RuntimeError("a bug")), "error"),
+        (_raised(asyncio.CancelledError()), "cancelled"),
+        (_raised(ConnectionResetError()), "cancelled"),
+        (_left_after_the_end, "ok"),
+    ],
+)
+def test_a_routed_request_is_counted_once_however_it_ends(end: Ending, outcome: str) -> None:
+    metrics = RouterMetrics("p")
+    routed = Routed(
+        path="/v1/completions", body=b"{}", stream=True, prompt_tokens=3, bucket="all",
+        mode="colocated", request_id="r", reply_id="r", arrival=0.0, slo=Slo(),
+    )  # fmt: skip
+    try:
+        with counted(metrics, routed) as record:
+            end(record)
+    except (APIError, RuntimeError, asyncio.CancelledError, ConnectionResetError):
+        pass
+    labels = {"pool": "p", "role": "router", "bucket": "all"}
+    outcomes = {
+        sample.labels["outcome"]: sample.value
+        for family in metrics.requests.collect()
+        for sample in family.samples
+        if sample.name == "pdserve_router_requests_total"
+    }
+    assert outcomes == {outcome: 1.0}
+    decisions = metrics.registry.get_sample_value(
+        "pdserve_router_decisions_total", {**labels, "mode": "colocated"}
+    )
+    assert decisions == 1.0
 
 
 def test_only_ready_endpoints_of_a_slice_get_traffic() -> None:

@@ -32,7 +32,7 @@ from types import TracebackType
 import yaml
 
 from pdserve.cli.credentials import write_new_credential
-from pdserve.cli.ports import announce_port
+from pdserve.cli.ports import PortInUseError, announce_port, check_port_free
 from pdserve.cli.process import ServerProcess, spawn, stop_all
 from pdserve.operator import api, planner, render
 from pdserve.operator.local_scaling import STATUS_FILE, LocalScaler
@@ -327,7 +327,8 @@ def serve(
     """Run a pool until Ctrl-C (or SIGTERM); the exit code."""
     try:
         pool = load_manifest(manifest)
-    except (LocalPoolError, api.InvalidPoolError) as error:
+        check_port_free(host, port)  # the router's, before any worker starts
+    except (LocalPoolError, api.InvalidPoolError, PortInUseError) as error:
         print(f"pdserve local: {error}", file=sys.stderr)
         return 2
     if model_dir is not None:

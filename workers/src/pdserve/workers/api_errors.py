@@ -4,8 +4,9 @@ endpoints, the hand-off's `/pd/*` endpoints and the router all use it.
 
 A handler raises `APIError(status, message, ...)`; `error_middleware` answers it.
 aiohttp's own errors (no such route, wrong method, body too large) get the same
-shape, and an unexpected exception is logged with its traceback and answered 500
-without one.
+shape, with their headers (a 405 names the allowed methods in `Allow`), and an
+unexpected exception is logged with its traceback and answered 500 without one. A
+client that goes away mid-answer is no error: it is logged as what it is.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
+
+from pdserve.workers.headers import REQUEST_ID_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +32,25 @@ Body = TypeVar("Body", bound=BaseModel)
 REQUEST_FAILED = "request_failed"
 
 
+class ErrorDetail(BaseModel):
+    """What went wrong, in OpenAI's shape."""
+
+    message: str
+    type: str = Field(description="invalid_request_error, server_error, ...")
+    param: str | None
+    code: str | None = Field(description="a short machine-readable cause, when there is one")
+
+
+class ErrorResponse(BaseModel):
+    """Every error answer (and a stream's error event), in OpenAI's shape."""
+
+    error: ErrorDetail
+
+
 class APIError(Exception):
     """An error answered with `status` and an OpenAI-style body. `kind` is the body's
     `type` (invalid_request_error, server_error, ...), `code` a short machine-readable
-    cause (default: the status)."""
+    cause (None: none more precise than the status)."""
 
     def __init__(
         self,
@@ -49,14 +67,15 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
-def error_body(message: str, kind: str, code: str | int | None) -> dict[str, Any]:
+def error_body(message: str, kind: str, code: str | None) -> dict[str, Any]:
     """OpenAI's error body."""
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    detail = ErrorDetail(message=message, type=kind, param=None, code=code)
+    return ErrorResponse(error=detail).model_dump()
 
 
 def error_response(error: APIError) -> web.Response:
     """The answer for `error`."""
-    body = error_body(str(error), error.kind, error.code or error.status)
+    body = error_body(str(error), error.kind, error.code)
     return web.json_response(body, status=error.status, headers=error.headers)
 
 
@@ -73,9 +92,15 @@ def error_middleware(on_error: Callable[[APIError], None] | None = None) -> Midd
         except web.HTTPException as error:
             if error.status < 400:
                 raise
-            kind = "invalid_request_error" if error.status < 500 else "server_error"
-            failure = APIError(error.status, error.reason, kind)
-        except Exception:
+            failure = _from_aiohttp(request, error)
+        except asyncio.CancelledError:
+            if client_gone(request):
+                log_client_gone(request)
+            raise
+        except Exception as error:
+            if isinstance(error, ConnectionResetError) and client_gone(request):
+                log_client_gone(request)
+                return web.Response(status=499)  # nobody reads it: aiohttp closes the connection
             log.exception("unexpected error in %s %s", request.method, request.path)
             failure = APIError(500, "internal server error", "server_error")
         if on_error is not None:
@@ -83,6 +108,34 @@ def error_middleware(on_error: Callable[[APIError], None] | None = None) -> Midd
         return error_response(failure)
 
     return answer_errors
+
+
+def _from_aiohttp(request: web.Request, error: web.HTTPException) -> APIError:
+    """aiohttp's own refusal in OpenAI's shape, keeping the headers it sets."""
+    kind = "invalid_request_error" if error.status < 500 else "server_error"
+    message = error.reason
+    if isinstance(error, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(error.allowed_methods))
+        message = f"{error.method} is not allowed on {request.path} (allowed: {allowed})"
+    headers = {
+        name: value
+        for name, value in error.headers.items()
+        if name.lower() not in ("content-type", "content-length")
+    }
+    return APIError(error.status, message, kind, headers=headers)
+
+
+def client_gone(request: web.Request) -> bool:
+    """Whether the client's connection is closed (or closing)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+def log_client_gone(request: web.Request) -> None:
+    """A client that hung up before its answer was complete: an ordinary event."""
+    client_id = request.headers.get(REQUEST_ID_HEADER, "")[:256]
+    named = f" ({REQUEST_ID_HEADER} {client_id})" if client_id else ""
+    log.info("%s %s%s: the client went away", request.method, request.path, named)
 
 
 def validation_message(error: ValidationError) -> str:

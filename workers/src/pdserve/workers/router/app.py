@@ -1,8 +1,9 @@
 """The router's HTTP API: OpenAI-compatible `/v1/completions` and
 `/v1/chat/completions` (SSE passed through as it streams), `/tokenize` and
 `/detokenize` (answered here, with the model's tokenizer), `/v1/models`, the probes
-`/health` and `/ready`, `/workers` (what discovery found, and each worker's state)
-and `/metrics`. Every error is answered in OpenAI's shape by the workers' middleware.
+`/health` and `/ready`, `/workers` (what discovery found, and each worker's state),
+`/metrics` and `/openapi.json`. Every error is answered in OpenAI's shape by the
+workers' middleware.
 
 Each request is validated and tokenized exactly as a worker does it (the chat
 template included), so its bucket is the prompt length the worker will see; it then
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import TypeAdapter
 
 from pdserve.workers.api_errors import APIError, error_middleware, read_body
 from pdserve.workers.engine.sampling import InvalidRequestError
@@ -28,18 +30,21 @@ from pdserve.workers.headers import REQUEST_ID_HEADER
 from pdserve.workers.router.auth import ApiKeys
 from pdserve.workers.router.discovery import DiscoverySource, source_for
 from pdserve.workers.router.metrics import RouterMetrics
+from pdserve.workers.router.openapi import router_openapi
 from pdserve.workers.router.proxy import Forwarder, Routed
 from pdserve.workers.router.table import Role, RoutingFileError, RoutingTable, parse_table
-from pdserve.workers.router.workers import WorkerSet
+from pdserve.workers.router.workers import WorkersAnswer, WorkerSet, WorkerState
 from pdserve.workers.server.limits import Admission, RequestLimits
 from pdserve.workers.server.models import ServedModel
 from pdserve.workers.server.prompts import chat_prompt, completion_prompt
 from pdserve.workers.server.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.workers.server.response_models import probe_answer
 from pdserve.workers.server.tokenization import TokenizationServing
 
 log = logging.getLogger(__name__)
 
 RELOAD_INTERVAL_S = 1.0
+_WORKERS_ANSWER = TypeAdapter(WorkersAnswer)
 
 
 class RouterServer:
@@ -87,6 +92,7 @@ class RouterServer:
         app.router.add_get("/ready", self.readiness)
         app.router.add_get("/workers", self.workers)
         app.router.add_get("/metrics", self.prometheus)
+        app.router.add_get("/openapi.json", self.openapi)
         return app
 
     # -- the OpenAI endpoints ---------------------------------------------------------
@@ -147,33 +153,37 @@ class RouterServer:
         """GET /v1/models."""
         return web.json_response(self.model.listing())
 
+    async def openapi(self, _: web.Request) -> web.Response:
+        """GET /openapi.json."""
+        return web.json_response(router_openapi())
+
     # -- probes and state -----------------------------------------------------------------
 
     async def health(self, _: web.Request) -> web.Response:
         """GET /health: 200 while the process serves."""
-        return web.json_response({"status": "ok"})
+        return probe_answer("ok")
 
     async def readiness(self, _: web.Request) -> web.Response:
         """GET /ready: 200 once discovery has reported the pool's workers."""
         if not self.ready:
-            return web.json_response({"status": "not ready"}, status=503)
-        return web.json_response({"status": "ready", "role": "router"})
+            return probe_answer("not ready", 503)
+        return probe_answer("ready", role="router")
 
     async def workers(self, _: web.Request) -> web.Response:
         """GET /workers: every known worker, its breaker state and load."""
-        body = {
+        body: WorkersAnswer = {
             role: [
-                {
-                    "url": worker.url,
-                    "state": worker.breaker.state,
-                    "in_flight": worker.in_flight,
-                    "published": None if worker.published is None else vars(worker.published),
-                }
+                WorkerState(
+                    url=worker.url,
+                    state=worker.breaker.state,
+                    in_flight=worker.in_flight,
+                    published=worker.published,
+                )
                 for worker in workers
             ]
             for role, workers in self.sets.items()
         }
-        return web.json_response(body)
+        return web.json_response(_WORKERS_ANSWER.dump_python(body, mode="json"))
 
     async def prometheus(self, _: web.Request) -> web.Response:
         """GET /metrics."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
-from pdserve.cli.ports import announce_port
+from pdserve.cli.ports import PortInUseError, announce_port, binding, check_port_free
 from pdserve.workers.engine.tokenizer import Tokenizer
 from pdserve.workers.router.app import RouterServer
 from pdserve.workers.router.auth import ApiKeyError, ApiKeys
@@ -92,7 +92,8 @@ async def _serve(server: RouterServer, options: RouterOptions, poller: LoadPolle
         server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
     )
     await runner.setup()
-    await web.TCPSite(runner, options.host, options.port).start()
+    with binding(options.host, options.port):
+        await web.TCPSite(runner, options.host, options.port).start()
     port = int(runner.addresses[0][1])
     if options.port_file is not None:
         announce_port(options.port_file, port)
@@ -123,8 +124,13 @@ def serve(options: RouterOptions, limits: RequestLimits) -> int:
     )
     try:
         startup = prepare(options)
+        check_port_free(options.host, options.port)
     except (RoutingFileError, CredentialError, ApiKeyError, OSError, ValueError) as error:
         print(f"pdserve router: {error}", file=sys.stderr)
         return 2
-    asyncio.run(run_router(options, limits, startup))
+    try:
+        asyncio.run(run_router(options, limits, startup))
+    except PortInUseError as error:  # taken since the check
+        print(f"pdserve router: {error}", file=sys.stderr)
+        return 2
     return 0

@@ -49,8 +49,10 @@ class RouterMetrics:
         )
         self.requests = Counter(
             "pdserve_router_requests_total",
-            "Requests the router answered, by bucket, mode served and outcome "
-            "(ok, error: a worker's failure, invalid: refused as the client's fault).",
+            "Requests the router routed, each under one outcome when it ended, by bucket, "
+            "mode served and outcome (ok; error: no worker could answer, or its answer "
+            "failed; invalid: refused as the client's fault; cancelled: the client went "
+            "away first).",
             (*labeled, "outcome"), registry=reg,
         )  # fmt: skip
         self.decisions = Counter(

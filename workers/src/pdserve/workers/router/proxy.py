@@ -11,7 +11,8 @@ on another decode worker when the decode worker failed, with another prefill wor
 (or colocated, counted as a fallback) when the hand-off failed. Once streaming, a
 worker that fails ends the stream with an SSE error event. Each attempt carries a
 request id of its own; a client that goes away cancels the handler, which closes the
-connection to the worker, which aborts the request.
+connection to the worker, which aborts the request. Every request is counted under one
+outcome however it ends (see `outcome`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Literal
 import aiohttp
 from aiohttp import web
 
-from pdserve.workers.api_errors import REQUEST_FAILED, APIError
+from pdserve.workers.api_errors import REQUEST_FAILED, APIError, log_client_gone
 from pdserve.workers.headers import (
     BUCKET_HEADER,
     MODE_HEADER,
@@ -36,6 +37,7 @@ from pdserve.workers.headers import (
     REQUEST_ID_HEADER,
 )
 from pdserve.workers.router.metrics import RouterMetrics
+from pdserve.workers.router.outcome import RequestOutcome, counted
 from pdserve.workers.router.sse import TokenStream, error_event
 from pdserve.workers.router.table import Mode, Slo
 from pdserve.workers.router.workers import Worker, WorkerSet
@@ -120,14 +122,20 @@ class Forwarder:
 
     async def serve(self, request: web.Request, routed: Routed) -> web.StreamResponse:
         """Answer `request` from the pool; APIError when no worker could."""
-        self.metrics.decided(routed.bucket, routed.mode)
+        with counted(self.metrics, routed) as outcome:
+            return outcome.answered(await self._serve(request, routed, outcome))
+
+    async def _serve(
+        self, request: web.Request, routed: Routed, outcome: RequestOutcome
+    ) -> web.StreamResponse:
         plan = _Plan(routed.mode)
         for attempt in range(1, self.max_attempts + 1):
             decode, prefill = self._choose(routed, plan)
+            outcome.mode = plan.mode
             if decode is None:
                 break
             try:
-                return await self._attempt(request, routed, decode, prefill, attempt)
+                return await self._attempt(request, routed, decode, prefill, attempt, outcome)
             except _Retry as retry:
                 self._note_failure(routed, plan, retry, decode, prefill)
         if plan.last is not None and plan.last.answer is not None:
@@ -177,6 +185,7 @@ class Forwarder:
         decode: Worker,
         prefill: Worker | None,
         attempt: int,
+        outcome: RequestOutcome,
     ) -> web.StreamResponse:
         headers = {
             "Content-Type": "application/json",
@@ -197,9 +206,10 @@ class Forwarder:
                     decode.breaker.succeeded()
                     if prefill is not None:
                         self._settle_prefill(routed, upstream, prefill)
+                    outcome.mode = upstream.headers.get(MODE_HEADER, routed.mode)
                     if routed.stream:
-                        return await self._relay_stream(request, routed, upstream)
-                    return await self._relay_whole(routed, upstream)
+                        return await self._relay_stream(request, routed, upstream, outcome)
+                    return await self._relay_whole(routed, upstream, outcome)
         except (aiohttp.ClientError, TimeoutError) as error:
             raise _Retry("worker_unreachable", f"{decode.url}: {error}", "decode") from error
 
@@ -251,11 +261,6 @@ class Forwarder:
             raise _Retry("handoff_failed", message, "prefill", answer)
         if status >= 500 and code != REQUEST_FAILED:
             raise _Retry("worker_failed", message, "decode", answer)
-        outcome = "error" if status >= 500 else "invalid"
-        self.metrics.observe_request(
-            routed.bucket, routed.mode, outcome, routed.arrival, (), time.monotonic(),
-            routed.slo,
-        )  # fmt: skip
         return answer
 
     def _settle_prefill(
@@ -277,27 +282,28 @@ class Forwarder:
             BUCKET_HEADER: routed.bucket,
         }
 
-    async def _relay_whole(self, routed: Routed, upstream: aiohttp.ClientResponse) -> web.Response:
+    async def _relay_whole(
+        self, routed: Routed, upstream: aiohttp.ClientResponse, outcome: RequestOutcome
+    ) -> web.Response:
         try:
             data = await upstream.read()
         except (aiohttp.ClientError, TimeoutError) as error:
             raise _Retry("worker_failed", f"the answer broke off: {error}", "decode") from error
-        headers = self._headers(routed, upstream)
-        self.metrics.observe_request(
-            routed.bucket, headers[MODE_HEADER], "ok", routed.arrival, (), time.monotonic(),
-            routed.slo, _tokens_per_choice(data, routed.choices),
-        )  # fmt: skip
-        return web.Response(body=data, headers=headers)
+        outcome.output_tokens = _tokens_per_choice(data, routed.choices)
+        outcome.ended("ok")
+        return web.Response(body=data, headers=self._headers(routed, upstream))
 
     async def _relay_stream(
-        self, request: web.Request, routed: Routed, upstream: aiohttp.ClientResponse
+        self,
+        request: web.Request,
+        routed: Routed,
+        upstream: aiohttp.ClientResponse,
+        outcome: RequestOutcome,
     ) -> web.StreamResponse:
         headers = {**self._headers(routed, upstream), "Cache-Control": "no-cache"}
-        mode = headers[MODE_HEADER]
         response: web.StreamResponse | None = None
         tokens = routed.token_stream()
         broken: str | None = None
-        outcome: str | None = "cancelled"  # None: retried, not answered here
         try:
             chunks = upstream.content.iter_any()
             while True:
@@ -311,11 +317,11 @@ class Forwarder:
                 now = time.monotonic()
                 if response is None:
                     response = web.StreamResponse(headers=headers)
+                    outcome.stream = tokens
                     await response.prepare(request)
                 tokens.feed(data, now)
                 await response.write(data)
             if response is None:
-                outcome = None
                 raise _Retry("worker_failed", broken or "the worker sent nothing", "decode")
             if broken is None and not tokens.done:
                 broken = "the worker serving this stream ended it early"
@@ -323,21 +329,13 @@ class Forwarder:
                 log.warning("request %s: %s", routed.request_id, broken)
                 await response.write(error_event(broken, "worker_failed"))
             await response.write_eof()
-            outcome = "ok" if broken is None and tokens.error is None else "error"
+            outcome.ended("ok" if broken is None and tokens.error is None else "error")
             return response
         except ConnectionResetError:  # the client went away: the worker's stream closes
             assert response is not None
+            log_client_gone(request)
+            outcome.cancelled()
             return response
-        finally:
-            if outcome == "cancelled" and tokens.done:
-                # The client hung up once it had read the end of the stream (clients
-                # do, before the worker's stream closes): it got the whole answer.
-                outcome = "ok" if tokens.error is None else "error"
-            if outcome is not None:
-                self.metrics.observe_request(
-                    routed.bucket, mode, outcome, routed.arrival, tokens.streams,
-                    time.monotonic(), routed.slo,
-                )  # fmt: skip
 
 
 def _error_code(data: bytes) -> str:

@@ -19,6 +19,8 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel
+
 from pdserve.workers.router.breaker import CircuitBreaker
 from pdserve.workers.router.table import Role
 
@@ -69,6 +71,19 @@ class PublishedLoad:
             own_in_flight=own_in_flight,
             own_prefill_tokens=own_prefill_tokens,
         )
+
+
+class WorkerState(BaseModel):
+    """A worker in GET /workers."""
+
+    url: str
+    state: str  # its circuit breaker's: closed, open or half_open
+    in_flight: int  # requests the router sent it that have not ended
+    published: PublishedLoad | None  # its /load, as last read
+
+
+# The body of GET /workers: the workers of each role.
+WorkersAnswer = dict[str, list[WorkerState]]
 
 
 @dataclass(eq=False)

@@ -7,7 +7,8 @@ of them, is answered in OpenAI's shape by one middleware
 
 from __future__ import annotations
 
-import importlib.metadata
+import functools
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -15,10 +16,37 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pdserve.workers.api_errors import error_middleware
 from pdserve.workers.handoff.prefill import PrefillService
 from pdserve.workers.server.drain import Drain
-from pdserve.workers.server.load import LoadTracker
-from pdserve.workers.server.openapi import openapi_spec
+from pdserve.workers.server.load import LoadTracker, WorkerLoad
+from pdserve.workers.server.openapi import (
+    OPENAI_ENDPOINTS,
+    OPENAI_ERRORS,
+    Endpoint,
+    openapi_spec,
+    probes,
+)
+from pdserve.workers.server.response_models import ProbeAnswer, probe_answer
 from pdserve.workers.server.serving import OpenAIServing
 from pdserve.workers.server.tokenization import TokenizationServing
+
+ENDPOINTS = (
+    *OPENAI_ENDPOINTS,
+    *probes("the engine runs"),
+    Endpoint("get", "/load", "Requests in flight, running and queued, KV cache usage, prefill "
+             "backlog (for the router)", WorkerLoad, unavailable=ProbeAnswer),
+)  # fmt: skip
+ERRORS = {
+    **OPENAI_ERRORS,
+    401: "a hand-off asked for without the pool's credential",
+    403: "a hand-off to a worker that is not one of the pool's",
+    429: "too many requests queued (see Retry-After)",
+    503: "the request waited too long in the queue, the worker is stopping, or the engine stopped",
+}
+
+
+@functools.cache
+def worker_openapi() -> dict[str, Any]:
+    """The worker's OpenAPI document (made once)."""
+    return openapi_spec("pdserve worker", ENDPOINTS, ERRORS)
 
 
 class WorkerServer:
@@ -72,31 +100,30 @@ class WorkerServer:
 
     async def openapi(self, _: web.Request) -> web.Response:
         """GET /openapi.json."""
-        version = importlib.metadata.version("pdserve-workers")
-        return web.json_response(openapi_spec("pdserve worker", version))
+        return web.json_response(worker_openapi())
 
     async def health(self, _: web.Request) -> web.Response:
         """GET /health: 200 while the engine loop lives."""
         if not self.engine.healthy:
-            return web.json_response({"status": "engine stopped"}, status=503)
-        return web.json_response({"status": "ok"})
+            return probe_answer("engine stopped", 503)
+        return probe_answer("ok")
 
     async def readiness(self, _: web.Request) -> web.Response:
         """GET /ready: 200 once the model is loaded and warmed up, while the engine runs
         and the worker is not stopping."""
         if self.drain.draining:
-            return web.json_response({"status": "draining"}, status=503)
+            return probe_answer("draining", 503)
         if not (self.ready and self.engine.healthy):
-            return web.json_response({"status": "not ready"}, status=503)
-        return web.json_response({"status": "ready", "role": self.model.role})
+            return probe_answer("not ready", 503)
+        return probe_answer("ready", role=self.model.role)
 
     async def load_report(self, _: web.Request) -> web.Response:
         """GET /load: what the router weighs when it picks a worker (503 while not
         ready or draining, as /ready, so the router's probe keeps traffic off it)."""
         if self.drain.draining:
-            return web.json_response({"status": "draining"}, status=503)
+            return probe_answer("draining", 503)
         if not (self.ready and self.engine.healthy):
-            return web.json_response({"status": "not ready"}, status=503)
+            return probe_answer("not ready", 503)
         return self.load.answer(self.engine.num_queued)
 
     async def prometheus(self, _: web.Request) -> web.Response:

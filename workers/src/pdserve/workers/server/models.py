@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.workers.api_errors import APIError
+from pdserve.workers.server.response_models import ModelCard, ModelList
 
 
 @dataclass(frozen=True)
@@ -40,22 +41,20 @@ class ServedModel:
                 f"{self.name!r}", "invalid_request_error", "model_not_found",
             )  # fmt: skip
 
-    def card(self) -> dict[str, Any]:
+    def card(self) -> ModelCard:
         """The model's entry in GET /v1/models."""
-        card: dict[str, Any] = {
-            "id": self.name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "pdserve",
-            "root": self.path or self.name,
-        }
-        if self.max_model_len is not None:
-            card["max_model_len"] = self.max_model_len
-        return card
+        return ModelCard(
+            id=self.name,
+            object="model",
+            created=0,
+            owned_by="pdserve",
+            root=self.path or self.name,
+            max_model_len=self.max_model_len,
+        )
 
     def listing(self) -> dict[str, Any]:
         """The body of GET /v1/models."""
-        return {"object": "list", "data": [self.card()]}
+        return ModelList(object="list", data=[self.card()]).model_dump()
 
 
 def _same_path(requested: str, path: str) -> bool:

@@ -1,5 +1,6 @@
-"""The OpenAI-shaped answers of a worker: completion bodies, streamed chunks, and
-the per-request record of tokens and their times that fills `usage` and metrics."""
+"""The OpenAI-shaped answers of a worker: completion bodies, streamed chunks (each
+built through its model in `response_models`), and the per-request record of tokens
+and their times that fills `usage` and metrics."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from pydantic import BaseModel
 
 from pdserve.workers.api_errors import REQUEST_FAILED, APIError
 from pdserve.workers.engine.async_engine import EngineDeadError, QueueTimeoutError
@@ -17,6 +19,20 @@ from pdserve.workers.engine.isolation import RequestFailedError
 from pdserve.workers.engine.sampling import InvalidRequestError, SamplingParams
 from pdserve.workers.engine.stats import RequestOutput
 from pdserve.workers.handoff.errors import HandoffError
+from pdserve.workers.server.response_models import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChunk,
+)
+
+# The model of an answer, by (chat, whole): what each endpoint sends, whole or streamed.
+_BODIES: dict[tuple[bool, bool], type[BaseModel]] = {
+    (False, True): Completion,
+    (False, False): CompletionChunk,
+    (True, True): ChatCompletion,
+    (True, False): ChatCompletionChunk,
+}
 
 
 @dataclass
@@ -24,6 +40,7 @@ class PreparedRequest:
     """A validated request, ready for the engine."""
 
     request_id: str
+    model: str  # as the client named it (the served name when it named none)
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: bool
@@ -93,15 +110,26 @@ class RequestTracker:
 
 
 def completion_body(
-    prepared: PreparedRequest, choices: Sequence[ChoiceDelta], final: bool
-) -> dict[str, Any]:
-    """A completion (final=True) or a streamed chunk, for either endpoint."""
-    created = int(time.time())
+    prepared: PreparedRequest,
+    choices: Sequence[ChoiceDelta],
+    final: bool,
+    usage: dict[str, Any] | None = None,
+) -> BaseModel:
+    """A completion (final=True, with its `usage`) or a streamed chunk (`usage` on the
+    last one, when asked for), for either endpoint."""
     kind = "chat.completion" if prepared.chat else "text_completion"
     if prepared.chat and not final:
         kind = "chat.completion.chunk"
-    shaped = [_choice(prepared, choice, final) for choice in choices]
-    return {"id": prepared.request_id, "object": kind, "created": created, "choices": shaped}
+    body: dict[str, Any] = {
+        "id": prepared.request_id,
+        "object": kind,
+        "created": int(time.time()),
+        "model": prepared.model,
+        "choices": [_choice(prepared, choice, final) for choice in choices],
+    }
+    if usage is not None:
+        body["usage"] = usage
+    return _BODIES[prepared.chat, final].model_validate(body)
 
 
 def _choice(prepared: PreparedRequest, choice: ChoiceDelta, final: bool) -> dict[str, Any]:
@@ -159,5 +187,10 @@ async def chain(
         yield output
 
 
-async def send_event(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+async def send_event(response: web.StreamResponse, payload: BaseModel | dict[str, Any]) -> None:
+    """Write one SSE event."""
+    if isinstance(payload, BaseModel):
+        data = payload.model_dump_json().encode()
+    else:
+        data = json.dumps(payload).encode()
+    await response.write(b"data: " + data + b"\n\n")

@@ -119,6 +119,7 @@ class OpenAIServing:
         options = parsed.stream_options
         return PreparedRequest(
             request_id=f"{prefix}-{uuid.uuid4().hex}",
+            model=parsed.model or self.model.name,
             prompt_token_ids=token_ids,
             params=params,
             stream=parsed.stream,
@@ -208,9 +209,9 @@ class OpenAIServing:
                 pass
         except REQUEST_ERRORS as error:
             raise api_error(error) from error
-        body = completion_body(prepared, [choice.whole for choice in answer.choices], final=True)
-        body["usage"] = answer.tracker.usage()
-        return web.json_response(body, headers=headers)
+        whole = [choice.whole for choice in answer.choices]
+        body = completion_body(prepared, whole, final=True, usage=answer.tracker.usage())
+        return web.json_response(text=body.model_dump_json(), headers=headers)
 
     async def _stream(
         self,
@@ -232,9 +233,8 @@ class OpenAIServing:
             failure = api_error(error)
             await send_event(response, error_body(str(failure), failure.kind, failure.code))
         if prepared.include_usage:
-            usage_chunk = completion_body(prepared, [], final=False)
-            usage_chunk["usage"] = answer.tracker.usage()
-            await send_event(response, usage_chunk)
+            usage = answer.tracker.usage()
+            await send_event(response, completion_body(prepared, [], final=False, usage=usage))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

@@ -11,6 +11,7 @@ from pdserve.workers.engine.tokenizer import Tokenizer
 from pdserve.workers.server.models import ServedModel
 from pdserve.workers.server.prompts import chat_text, encode
 from pdserve.workers.server.protocol import DetokenizeRequest, TokenizeRequest
+from pdserve.workers.server.response_models import DetokenizeAnswer, TokenizeAnswer
 
 
 class TokenizationServing:
@@ -34,13 +35,13 @@ class TokenizationServing:
         strings = None
         if parsed.return_token_strs:
             strings = [self.tokenizer.token_string(token) or "" for token in tokens]
-        answer = {
-            "count": len(tokens),
-            "max_model_len": self.model.max_model_len,
-            "tokens": tokens,
-            "token_strs": strings,
-        }
-        return web.json_response(answer)
+        answer = TokenizeAnswer(
+            count=len(tokens),
+            max_model_len=self.model.max_model_len,
+            tokens=tokens,
+            token_strs=strings,
+        )
+        return web.json_response(answer.model_dump())
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """POST /detokenize: `tokens` to `{prompt}`."""
@@ -49,4 +50,5 @@ class TokenizationServing:
         vocab = self.tokenizer.vocab_size
         if any(token >= vocab for token in parsed.tokens):
             raise APIError(400, f"tokens: token ids must be in [0, {vocab})")
-        return web.json_response({"prompt": self.tokenizer.decode(parsed.tokens)})
+        answer = DetokenizeAnswer(prompt=self.tokenizer.decode(parsed.tokens))
+        return web.json_response(answer.model_dump())

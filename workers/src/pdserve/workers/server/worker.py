@@ -10,7 +10,7 @@ import uuid
 
 from aiohttp import web
 
-from pdserve.cli.ports import announce_port
+from pdserve.cli.ports import PortInUseError, announce_port, binding, check_port_free
 from pdserve.cli.version import installed_parts
 from pdserve.workers.engine.async_engine import AsyncEngine
 from pdserve.workers.engine.config import (
@@ -163,7 +163,8 @@ async def run_server(server: WorkerServer, options: WorkerOptions) -> None:
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, options.host, options.port)
-    await site.start()
+    with binding(options.host, options.port):
+        await site.start()
     port = listening_port(runner)
     if options.port_file is not None:
         announce_port(options.port_file, port)
@@ -190,12 +191,17 @@ def serve(options: WorkerOptions, limits: RequestLimits) -> int:
     logging.basicConfig(
         level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    for name, part in installed_parts().items():
-        log.info("%s %s from %s", name, part["version"], part["path"])
     try:
+        check_port_free(options.host, options.port)  # before the model loads
+        for name, part in installed_parts().items():
+            log.info("%s %s from %s", name, part["version"], part["path"])
         server = build_server(options, limits)
     except (ConfigError, CredentialError, OSError, ValueError) as error:
         print(f"pdserve worker: {error}", file=sys.stderr)
         return 2
-    asyncio.run(run_server(server, options))
+    try:
+        asyncio.run(run_server(server, options))
+    except PortInUseError as error:  # taken since the check
+        print(f"pdserve worker: {error}", file=sys.stderr)
+        return 2
     return 0
