@@ -79,16 +79,22 @@ def streamed_tokens(stream: Any) -> list[int]:
     return tokens
 
 
+def both_paths(model_dir: Path, first_token: int) -> list[tuple[list[int], list[int], str]]:
+    """A prompt at the colocated bucket's limit and one far beyond it, each with its
+    greedy tokens from an engine of its own and the mode the router should pick."""
+    short = list(range(first_token, first_token + BOUNDARY))
+    long = list(range(first_token, first_token + 300))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    expected, _ = run_to_completion(make_engine(model_dir), [short, long], params)
+    return [(short, expected[0], "colocated"), (long, expected[1], "disaggregated")]
+
+
 def test_openai_client_gets_the_colocated_answer_on_both_paths(
     pool: LocalPool, client: openai.OpenAI, small_model_dir: Path
 ) -> None:
-    short, long = list(range(10, 10 + BOUNDARY)), list(range(10, 310))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    expected, _ = run_to_completion(make_engine(small_model_dir), [short, long], params)
-    for prompt, want, mode in (
-        (short, expected[0], "colocated"),
-        (long, expected[1], "disaggregated"),
-    ):
+    paths = both_paths(small_model_dir, first_token=10)
+    short = paths[0][0]
+    for prompt, want, mode in paths:
         raw = client.completions.with_raw_response.create(
             model="small", prompt=prompt, extra_body=EXTRA, **GREEDY
         )
@@ -139,13 +145,8 @@ def test_underflowing_temperature_and_top_p_stop_no_engine_on_either_path(
 ) -> None:
     # Once answered "engine_stopped" and left the prefill and the decode engine dead:
     # in float32 both are 0 (a division by zero, a nucleus of nothing).
-    short, long = list(range(20, 20 + BOUNDARY)), list(range(20, 320))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    expected, _ = run_to_completion(make_engine(small_model_dir), [short, long], params)
-    for prompt, want, mode in (
-        (short, expected[0], "colocated"),
-        (long, expected[1], "disaggregated"),
-    ):
+    paths = both_paths(small_model_dir, first_token=20)
+    for prompt, want, mode in paths:
         for temperature in (1e-300, 5e-324):
             raw = client.completions.with_raw_response.create(
                 model="small", prompt=prompt, temperature=temperature, max_tokens=MAX_TOKENS,
@@ -160,8 +161,9 @@ def test_underflowing_temperature_and_top_p_stop_no_engine_on_either_path(
             )
     for url in (decode_url(pool), prefill_url(pool)):
         assert urllib.request.urlopen(f"{url}/health", timeout=10).status == 200
+    short, want, _ = paths[0]
     again = client.completions.create(model="small", prompt=short, extra_body=EXTRA, **GREEDY)
-    assert (again.choices[0].model_extra or {})["token_ids"] == expected[0]
+    assert (again.choices[0].model_extra or {})["token_ids"] == want
 
 
 # Numbers at the extremes of float64 and float32, as JSON numbers and as strings.
