@@ -87,7 +87,13 @@ class WorkerMetrics:
             "pdserve_requests_rejected_total",
             "Requests answered with an error status, by reason: invalid, not_found, "
             "too_large, queue_full (429), queue_timeout, engine_stopped, handoff_failed, "
-            "internal.",
+            "connection_limit, body_read_limit, body_timeout, internal.",
+            (*names, "reason"), registry=reg,
+        )  # fmt: skip
+        self.aborted = Counter(
+            "pdserve_requests_aborted_total",
+            "Requests the worker aborted itself, by reason: stream_buffer_full (the client "
+            "left more than --max-stream-buffer-tokens tokens unread).",
             (*names, "reason"), registry=reg,
         )  # fmt: skip
         self.prompt_tokens = Counter(
@@ -296,6 +302,10 @@ class WorkerMetrics:
         """Count a request answered with an error status."""
         self.rejected.labels(**self._labels, reason=rejection_reason(error)).inc()
 
+    def observe_stream_overflow(self) -> None:
+        """Count a request aborted because its client left its tokens unread."""
+        self.aborted.labels(**self._labels, reason="stream_buffer_full").inc()
+
 
 def rejection_reason(error: APIError) -> str:
     """The `reason` label of an error answer: a small fixed set, whatever the error."""
@@ -316,4 +326,7 @@ _REASONS = {
     "queue_full": "queue_full",
     "queue_timeout": "queue_timeout",
     "engine_stopped": "engine_stopped",
+    "too_many_connections": "connection_limit",
+    "too_many_body_reads": "body_read_limit",
+    "body_timeout": "body_timeout",
 }

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from pdserve.workers.api_errors import APIError, read_body
 from pdserve.workers.engine.async_engine import AsyncEngine, EngineDeadError
+from pdserve.workers.engine.output_buffer import StreamOverflowError
 from pdserve.workers.engine.sampling import InvalidRequestError
 from pdserve.workers.engine.stats import RequestOutput
 from pdserve.workers.engine.tokenizer import Tokenizer
@@ -198,7 +199,7 @@ class OpenAIServing:
                 answer.add(output)
                 if answer.ended:
                     break
-        except EngineDeadError as error:
+        except (EngineDeadError, StreamOverflowError) as error:
             raise APIError(503, str(error), "server_error") from error
         body = completion_body(prepared, [choice.whole for choice in answer.choices], final=True)
         body["usage"] = answer.tracker.usage()
@@ -223,7 +224,7 @@ class OpenAIServing:
                     await send_event(response, completion_body(prepared, [delta], final=False))
                 if answer.ended:
                     break
-        except EngineDeadError as error:
+        except (EngineDeadError, StreamOverflowError) as error:
             await send_event(response, {"error": {"message": str(error), "type": "server_error"}})
         if prepared.include_usage:
             usage_chunk = completion_body(prepared, [], final=False)
