@@ -22,6 +22,11 @@ if TYPE_CHECKING:
     from pdserve.workers.network.guard import NetworkGuard
 
 RETRY_AFTER_S = 1
+# The error codes of the refusals that mean "busy, retry": a router retries them on
+# another worker without holding them against this one.
+TOO_MANY_CONNECTIONS = "too_many_connections"
+TOO_MANY_BODY_READS = "too_many_body_reads"
+BUSY_CODES = frozenset({TOO_MANY_CONNECTIONS, TOO_MANY_BODY_READS})
 
 
 def guard_middleware(guard: NetworkGuard) -> Middleware:
@@ -36,7 +41,7 @@ def guard_middleware(guard: NetworkGuard) -> Middleware:
             _close_after_answer(connection)
             raise APIError(
                 503, f"the server has {guard.limits.limit_concurrency} connections open, the "
-                "most it takes: retry later", "server_error", "too_many_connections",
+                "most it takes: retry later", "server_error", TOO_MANY_CONNECTIONS,
                 headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"},
             )  # fmt: skip
         if not request.content.is_eof():
@@ -56,7 +61,7 @@ async def _receive_body(
         _close_after_answer(connection)
         raise APIError(
             503, f"the server is receiving {limits.limit_body_reads} request bodies, the "
-            "most it takes at once: retry later", "server_error", "too_many_body_reads",
+            "most it takes at once: retry later", "server_error", TOO_MANY_BODY_READS,
             headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"},
         )  # fmt: skip
     guard.body_reads += 1

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.workers.api_errors import APIError
 from pdserve.workers.handoff.errors import known_code
+from pdserve.workers.network.bodies import TOO_MANY_BODY_READS, TOO_MANY_CONNECTIONS
 
 if TYPE_CHECKING:  # the router shares the names and buckets here, and loads no torch
     from pdserve.workers.engine.engine import StepResult
@@ -326,7 +327,7 @@ _REASONS = {
     "queue_full": "queue_full",
     "queue_timeout": "queue_timeout",
     "engine_stopped": "engine_stopped",
-    "too_many_connections": "connection_limit",
-    "too_many_body_reads": "body_read_limit",
+    TOO_MANY_CONNECTIONS: "connection_limit",
+    TOO_MANY_BODY_READS: "body_read_limit",
     "body_timeout": "body_timeout",
 }

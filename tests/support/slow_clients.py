@@ -1,0 +1,213 @@
+"""Clients that cost a server what they can, on raw sockets: some send part of a
+request and stop, some never read their answer. And what a process holds in memory.
+Used by the network-limit tests and the slow-client benchmark."""
+
+from __future__ import annotations
+
+import json
+import selectors
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+# What a client that stops reading keeps receiving into (the kernel gives at least
+# a few KiB): the server's side fills up sooner.
+SMALL_RECEIVE_BUFFER = 4096
+# A stream that fills a client's buffers fast: 16 choices, each token with its 20
+# most likely alternatives (about 2 KB of SSE a token). 1900 tokens fit the tests'
+# small model's context.
+HEAVY_STREAM = {
+    "messages": [{"role": "user", "content": "tell me everything"}],
+    "n": 16, "max_tokens": 1900, "logprobs": True, "top_logprobs": 20,
+    "stream": True, "ignore_eos": True,
+}  # fmt: skip
+# How late a cut-off may come in a test, as a multiple of its timeout: generous, so
+# a loaded machine passes, and still seconds where there was no limit at all.
+LATE = 10.0
+# The servers' count of connections refused or cut off, by reason.
+REFUSALS = "pdserve_http_connections_rejected_total"
+
+
+def assert_cut_off(elapsed: float, timeout: float) -> None:
+    """A client cut off after `elapsed` seconds was given its whole `timeout`, and
+    not much more."""
+    assert timeout - 0.01 <= elapsed <= LATE * timeout, (elapsed, timeout)
+
+
+def connect(url: str, receive_buffer: int | None = None) -> socket.socket:
+    """A TCP connection to the server at `url` (http://host:port)."""
+    parts = urlsplit(url)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if receive_buffer is not None:  # before connecting: it sets the window offered
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.connect((parts.hostname or "127.0.0.1", parts.port or 80))
+    return sock
+
+
+def request_head(path: str, content_length: int | None = None) -> bytes:
+    """The request line and headers of a POST (JSON body) or, without a length, a GET."""
+    if content_length is None:
+        return f"GET {path} HTTP/1.1\r\nHost: pdserve\r\n\r\n".encode()
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: pdserve\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {content_length}\r\n\r\n"
+    ).encode()
+
+
+def half_headers(path: str = "/v1/completions") -> bytes:
+    """The first half of a request's headers (no blank line ends them)."""
+    return request_head(path, 100)[:40]
+
+
+def send_half_headers(url: str, path: str = "/v1/completions") -> socket.socket:
+    """A connection that has sent half a request's headers and then nothing."""
+    sock = connect(url)
+    sock.sendall(half_headers(path))
+    return sock
+
+
+def send_partial_body(
+    url: str, body: bytes, sent: int, path: str = "/v1/completions"
+) -> socket.socket:
+    """A connection that has sent a request's headers and the first `sent` bytes of
+    its `body`, and then nothing."""
+    sock = connect(url)
+    sock.sendall(request_head(path, len(body)) + body[:sent])
+    return sock
+
+
+def start_unread_stream(url: str, path: str, body: dict[str, Any]) -> socket.socket:
+    """A streamed request whose client never reads a byte of the answer."""
+    sock = connect(url, receive_buffer=SMALL_RECEIVE_BUFFER)
+    data = json.dumps(body).encode()
+    sock.sendall(request_head(path, len(data)) + data)
+    return sock
+
+
+@dataclass
+class Answer:
+    """What a server sent on a connection before it closed it."""
+
+    status: int | None  # None: it closed without answering
+    headers: dict[str, str]
+    body: bytes
+    closed_at: float  # time.monotonic() when the connection was seen closed
+
+
+def wait_closed(sock: socket.socket, limit_s: float) -> Answer:
+    """Read until the server closes the connection (or resets it); fail if it is
+    still open after `limit_s` seconds."""
+    started = time.monotonic()
+    received = b""
+    while True:
+        left = started + limit_s - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"the connection is still open after {limit_s:g}s")
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            chunk = b""
+        if not chunk:
+            return parse_answer(received, time.monotonic())
+        received += chunk
+
+
+def read_answer(sock: socket.socket, limit_s: float) -> Answer:
+    """Read one answer (with a Content-Length) without waiting for the connection to
+    close; `closed_at` is when it was read."""
+    deadline = time.monotonic() + limit_s
+    received = b""
+    while True:
+        _, found, body = received.partition(b"\r\n\r\n")
+        if found:
+            answer = parse_answer(received, time.monotonic())
+            if len(body) >= int(answer.headers.get("content-length", 0)):
+                return answer
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"no whole answer after {limit_s:g}s: {received[:200]!r}")
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            continue
+        if not chunk:
+            return parse_answer(received, time.monotonic())
+        received += chunk
+
+
+@contextmanager
+def health_check(url: str) -> Iterator[tuple[Answer, socket.socket]]:
+    """GET /health on a connection of its own, its headers sent in two pieces; the
+    answer, the connection left open for the block."""
+    head = request_head("/health")
+    sock = connect(url)
+    try:
+        sock.sendall(head[:20])
+        sock.sendall(head[20:])
+        yield read_answer(sock, 60), sock
+    finally:
+        sock.close()
+
+
+def wait_all_closed(socks: Sequence[socket.socket], limit_s: float) -> list[float]:
+    """When (time.monotonic()) the server closed each connection, whatever it sent
+    before; fail if any is still open `limit_s` seconds after this call."""
+    started = time.monotonic()
+    closed: dict[int, float] = {}
+    with selectors.DefaultSelector() as selector:
+        for index, sock in enumerate(socks):
+            selector.register(sock, selectors.EVENT_READ, index)
+        while len(closed) < len(socks):
+            left = started + limit_s - time.monotonic()
+            if left <= 0:
+                raise AssertionError(
+                    f"{len(socks) - len(closed)} of {len(socks)} connections still open "
+                    f"after {limit_s:g}s"
+                )
+            for key, _ in selector.select(timeout=left):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                try:
+                    data = sock.recv(65536)
+                except ConnectionResetError:
+                    data = b""
+                if not data:
+                    closed[key.data] = time.monotonic()
+                    selector.unregister(sock)
+    return [closed[index] for index in range(len(socks))]
+
+
+def parse_answer(data: bytes, closed_at: float) -> Answer:
+    """An HTTP/1.1 answer (with a Content-Length) from its bytes."""
+    if not data:
+        return Answer(None, {}, b"", closed_at)
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in lines:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return Answer(int(status_line.split()[1]), headers, body, closed_at)
+
+
+def close_all(socks: Sequence[socket.socket]) -> None:
+    """Close connections this side holds."""
+    for sock in socks:
+        sock.close()
+
+
+def rss_bytes(pid: int) -> int:
+    """The resident memory of a process on this machine (Linux's /proc)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
