@@ -29,22 +29,19 @@ from support.prom import total
 from support.router import known_workers, router_metric, running_router, static_routing_file
 from support.slow_clients import (
     HEAVY_STREAM,
-    LATE,
     REFUSALS,
     Answer,
-    assert_cut_off,
+    assert_half_headers_cut_off,
+    assert_stopped_body_gets_408,
     close_all,
     connect,
     read_answer,
     request_head,
-    send_half_headers,
     send_partial_body,
     start_unread_stream,
-    wait_all_closed,
-    wait_closed,
 )
 from support.waiting import wait_until
-from support.worker import metric, running_worker
+from support.worker import metric, running_worker, wait_engine_emptied
 
 HEADER_S = 1.0
 BODY_S = 1.0
@@ -97,30 +94,12 @@ def capped(routing: Path, tmp_path: Path) -> Iterator[ServerProcess]:
 
 
 def test_half_sent_headers_are_cut_off_within_the_header_timeout(router: ServerProcess) -> None:
-    sent, socks = [], []
-    for _ in range(20):
-        sent.append(time.monotonic())
-        socks.append(send_half_headers(router.url))
-    try:
-        closed = wait_all_closed(socks, LATE * HEADER_S)
-    finally:
-        close_all(socks)
-    for began, ended in zip(sent, closed, strict=True):
-        assert_cut_off(ended - began, HEADER_S)
+    assert_half_headers_cut_off(router.url, 20, HEADER_S)
     assert router_metric(router, REFUSALS, reason="header_timeout") == 20
 
 
 def test_a_body_that_stops_gets_408_within_the_body_timeout(router: ServerProcess) -> None:
-    body = json.dumps({"prompt": "a slow body", "max_tokens": 2}).encode()
-    began = time.monotonic()
-    sock = send_partial_body(router.url, body, 10)
-    try:
-        answer = wait_closed(sock, LATE * BODY_S)
-    finally:
-        sock.close()
-    assert (answer.status, answer.headers["connection"]) == (408, "close")
-    assert json.loads(answer.body)["error"]["code"] == "body_timeout"
-    assert_cut_off(answer.closed_at - began, BODY_S)
+    assert_stopped_body_gets_408(router.url, BODY_S)
     assert router_metric(router, REFUSALS, reason="body_timeout") == 1
 
 
@@ -139,10 +118,7 @@ def test_a_client_that_stops_reading_is_cut_off_and_the_workers_request_ends(
             lambda: metric(worker, "pdserve_requests_total", finish_reason="abort") == 1, 60,
             "the worker's request to be aborted",
         )  # fmt: skip
-        wait_until(
-            lambda: metric(worker, "pdserve_kv_cache_usage_ratio") == 0.0, 60,
-            "the worker's KV cache to be freed",
-        )  # fmt: skip
+        wait_engine_emptied(worker)
     finally:
         sock.close()
 

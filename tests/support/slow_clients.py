@@ -8,7 +8,7 @@ import json
 import selectors
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -99,14 +99,32 @@ class Answer:
 
 
 def wait_closed(sock: socket.socket, limit_s: float) -> Answer:
-    """Read until the server closes the connection (or resets it); fail if it is
-    still open after `limit_s` seconds."""
-    started = time.monotonic()
+    """Read until the server closes the connection (or resets it); what it sent
+    before. Fail if it is still open after `limit_s` seconds."""
+    received = _receive(sock, limit_s, lambda _: False)
+    if received is None:
+        raise AssertionError(f"the connection is still open after {limit_s:g}s")
+    return parse_answer(received, time.monotonic())
+
+
+def read_answer(sock: socket.socket, limit_s: float) -> Answer:
+    """Read one answer (with a Content-Length) without waiting for the connection to
+    close; `closed_at` is when it was read."""
+    received = _receive(sock, limit_s, _whole_answer)
+    if received is None:
+        raise AssertionError(f"no whole answer after {limit_s:g}s")
+    return parse_answer(received, time.monotonic())
+
+
+def _receive(sock: socket.socket, limit_s: float, enough: Callable[[bytes], bool]) -> bytes | None:
+    """What the server sent until `enough` of it came or it closed the connection;
+    None if neither happened within `limit_s`."""
+    deadline = time.monotonic() + limit_s
     received = b""
-    while True:
-        left = started + limit_s - time.monotonic()
+    while not enough(received):
+        left = deadline - time.monotonic()
         if left <= 0:
-            raise AssertionError(f"the connection is still open after {limit_s:g}s")
+            return None
         sock.settimeout(left)
         try:
             chunk = sock.recv(65536)
@@ -115,32 +133,17 @@ def wait_closed(sock: socket.socket, limit_s: float) -> Answer:
         except ConnectionResetError:
             chunk = b""
         if not chunk:
-            return parse_answer(received, time.monotonic())
+            break
         received += chunk
+    return received
 
 
-def read_answer(sock: socket.socket, limit_s: float) -> Answer:
-    """Read one answer (with a Content-Length) without waiting for the connection to
-    close; `closed_at` is when it was read."""
-    deadline = time.monotonic() + limit_s
-    received = b""
-    while True:
-        _, found, body = received.partition(b"\r\n\r\n")
-        if found:
-            answer = parse_answer(received, time.monotonic())
-            if len(body) >= int(answer.headers.get("content-length", 0)):
-                return answer
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise AssertionError(f"no whole answer after {limit_s:g}s: {received[:200]!r}")
-        sock.settimeout(left)
-        try:
-            chunk = sock.recv(65536)
-        except TimeoutError:
-            continue
-        if not chunk:
-            return parse_answer(received, time.monotonic())
-        received += chunk
+def _whole_answer(received: bytes) -> bool:
+    head, found, body = received.partition(b"\r\n\r\n")
+    if not found:
+        return False
+    length = parse_answer(head + found, 0.0).headers.get("content-length", "0")
+    return len(body) >= int(length)
 
 
 @contextmanager
@@ -202,6 +205,36 @@ def close_all(socks: Sequence[socket.socket]) -> None:
     """Close connections this side holds."""
     for sock in socks:
         sock.close()
+
+
+def assert_half_headers_cut_off(url: str, count: int, timeout: float) -> None:
+    """`count` connections that send half their headers are each closed by the server
+    within `timeout` of their first byte (see `assert_cut_off`)."""
+    sent, socks = [], []
+    for _ in range(count):
+        sent.append(time.monotonic())
+        socks.append(send_half_headers(url))
+    try:
+        closed = wait_all_closed(socks, LATE * timeout)
+    finally:
+        close_all(socks)
+    for began, ended in zip(sent, closed, strict=True):
+        assert_cut_off(ended - began, timeout)
+
+
+def assert_stopped_body_gets_408(url: str, timeout: float) -> None:
+    """A request whose body stops coming gets 408 within `timeout` of its headers, and
+    its connection is closed."""
+    body = json.dumps({"prompt": "a slow body", "max_tokens": 2}).encode()
+    began = time.monotonic()
+    sock = send_partial_body(url, body, 10)
+    try:
+        answer = wait_closed(sock, LATE * timeout)
+    finally:
+        sock.close()
+    assert (answer.status, answer.headers["connection"]) == (408, "close")
+    assert json.loads(answer.body)["error"]["code"] == "body_timeout"
+    assert_cut_off(answer.closed_at - began, timeout)
 
 
 def rss_bytes(pid: int) -> int:

@@ -59,8 +59,8 @@ class OutputBuffer:
         self.tokens = 0
         self._items.put_nowait(
             StreamOverflowError(
-                f"the client left more than {self.max_tokens} tokens unread: the request "
-                "was aborted"
+                f"more than {self.max_tokens} tokens of this request waited to be sent (the "
+                "client did not take them as fast as they came): the request was aborted"
             )
         )
         self._on_overflow()

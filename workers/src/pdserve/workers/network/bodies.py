@@ -38,11 +38,10 @@ def guard_middleware(guard: NetworkGuard) -> Middleware:
         protocol = request.protocol
         connection = protocol if isinstance(protocol, GuardedRequestHandler) else None
         if connection is not None and not connection.admitted:
-            _close_after_answer(connection)
-            raise APIError(
-                503, f"the server has {guard.limits.limit_concurrency} connections open, the "
-                "most it takes: retry later", "server_error", TOO_MANY_CONNECTIONS,
-                headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"},
+            raise _busy(
+                connection, TOO_MANY_CONNECTIONS,
+                f"the server has {guard.limits.limit_concurrency} connections open, the most "
+                "it takes",
             )  # fmt: skip
         if not request.content.is_eof():
             await _receive_body(guard, request, connection)
@@ -58,11 +57,10 @@ async def _receive_body(
     limits = guard.limits
     if guard.body_reads >= limits.limit_body_reads:
         guard.metrics.refused("body_read_limit")
-        _close_after_answer(connection)
-        raise APIError(
-            503, f"the server is receiving {limits.limit_body_reads} request bodies, the "
-            "most it takes at once: retry later", "server_error", TOO_MANY_BODY_READS,
-            headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"},
+        raise _busy(
+            connection, TOO_MANY_BODY_READS,
+            f"the server is receiving {limits.limit_body_reads} request bodies, the most it "
+            "takes at once",
         )  # fmt: skip
     guard.body_reads += 1
     try:
@@ -77,6 +75,15 @@ async def _receive_body(
         ) from None  # fmt: skip
     finally:
         guard.body_reads -= 1
+
+
+def _busy(connection: GuardedRequestHandler | None, code: str, why: str) -> APIError:
+    """The 503 of a cap, its connection closed once answered."""
+    _close_after_answer(connection)
+    return APIError(
+        503, f"{why}: retry later", "server_error", code,
+        headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"},
+    )  # fmt: skip
 
 
 def _close_after_answer(connection: GuardedRequestHandler | None) -> None:

@@ -93,8 +93,8 @@ class WorkerMetrics:
         )  # fmt: skip
         self.aborted = Counter(
             "pdserve_requests_aborted_total",
-            "Requests the worker aborted itself, by reason: stream_buffer_full (the client "
-            "left more than --max-stream-buffer-tokens tokens unread).",
+            "Requests the worker aborted itself, by reason: stream_buffer_full (more than "
+            "--max-stream-buffer-tokens tokens waited for a client that did not read them).",
             (*names, "reason"), registry=reg,
         )  # fmt: skip
         self.prompt_tokens = Counter(
@@ -304,7 +304,7 @@ class WorkerMetrics:
         self.rejected.labels(**self._labels, reason=rejection_reason(error)).inc()
 
     def observe_stream_overflow(self) -> None:
-        """Count a request aborted because its client left its tokens unread."""
+        """Count a request aborted because its tokens waited for its client too long."""
         self.aborted.labels(**self._labels, reason="stream_buffer_full").inc()
 
 
