@@ -14,6 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from pdserve.workers.server.process import ServerProcess
+from support.prom import total
+from support.waiting import wait_until
+from support.worker import wait_engine_emptied
+
 # What a client that stops reading keeps receiving into (the kernel gives at least
 # a few KiB): the server's side fills up sooner.
 SMALL_RECEIVE_BUFFER = 4096
@@ -235,6 +240,23 @@ def assert_stopped_body_gets_408(url: str, timeout: float) -> None:
     assert (answer.status, answer.headers["connection"]) == (408, "close")
     assert json.loads(answer.body)["error"]["code"] == "body_timeout"
     assert_cut_off(answer.closed_at - began, timeout)
+
+
+def wait_unread_stream_ended(server_url: str, worker: ServerProcess) -> None:
+    """Wait until the server at `server_url` has cut off the one client that stopped
+    reading its stream (its write timeout runs once the connection's buffers are full:
+    how soon the engine fills them depends on the machine), and `worker`'s request for
+    it has been aborted and its KV cache freed."""
+    wait_until(
+        lambda: total(f"{server_url}/metrics", REFUSALS, reason="write_timeout") == 1, 600,
+        "the client that stopped reading to be cut off",
+    )  # fmt: skip
+    wait_until(
+        lambda: total(f"{worker.url}/metrics", "pdserve_requests_total", finish_reason="abort")
+        == 1,
+        60, "the worker's request to be aborted",
+    )  # fmt: skip
+    wait_engine_emptied(worker)
 
 
 def rss_bytes(pid: int) -> int:
