@@ -7,7 +7,6 @@ before its first sample.
 
 from __future__ import annotations
 
-import json
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -19,7 +18,7 @@ import pytest
 from support.chart import CHART, DEPLOY
 from support.operator import Cluster, OperatorProcess, install_crd, operator_kubeconfig
 from support.promql import dashboard_queries, exported_names, metric_names, rule_queries
-from support.router import running_router
+from support.router import running_router, static_routing_file
 from support.worker import running_worker
 
 pytestmark = pytest.mark.cluster
@@ -46,7 +45,8 @@ def exported(
         with (
             running_worker(small_model_dir, logs, "--max-model-len", "256") as worker,
             running_router(
-                routing_file(logs, small_model_dir, worker.url), logs / "router.log"
+                static_routing_file(logs, small_model_dir, worker.url, "names"),
+                logs / "router.log",
             ) as router,
         ):
             router.wait_ready()
@@ -71,19 +71,6 @@ def exported(
         with start(tmp_path_factory.mktemp(part)) as urls:
             names |= {component: exported_names(page(url)) for component, url in urls.items()}
     return names
-
-
-def routing_file(folder: Path, model_dir: Path, decode_url: str) -> Path:
-    """A routing table sending every prompt to one decode worker, colocated."""
-    table = {
-        "pool": "names",
-        "model": {"name": "small", "path": str(model_dir)},
-        "buckets": [{"mode": "colocated"}],
-        "discovery": {"kind": "static", "decode": [decode_url]},
-    }
-    path = folder / "routing.json"
-    path.write_text(json.dumps(table))
-    return path
 
 
 def queries() -> Iterator[tuple[str, str]]:

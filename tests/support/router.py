@@ -75,6 +75,19 @@ def running_router(routing_file: Path, log_path: Path, *args: str) -> Iterator[S
         router.stop()
 
 
+def static_routing_file(folder: Path, model_dir: Path, decode_url: str, pool: str) -> Path:
+    """A routing table sending every prompt to one decode worker, colocated."""
+    table = {
+        "pool": pool,
+        "model": {"name": "small", "path": str(model_dir)},
+        "buckets": [{"mode": "colocated"}],
+        "discovery": {"kind": "static", "decode": [decode_url]},
+    }
+    path = folder / "routing.json"
+    path.write_text(json.dumps(table))
+    return path
+
+
 def router_metric(router: HasUrl, name: str, **labels: str) -> float:
     """The sum of a router metric's samples that carry `labels`."""
     return total(f"{router.url}/metrics", name, **labels)

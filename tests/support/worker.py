@@ -10,13 +10,24 @@ from pdserve.workers.faults import Fault, environment
 from pdserve.workers.server import process
 from pdserve.workers.server.process import ServerProcess
 from support.prom import total
+from support.waiting import wait_until
 
-__all__ = ["ServerProcess", "metric", "running_worker"]
+__all__ = ["ServerProcess", "metric", "running_worker", "wait_engine_emptied"]
 
 
 def metric(worker: ServerProcess, name: str, **labels: str) -> float:
     """Sum of a metric's samples whose labels include `labels`, read from /metrics."""
     return total(f"{worker.url}/metrics", name, **labels)
+
+
+def wait_engine_emptied(worker: ServerProcess, timeout_s: float = 60) -> None:
+    """Wait until the worker's engine holds nothing: no KV cache in use, no request
+    running."""
+    wait_until(
+        lambda: metric(worker, "pdserve_kv_cache_usage_ratio") == 0.0
+        and metric(worker, "pdserve_requests_running") == 0,
+        timeout_s, "the worker's engine to hold no request",
+    )  # fmt: skip
 
 
 @contextmanager

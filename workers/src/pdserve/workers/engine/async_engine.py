@@ -22,6 +22,7 @@ from typing import Any, Protocol, TypeVar
 from pdserve.workers import faults
 from pdserve.workers.engine.engine import LLMEngine, StepResult
 from pdserve.workers.engine.isolation import is_engine_fault
+from pdserve.workers.engine.output_buffer import OutputBuffer
 from pdserve.workers.engine.sampling import SamplingParams
 from pdserve.workers.engine.stats import RequestOutput
 
@@ -76,10 +77,16 @@ class AsyncEngine:
         engine: LLMEngine,
         observers: Sequence[EngineObserver] = (),
         queue_timeout_s: float | None = None,
+        max_stream_buffer_tokens: int | None = None,
+        on_stream_overflow: Callable[[], None] | None = None,
     ) -> None:
         self.engine = engine
         self.observers = list(observers)
         self.queue_timeout_s = queue_timeout_s
+        # Generated tokens a request's outputs may hold for a consumer that does not
+        # take them (see `output_buffer`); past it the request is aborted.
+        self.max_stream_buffer_tokens = max_stream_buffer_tokens
+        self._on_stream_overflow = on_stream_overflow
         self._commands: queue.SimpleQueue[_Admit | _Abort | _Call | None] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._wake = threading.Event()
@@ -140,12 +147,19 @@ class AsyncEngine:
         """Outputs of a request that `admit` puts into the engine (on the engine
         thread), until it finishes: those of every choice for n > 1, each with its
         index, in the order the engine produced them. Leaving the iteration early
-        aborts it."""
+        aborts it; so does leaving more than `max_stream_buffer_tokens` untaken
+        (StreamOverflowError)."""
         loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+        def overflowed() -> None:
+            self._post(_Abort(request_id))
+            if self._on_stream_overflow is not None:
+                self._on_stream_overflow()
+
+        outputs = OutputBuffer(self.max_stream_buffer_tokens, overflowed)
 
         def sink(item: RequestOutput | BaseException) -> None:
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
+            loop.call_soon_threadsafe(outputs.put, item)
 
         self._post(_Admit(request_id, admit, sink))
         finished = False

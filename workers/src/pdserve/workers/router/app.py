@@ -27,6 +27,7 @@ from pdserve.workers.api_errors import APIError, error_middleware, read_body
 from pdserve.workers.engine.sampling import InvalidRequestError
 from pdserve.workers.engine.tokenizer import Tokenizer
 from pdserve.workers.headers import REQUEST_ID_HEADER
+from pdserve.workers.network.guard import NetworkGuard
 from pdserve.workers.router.auth import ApiKeys
 from pdserve.workers.router.discovery import DiscoverySource, source_for
 from pdserve.workers.router.metrics import RouterMetrics
@@ -79,9 +80,11 @@ class RouterServer:
         self.ready = False
         self._discovery: tuple[DiscoverySource, asyncio.Task[None]] | None = None
 
-    def app(self) -> web.Application:
-        """The aiohttp application."""
+    def app(self, guard: NetworkGuard | None = None) -> web.Application:
+        """The aiohttp application (under `guard`'s network limits, when given)."""
         middlewares = [error_middleware(self.metrics.observe_error), self.api_keys.middleware()]
+        if guard is not None:
+            middlewares.append(guard.middleware())
         app = web.Application(middlewares=middlewares, client_max_size=self.limits.max_body_size)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pdserve.cli.options import add_options, options_from
+from pdserve.workers.network.limits import NetworkLimits
 from pdserve.workers.router.options import RouterOptions
 from pdserve.workers.server.limits import RequestLimits
 
@@ -20,6 +21,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     add_options(parser, RouterOptions)
     add_options(parser, RequestLimits)
+    add_options(parser, NetworkLimits)
     parser.set_defaults(handler=run)
 
 
@@ -27,4 +29,8 @@ def run(args: argparse.Namespace) -> int:
     """Start the router and serve until interrupted."""
     from pdserve.workers.router.main import serve
 
-    return serve(options_from(args, RouterOptions), options_from(args, RequestLimits))
+    return serve(
+        options_from(args, RouterOptions),
+        options_from(args, RequestLimits),
+        options_from(args, NetworkLimits),
+    )

@@ -14,10 +14,14 @@ from aiohttp import web
 
 from pdserve.cli.ports import PortInUseError, announce_port, binding, check_port_free
 from pdserve.workers.engine.tokenizer import Tokenizer
+from pdserve.workers.network.guard import NetworkGuard
+from pdserve.workers.network.limits import NetworkLimits
+from pdserve.workers.network.metrics import NetworkMetrics
+from pdserve.workers.network.site import listen
 from pdserve.workers.router.app import RouterServer
 from pdserve.workers.router.auth import ApiKeyError, ApiKeys
 from pdserve.workers.router.load import LoadPoller
-from pdserve.workers.router.metrics import RouterMetrics
+from pdserve.workers.router.metrics import ROLE, RouterMetrics
 from pdserve.workers.router.options import RouterOptions
 from pdserve.workers.router.proxy import Forwarder
 from pdserve.workers.router.table import (
@@ -65,11 +69,14 @@ def prepare(options: RouterOptions) -> Startup:
     return Startup(table, table_bytes, tokenizer, credential, ApiKeys(options.api_key_file))
 
 
-async def run_router(options: RouterOptions, limits: RequestLimits, startup: Startup) -> None:
+async def run_router(
+    options: RouterOptions, limits: RequestLimits, network: NetworkLimits, startup: Startup
+) -> None:
     """Serve until SIGINT/SIGTERM."""
     connector = aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True)
     async with aiohttp.ClientSession(connector=connector) as session:
         metrics = RouterMetrics(startup.table.pool)
+        guard = NetworkGuard(network, NetworkMetrics(metrics.registry, metrics.pool, ROLE))
         forwarder = Forwarder(
             session, WorkerSet("prefill"), WorkerSet("decode"), startup.credential, metrics,
             options.max_attempts,
@@ -79,22 +86,24 @@ async def run_router(options: RouterOptions, limits: RequestLimits, startup: Sta
             startup.table, startup.table_bytes, startup.tokenizer, forwarder, limits, admission,
             startup.api_keys, options.kubeconfig,
         )  # fmt: skip
-        await _serve(server, options, LoadPoller(session, server.sets.values()))
+        await _serve(server, options, guard, LoadPoller(session, server.sets.values()))
 
 
-async def _serve(server: RouterServer, options: RouterOptions, poller: LoadPoller) -> None:
+async def _serve(
+    server: RouterServer, options: RouterOptions, guard: NetworkGuard, poller: LoadPoller
+) -> None:
     source = server.start_discovery()
     background = [
         asyncio.create_task(poller.run(), name="load polling"),
         asyncio.create_task(server.watch_table(options.config), name="routing file"),
     ]
     runner = web.AppRunner(
-        server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
-    )
+        server.app(guard), handler_cancellation=True, access_log=None,
+        shutdown_timeout=SHUTDOWN_GRACE_S,
+    )  # fmt: skip
     await runner.setup()
     with binding(options.host, options.port):
-        await web.TCPSite(runner, options.host, options.port).start()
-    port = int(runner.addresses[0][1])
+        port = await listen(runner, options.host, options.port, guard)
     if options.port_file is not None:
         announce_port(options.port_file, port)
     stop = asyncio.Event()
@@ -117,7 +126,7 @@ async def _serve(server: RouterServer, options: RouterOptions, poller: LoadPolle
     await server.stop_discovery()
 
 
-def serve(options: RouterOptions, limits: RequestLimits) -> int:
+def serve(options: RouterOptions, limits: RequestLimits, network: NetworkLimits) -> int:
     """`pdserve router`: returns the exit code (2: it could not start)."""
     logging.basicConfig(
         level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -129,7 +138,7 @@ def serve(options: RouterOptions, limits: RequestLimits) -> int:
         print(f"pdserve router: {error}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(run_router(options, limits, startup))
+        asyncio.run(run_router(options, limits, network, startup))
     except PortInUseError as error:  # taken since the check
         print(f"pdserve router: {error}", file=sys.stderr)
         return 2

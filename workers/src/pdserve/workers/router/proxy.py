@@ -36,6 +36,7 @@ from pdserve.workers.headers import (
     PREFILL_URL_HEADER,
     REQUEST_ID_HEADER,
 )
+from pdserve.workers.network.bodies import BUSY_CODES
 from pdserve.workers.router.metrics import RouterMetrics
 from pdserve.workers.router.outcome import RequestOutcome, counted
 from pdserve.workers.router.sse import TokenStream, error_event
@@ -255,7 +256,7 @@ class Forwarder:
         answer = web.Response(body=data, status=upstream.status, headers=headers)
         status, code = upstream.status, _error_code(data)
         message = f"HTTP {status} ({code})"
-        if status == 429:
+        if status == 429 or code in BUSY_CODES:  # busy, not failing: no breaker failure
             raise _Retry("worker_busy", message, "none", answer)
         if disaggregated and (status in (401, 403) or (status == 502 and code != "no_blocks")):
             raise _Retry("handoff_failed", message, "prefill", answer)

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.workers.api_errors import error_middleware
 from pdserve.workers.handoff.prefill import PrefillService
+from pdserve.workers.network.guard import NetworkGuard
 from pdserve.workers.server.drain import Drain
 from pdserve.workers.server.load import LoadTracker, WorkerLoad
 from pdserve.workers.server.openapi import (
@@ -71,14 +72,16 @@ class WorkerServer:
         self.drain = Drain()
         self.tokenization = TokenizationServing(serving.tokenizer, self.model)
 
-    def app(self) -> web.Application:
-        """The aiohttp application."""
+    def app(self, guard: NetworkGuard | None = None) -> web.Application:
+        """The aiohttp application (under `guard`'s network limits, when given)."""
         middlewares = [
             error_middleware(self.metrics.observe_error),
             self.drain.middleware(),
             self.serving.internal.middleware(),
             self.load.middleware(),
         ]
+        if guard is not None:
+            middlewares.append(guard.middleware())
         app = web.Application(middlewares=middlewares, client_max_size=self.max_body_size)
         app.router.add_post("/v1/completions", self.serving.completions)
         app.router.add_post("/v1/chat/completions", self.serving.chat_completions)

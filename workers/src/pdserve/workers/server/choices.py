@@ -33,7 +33,9 @@ class Choice:
         self.reason: str | None = None  # set once the choice ended
         self.stopped_by_text = False
         self.num_output_tokens = 0
-        self.whole = ChoiceDelta(index)  # everything so far
+        # Everything so far, for an answer sent whole; a stream keeps nothing of what
+        # it sent (with n and logprobs, that would be megabytes a request).
+        self.whole = ChoiceDelta(index)
         self._started = False
 
     @property
@@ -62,7 +64,8 @@ class Choice:
             token_ids=list(tokens),
             logprobs=self._logprobs(output, first),
         )
-        self.whole.extend(piece)
+        if not self.prepared.stream:
+            self.whole.extend(piece)
         return piece
 
     def _logprobs(self, output: RequestOutput, first: bool) -> dict[str, Any] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pdserve.cli.options import add_options, options_from
+from pdserve.workers.network.limits import NetworkLimits
 from pdserve.workers.server.limits import RequestLimits
 from pdserve.workers.server.options import WorkerOptions
 
@@ -19,6 +20,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     add_options(parser, WorkerOptions)
     add_options(parser, RequestLimits)
+    add_options(parser, NetworkLimits)
     parser.set_defaults(handler=run)
 
 
@@ -26,4 +28,8 @@ def run(args: argparse.Namespace) -> int:
     """Start the worker and serve until interrupted."""
     from pdserve.workers.server.worker import serve
 
-    return serve(options_from(args, WorkerOptions), options_from(args, RequestLimits))
+    return serve(
+        options_from(args, WorkerOptions),
+        options_from(args, RequestLimits),
+        options_from(args, NetworkLimits),
+    )

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.workers.api_errors import APIError
 from pdserve.workers.handoff.errors import known_code
+from pdserve.workers.network.bodies import TOO_MANY_BODY_READS, TOO_MANY_CONNECTIONS
 
 if TYPE_CHECKING:  # the router shares the names and buckets here, and loads no torch
     from pdserve.workers.engine.engine import StepResult
@@ -87,7 +88,13 @@ class WorkerMetrics:
             "pdserve_requests_rejected_total",
             "Requests answered with an error status, by reason: invalid, not_found, "
             "too_large, queue_full (429), queue_timeout, engine_stopped, handoff_failed, "
-            "internal.",
+            "connection_limit, body_read_limit, body_timeout, internal.",
+            (*names, "reason"), registry=reg,
+        )  # fmt: skip
+        self.aborted = Counter(
+            "pdserve_requests_aborted_total",
+            "Requests the worker aborted itself, by reason: stream_buffer_full (more than "
+            "--max-stream-buffer-tokens tokens waited for a client that did not read them).",
             (*names, "reason"), registry=reg,
         )  # fmt: skip
         self.prompt_tokens = Counter(
@@ -296,6 +303,10 @@ class WorkerMetrics:
         """Count a request answered with an error status."""
         self.rejected.labels(**self._labels, reason=rejection_reason(error)).inc()
 
+    def observe_stream_overflow(self) -> None:
+        """Count a request aborted because its tokens waited for its client too long."""
+        self.aborted.labels(**self._labels, reason="stream_buffer_full").inc()
+
 
 def rejection_reason(error: APIError) -> str:
     """The `reason` label of an error answer: a small fixed set, whatever the error."""
@@ -317,4 +328,7 @@ _REASONS = {
     "queue_timeout": "queue_timeout",
     "engine_stopped": "engine_stopped",
     "request_failed": "request_failed",
+    TOO_MANY_CONNECTIONS: "connection_limit",
+    TOO_MANY_BODY_READS: "body_read_limit",
+    "body_timeout": "body_timeout",
 }

@@ -160,6 +160,12 @@ class WorkerOptions:
         60.0, parse=positive_float, metavar="SECONDS", group=LIMITS,
         help="a request still waiting for its first engine step after this long gets 503",
     )  # fmt: skip
+    max_stream_buffer_tokens: int = option(
+        2048, parse=positive_int, metavar="N", group=LIMITS,
+        help="generated tokens a request may hold for a client that does not read them "
+        "(with 20 logprobs each, about 2.7 KB a token); past this the request is aborted "
+        "and its KV cache freed",
+    )  # fmt: skip
     drain_timeout: float = option(
         30.0, parse=non_negative_float, metavar="SECONDS",
         help="once told to stop (SIGTERM), refuse new requests (503) and let those in flight "

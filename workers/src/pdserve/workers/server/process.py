@@ -7,23 +7,15 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from aiohttp import web
-
 from pdserve.cli.process import ServerProcess, spawn, start_server
 
 __all__ = [
     "ServerProcess",
-    "listening_port",
     "running_worker",
     "spawn",
     "start_server",
     "start_worker",
 ]
-
-
-def listening_port(runner: web.AppRunner) -> int:
-    """The port an aiohttp runner's (first) site listens on."""
-    return int(runner.addresses[0][1])
 
 
 def start_worker(

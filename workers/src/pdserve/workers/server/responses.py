@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from pdserve.workers.api_errors import REQUEST_FAILED, APIError
 from pdserve.workers.engine.async_engine import EngineDeadError, QueueTimeoutError
 from pdserve.workers.engine.isolation import RequestFailedError
+from pdserve.workers.engine.output_buffer import StreamOverflowError
 from pdserve.workers.engine.sampling import InvalidRequestError, SamplingParams
 from pdserve.workers.engine.stats import RequestOutput
 from pdserve.workers.handoff.errors import HandoffError
@@ -153,6 +154,7 @@ REQUEST_ERRORS = (
     QueueTimeoutError,
     InvalidRequestError,
     RequestFailedError,
+    StreamOverflowError,
 )
 
 
@@ -165,6 +167,8 @@ def api_error(error: Exception) -> APIError:
         return APIError(503, str(error), "server_error", "engine_stopped")
     if isinstance(error, QueueTimeoutError):
         return APIError(503, str(error), "server_error", "queue_timeout")
+    if isinstance(error, StreamOverflowError):
+        return APIError(503, str(error), "server_error", "stream_buffer_full")
     if isinstance(error, RequestFailedError) and not error.invalid:
         # The request's failure alone, not the worker's: the router does not retry it.
         return APIError(500, str(error), "server_error", REQUEST_FAILED)

@@ -27,6 +27,10 @@ from pdserve.workers.engine.tokenizer import Tokenizer
 from pdserve.workers.handoff.decode import DecodeHandoff
 from pdserve.workers.handoff.prefill import PrefillService
 from pdserve.workers.kv_transfer.layout import KVLayout
+from pdserve.workers.network.guard import NetworkGuard
+from pdserve.workers.network.limits import NetworkLimits
+from pdserve.workers.network.metrics import NetworkMetrics
+from pdserve.workers.network.site import listen
 from pdserve.workers.server.app import WorkerServer
 from pdserve.workers.server.internal import (
     CredentialError,
@@ -40,7 +44,6 @@ from pdserve.workers.server.load import LoadTracker
 from pdserve.workers.server.metrics import WorkerMetrics
 from pdserve.workers.server.models import ServedModel
 from pdserve.workers.server.options import WorkerOptions
-from pdserve.workers.server.process import listening_port
 from pdserve.workers.server.serving import OpenAIServing
 
 log = logging.getLogger("pdserve.worker")
@@ -101,7 +104,11 @@ def build_server(options: WorkerOptions, limits: RequestLimits) -> WorkerServer:
     tokenizer = Tokenizer.from_dir(options.model)
     metrics = WorkerMetrics(options.pool, options.role)
     load = LoadTracker(engine, options.role)
-    async_engine = AsyncEngine(engine, [metrics, load], queue_timeout_s=options.queue_timeout)
+    async_engine = AsyncEngine(
+        engine, [metrics, load], queue_timeout_s=options.queue_timeout,
+        max_stream_buffer_tokens=options.max_stream_buffer_tokens,
+        on_stream_overflow=metrics.observe_stream_overflow,
+    )  # fmt: skip
     model = ServedModel(
         name=options.served_model_name or options.model.resolve().name,
         role=options.role,
@@ -157,15 +164,15 @@ async def warm_up(server: WorkerServer) -> None:
         pass
 
 
-async def run_server(server: WorkerServer, options: WorkerOptions) -> None:
+async def run_server(server: WorkerServer, options: WorkerOptions, network: NetworkLimits) -> None:
     """Serve until SIGINT/SIGTERM, then drain (see `drain`) and stop the engine."""
     server.engine.start()
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    metrics = NetworkMetrics(server.metrics.registry, options.pool, options.role)
+    guard = NetworkGuard(network, metrics)
+    runner = web.AppRunner(server.app(guard), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, options.host, options.port)
     with binding(options.host, options.port):
-        await site.start()
-    port = listening_port(runner)
+        port = await listen(runner, options.host, options.port, guard)
     if options.port_file is not None:
         announce_port(options.port_file, port)
     await warm_up(server)
@@ -186,7 +193,7 @@ async def run_server(server: WorkerServer, options: WorkerOptions) -> None:
     server.engine.stop()
 
 
-def serve(options: WorkerOptions, limits: RequestLimits) -> int:
+def serve(options: WorkerOptions, limits: RequestLimits, network: NetworkLimits) -> int:
     """`pdserve worker`: returns the exit code."""
     logging.basicConfig(
         level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -200,7 +207,7 @@ def serve(options: WorkerOptions, limits: RequestLimits) -> int:
         print(f"pdserve worker: {error}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(run_server(server, options))
+        asyncio.run(run_server(server, options, network))
     except PortInUseError as error:  # taken since the check
         print(f"pdserve worker: {error}", file=sys.stderr)
         return 2
