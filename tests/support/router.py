@@ -15,6 +15,7 @@ import aiohttp
 from pdserve.cli.process import ServerProcess, start_server
 from pdserve.operator import api
 from pdserve.operator.local import LocalPool
+from pdserve.workers.server.internal import bearer
 from support.prom import total
 
 
@@ -73,6 +74,12 @@ def running_router(routing_file: Path, log_path: Path, *args: str) -> Iterator[S
         yield router
     finally:
         router.stop()
+
+
+def as_router(pool: LocalPool) -> dict[str, str]:
+    """The header with which the pool's router calls its workers (their OpenAI
+    endpoints serve nobody else)."""
+    return bearer(pool.credential_file.read_text().strip())
 
 
 def router_metric(router: HasUrl, name: str, **labels: str) -> float:
