@@ -193,8 +193,13 @@ def test_helm_install_then_the_operator_reconciles_under_the_charts_identity(
         "--wait", "--timeout", "2m", *value_flags({"watchNamespaces": [pools_ns]}),
     )  # fmt: skip
     try:
-        selector = "app.kubernetes.io/instance=pdserve"
-        assert not get_json(cluster, "clusterroles,clusterrolebindings", "-l", selector)["items"]
+        # Nothing cluster-wide (the operator's tests hold a ClusterRole of this name).
+        manifest = objects(helm(cluster, "get", "manifest", "pdserve", "-n", release_ns).stdout)
+        kinds = {obj["kind"] for obj in manifest}
+        assert {"Role", "RoleBinding"} <= kinds and not kinds & {
+            "ClusterRole",
+            "ClusterRoleBinding",
+        }
         check_the_charts_identity(cluster, release_ns, pools_ns, other_ns, started, tmp_path)
     finally:
         helm(cluster, "uninstall", "pdserve", "--namespace", release_ns, "--wait")
@@ -291,7 +296,10 @@ def test_the_cluster_wide_mode_reaches_every_namespace_and_still_no_secret(
             pool = json.dumps(small_pool("rag"))
             cluster.kubectl("apply", "-n", pools_ns, "-f", "-", input=pool)
             wait_ready(cluster, pools_ns, "rag")
-            assert "Forbidden" not in operator.tail(200)
+            # No request refused for want of a permission (pools of other tests, in
+            # namespaces being deleted, have writes refused for that reason).
+            log = operator.tail(400)
+            assert "is forbidden: User" not in log and "Not enough permissions" not in log, log
         finally:
             operator.stop()
         # kopf watches pools and children cluster-wide and follows the CRD (installed
