@@ -93,6 +93,8 @@ def colocated_pool(model_dir: Path) -> api.ServingPool:
         "image": "pdserve:bench",
         "decode": {"replicas": 1, "engine": {"maxNumBatchedTokens": 256, "maxNumSeqs": 32}},
         "routing": {"buckets": [{"mode": "colocated"}]},
+        # The worker is measured without the router too, as the baseline.
+        "router": {"allowDirectClients": True},
     }
     return api.parse_pool(
         {"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": {"name": "o"}, "spec": spec}

@@ -1,7 +1,8 @@
 """The Helm chart on the real control plane: what it renders is accepted (every
 setting; the operator's pod under the restricted Pod Security Standard), `helm
 install` succeeds, and the operator, run with the chart's arguments under the chart's
-ServiceAccount, reconciles a pool, with no more access than it needs.
+ServiceAccount, reconciles a pool, with no more access than it needs: by default a
+Role in each watched namespace, nothing outside them, and no Secret it may read.
 
 kwok plays the kubelet, so the operator's Deployment turns Available without a
 container running; the operator itself runs here as a process with a token of the
@@ -131,10 +132,11 @@ def wait_ready(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "defaults": {},
-    "namespaced": {"rbac": {"namespaced": True}},
+    "clusterWide": {"rbac": {"namespaced": False}},
     "monitoring": {
         "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
         "prometheusRule": {"enabled": True},
+        "prometheusNamespace": "monitoring",
         "verbose": True,
         "serviceAccount": {"name": "custom-operator"},
     },
@@ -157,7 +159,7 @@ def test_every_setting_renders_objects_the_api_server_accepts(
     release_ns = make_namespace(cluster, "chart", *RESTRICTED)
     watched = make_namespace(cluster, "chart-watched")
     namespaces += [release_ns, watched]
-    if values.get("rbac", {}).get("namespaced"):
+    if values.get("rbac", {}).get("namespaced", True):
         values = {**values, "watchNamespaces": [release_ns, watched]}
     rendered = template(values, namespace=release_ns, release=f"r{uuid.uuid4().hex[:6]}")
     applied = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=rendered)
@@ -183,23 +185,30 @@ def test_helm_install_then_the_operator_reconciles_under_the_charts_identity(
 ) -> None:
     install_crd(cluster)
     release_ns = make_namespace(cluster, "pdserve", *RESTRICTED)
-    pools_ns = make_namespace(cluster, "pools")
-    namespaces += [release_ns, pools_ns]
+    pools_ns, other_ns = make_namespace(cluster, "pools"), make_namespace(cluster, "other")
+    namespaces += [release_ns, pools_ns, other_ns]
     started = time.monotonic()
     helm(
         cluster, "install", "pdserve", str(CHART), "--namespace", release_ns,
         "--wait", "--timeout", "2m", *value_flags({"watchNamespaces": [pools_ns]}),
     )  # fmt: skip
     try:
-        check_the_charts_identity(cluster, release_ns, pools_ns, started, tmp_path)
-    finally:  # the ClusterRole and its binding are cluster-wide: never left behind
+        # Nothing cluster-wide (the operator's tests hold a ClusterRole of this name).
+        manifest = objects(helm(cluster, "get", "manifest", "pdserve", "-n", release_ns).stdout)
+        kinds = {obj["kind"] for obj in manifest}
+        assert {"Role", "RoleBinding"} <= kinds and not kinds & {
+            "ClusterRole",
+            "ClusterRoleBinding",
+        }
+        check_the_charts_identity(cluster, release_ns, pools_ns, other_ns, started, tmp_path)
+    finally:
         helm(cluster, "uninstall", "pdserve", "--namespace", release_ns, "--wait")
-    assert get_json(cluster, "clusterrole", "pdserve-operator") is None
 
 
 def check_the_charts_identity(
-    cluster: Cluster, release_ns: str, pools_ns: str, started: float, tmp_path: Path
-) -> None:
+    cluster: Cluster, release_ns: str, pools_ns: str, other_ns: str, started: float,
+    tmp_path: Path,
+) -> None:  # fmt: skip
     """The installed operator reconciles a pool as the chart's ServiceAccount, which
     may do what the operator does and nothing more."""
     deployment = get_json(cluster, "deployment", "pdserve-operator", "-n", release_ns)
@@ -208,7 +217,9 @@ def check_the_charts_identity(
     kubeconfig = account_kubeconfig(cluster, release_ns, "pdserve-operator", tmp_path / "kc")
     operator = operator_of(deployment, kubeconfig, tmp_path / "operator.log").start()
     try:
-        cluster.kubectl("apply", "-n", pools_ns, "-f", "-", input=json.dumps(small_pool("chat")))
+        for ns in (pools_ns, other_ns):
+            pool = json.dumps(small_pool("chat"))
+            cluster.kubectl("apply", "-n", ns, "-f", "-", input=pool)
         pool = wait_ready(cluster, pools_ns, "chat")
         seconds = time.monotonic() - started
         print(f"helm install to pool Ready: {seconds:.1f}s")
@@ -216,7 +227,11 @@ def check_the_charts_identity(
         (container,) = decode["spec"]["template"]["spec"]["containers"]
         assert container["image"] == "pdserve:0.1.0"  # the chart's workerImage
         assert pool["status"]["decode"]["readyReplicas"] == 1
-        assert "Forbidden" not in operator.tail(200)
+        assert pool["status"]["credentialSecret"]["name"] == "chat-internal"
+        log = operator.tail(400)
+        # kopf needs no cluster-wide access for named namespaces, and asks for none.
+        assert "Not enough permissions" not in log and "Forbidden" not in log, log
+        assert "status" not in get_json(cluster, "servingpool", "chat", "-n", other_ns)
     finally:
         operator.stop()
         print(f"--- operator log ---\n{operator.tail(60)}")
@@ -225,61 +240,78 @@ def check_the_charts_identity(
         ("patch", "deployments"), ("delete", "services"), ("patch", "servingpools/status"),
         ("create", "roles"), ("watch", "endpointslices.discovery.k8s.io"),
         ("create", "networkpolicies.networking.k8s.io"),
-        # the pool's credential: made once and read back by name
-        ("create", "secrets"), ("get", "secrets"),
+        ("create", "secrets"),  # the pool's credential, made once
     ]:  # fmt: skip
         assert can(cluster, account, verb, resource, "-n", pools_ns), (verb, resource)
     for verb, resource in [
-        ("list", "secrets"), ("watch", "secrets"), ("delete", "secrets"),
+        ("get", "secrets"), ("list", "secrets"), ("watch", "secrets"), ("patch", "secrets"),
+        ("update", "secrets"), ("delete", "secrets"),
         ("create", "pods"), ("create", "servingpools"), ("delete", "servingpools"),
         ("update", "deployments"), ("escalate", "roles"),
         ("bind", "clusterroles"), ("create", "clusterroles"), ("list", "nodes"),
         ("delete", "customresourcedefinitions"), ("impersonate", "serviceaccounts"),
     ]:  # fmt: skip
         assert not can(cluster, account, verb, resource, "-n", pools_ns), (verb, resource)
-    # With the default --all-namespaces, kopf watches pools and children cluster-wide
-    # and follows the CRD (installed before or after it).
-    for resource in ("servingpools", "deployments", "configmaps"):
-        assert can(cluster, account, "watch", resource, "--all-namespaces"), resource
-    assert can(cluster, account, "watch", "customresourcedefinitions")
+    check_no_secret_is_readable(cluster, account, pools_ns, "chat-internal")
+    assert not can(cluster, account, "list", "deployments", "-n", other_ns)
+    assert not can(cluster, account, "list", "servingpools", "--all-namespaces")
     assert not can(cluster, account, "list", "namespaces")
+    assert not can(cluster, account, "watch", "customresourcedefinitions")
 
 
-def test_namespaced_install_reaches_nothing_outside_its_namespaces(
+def check_no_secret_is_readable(cluster: Cluster, account: str, namespace: str, own: str) -> None:
+    """Neither a Secret someone else made nor the pool's own credential can be read by
+    the operator's account (it only ever creates Secrets)."""
+    foreign = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "foreign"},
+               "stringData": {"password": "hunter2"}}  # fmt: skip
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(foreign))
+    for name in ("foreign", own):
+        for verb in ("get", "patch", "delete"):
+            assert not can(cluster, account, verb, f"secret/{name}", "-n", namespace), (verb, name)
+    refused = cluster.kubectl(
+        "get", "secret", "foreign", "-n", namespace, f"--as=system:serviceaccount:{account}",
+        check=False,
+    )  # fmt: skip
+    assert refused.returncode != 0 and "Forbidden" in refused.stderr, refused.stderr
+
+
+def test_the_cluster_wide_mode_reaches_every_namespace_and_still_no_secret(
     cluster: Cluster, namespaces: list[str], tmp_path: Path
 ) -> None:
     install_crd(cluster)
-    release_ns = make_namespace(cluster, "pdserve-ns", *RESTRICTED)
-    pools_ns, other_ns = make_namespace(cluster, "pools"), make_namespace(cluster, "other")
-    namespaces += [release_ns, pools_ns, other_ns]
-    values = {"rbac": {"namespaced": True}, "watchNamespaces": [pools_ns]}
-    release = f"ns{uuid.uuid4().hex[:6]}"
+    release_ns = make_namespace(cluster, "pdserve-cw", *RESTRICTED)
+    pools_ns = make_namespace(cluster, "pools")
+    namespaces += [release_ns, pools_ns]
+    release = f"cw{uuid.uuid4().hex[:6]}"
     helm(cluster, "install", release, str(CHART), "--namespace", release_ns, "--wait",
-         *value_flags(values))  # fmt: skip
+         *value_flags({"rbac": {"namespaced": False}}))  # fmt: skip
+    name = f"{release}-pdserve-operator"
     try:
-        selector = f"app.kubernetes.io/instance={release}"
-        assert not get_json(cluster, "clusterroles,clusterrolebindings", "-l", selector)["items"]
-        name = f"{release}-pdserve-operator"
         account = f"{release_ns}:{name}"
-        assert can(cluster, account, "patch", "deployments", "-n", pools_ns)
-        assert not can(cluster, account, "list", "deployments", "-n", other_ns)
-        assert not can(cluster, account, "list", "servingpools", "--all-namespaces")
-        assert not can(cluster, account, "list", "namespaces")
-        assert not can(cluster, account, "watch", "customresourcedefinitions")
-
         deployment = get_json(cluster, "deployment", name, "-n", release_ns)
+        assert "--all-namespaces" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
         kubeconfig = account_kubeconfig(cluster, release_ns, name, tmp_path / "kc")
         operator = operator_of(deployment, kubeconfig, tmp_path / "operator.log").start()
         try:
-            for ns in (pools_ns, other_ns):
-                pool = json.dumps(small_pool("rag"))
-                cluster.kubectl("apply", "-n", ns, "-f", "-", input=pool)
+            pool = json.dumps(small_pool("rag"))
+            cluster.kubectl("apply", "-n", pools_ns, "-f", "-", input=pool)
             wait_ready(cluster, pools_ns, "rag")
+            # No request refused for want of a permission (pools of other tests, in
+            # namespaces being deleted, have writes refused for that reason).
             log = operator.tail(400)
-            # kopf needs no cluster-wide access for named namespaces, and asks for none.
-            assert "Not enough permissions" not in log and "Forbidden" not in log, log
-            assert "status" not in get_json(cluster, "servingpool", "rag", "-n", other_ns)
+            assert "is forbidden: User" not in log and "Not enough permissions" not in log, log
         finally:
             operator.stop()
-    finally:
+        # kopf watches pools and children cluster-wide and follows the CRD (installed
+        # before or after it).
+        for resource in ("servingpools", "deployments", "configmaps"):
+            assert can(cluster, account, "watch", resource, "--all-namespaces"), resource
+        assert can(cluster, account, "watch", "customresourcedefinitions")
+        assert not can(cluster, account, "list", "namespaces")
+        assert can(cluster, account, "create", "secrets", "-n", pools_ns)
+        for verb in ("get", "list", "watch", "patch", "delete"):
+            assert not can(cluster, account, verb, "secrets", "--all-namespaces"), verb
+        check_no_secret_is_readable(cluster, account, pools_ns, "rag-internal")
+    finally:  # the ClusterRole and its binding are cluster-wide: never left behind
         helm(cluster, "uninstall", release, "--namespace", release_ns, "--wait")
+    assert get_json(cluster, "clusterrole", name) is None

@@ -1,7 +1,7 @@
 """The operator against a real control plane: children, status, rollouts, repair, GC.
 
 Each test runs `python -m pdserve operator` as a process of its own, watching only
-the test's namespace, under the ServiceAccount of deploy/operator/rbac.yaml. kwok
+the test's namespace, under the chart's ServiceAccount and RBAC (support.operator). kwok
 plays the kubelet, so pods turn Ready without containers; the real
 kube-controller-manager runs Deployments and garbage collection.
 """

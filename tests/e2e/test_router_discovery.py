@@ -5,7 +5,8 @@ the kubelet (the pods turn Ready and get addresses; no worker runs in them), and
 endpointslice controller of kube-controller-manager makes the slices.
 
 Also here: what the operator makes for the trusted internal path (the credential
-Secret, mounted, and the NetworkPolicy)."""
+Secret, mounted, and the NetworkPolicy), and that a hand-made EndpointSlice names no
+worker (the router would send it the pool's credential)."""
 
 from __future__ import annotations
 
@@ -101,9 +102,29 @@ def router(
         print(f"--- router log ---\n{process.log()[-4000:]}")
 
 
+def hand_made_slice(service: str, address: str) -> dict[str, Any]:
+    """An EndpointSlice that claims to be one of `service`'s, made by hand."""
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": f"{service}-by-hand",
+            "labels": {"kubernetes.io/service-name": service},
+        },
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": 8000, "protocol": "TCP"}],
+        "endpoints": [{"addresses": [address], "conditions": {"ready": True}}],
+    }
+
+
 def test_the_router_sees_endpoints_appear_and_disappear_as_the_pool_scales(
     cluster: Cluster, namespace: str, router: ServerProcess
 ) -> None:
+    # Whoever may write EndpointSlices cannot add a worker: only the EndpointSlice
+    # controller's slices count (the rest of the test would see an extra decode worker).
+    forged = json.dumps(hand_made_slice(f"{POOL}-decode", "10.254.0.9"))
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=forged)
+
     def follows(decode: int, prefill: int) -> None:
         def same() -> bool:
             known = known_workers(router.url)
@@ -124,6 +145,7 @@ def test_the_router_sees_endpoints_appear_and_disappear_as_the_pool_scales(
     # No prefill workers: their Deployment and Service go, and so do the slices.
     apply(cluster, namespace, decode=1, prefill=0)
     follows(decode=1, prefill=0)
+    assert "10.254.0.9" not in json.dumps(known_workers(router.url))
 
 
 def test_the_pool_gets_a_credential_secret_and_a_network_policy(
@@ -142,7 +164,7 @@ def test_the_pool_gets_a_credential_secret_and_a_network_policy(
         lambda: get_json(cluster, "networkpolicy", f"{POOL}-workers", "-n", namespace),
         WAIT, "the NetworkPolicy",
     )  # fmt: skip
-    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
     for role in ("prefill", "decode", "router"):
         deployment = wait_until(
             lambda r=role: get_json(cluster, "deployment", f"{POOL}-{r}", "-n", namespace),
@@ -153,9 +175,22 @@ def test_the_pool_gets_a_credential_secret_and_a_network_policy(
             "name": "credential",
             "secret": {"secretName": f"{POOL}-internal", "defaultMode": 288},
         } in volumes
-    # The operator never writes it again, nor shows its value.
+    # The status records it; the operator never writes it again, nor shows its value,
+    # and after a restart knows it as the pool's own (from the status: it cannot read it).
+    recorded = {"name": f"{POOL}-internal", "uid": secret["metadata"]["uid"]}
+    wait_until(
+        lambda: get_json(cluster, "servingpool", POOL, "-n", namespace)["status"].get(
+            "credentialSecret") == recorded,
+        WAIT, "the status to record the Secret",
+    )  # fmt: skip
     operator.restart()
+    wait_until(  # the pool's resume, done
+        lambda: operator.total("pdserve_operator_reconcile_duration_seconds_count") > 0,
+        WAIT, "a reconcile",
+    )  # fmt: skip
     again = get_json(cluster, "secret", f"{POOL}-internal", "-n", namespace)
     assert again["metadata"]["resourceVersion"] == secret["metadata"]["resourceVersion"]
+    status = get_json(cluster, "servingpool", POOL, "-n", namespace)["status"]
+    assert all(c["reason"] != "SecretConflict" for c in status["conditions"]), status
     events = get_json(cluster, "events", "-n", namespace)
     assert all(token not in json.dumps(event) for event in events["items"])

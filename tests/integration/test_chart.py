@@ -14,8 +14,10 @@ from support.chart import CHART, DEPLOY, deploy_files, objects, run_helm, templa
 
 TOGGLES: dict[str, dict[str, Any]] = {
     "defaults": {},
-    "namespaced": {"rbac": {"namespaced": True}, "watchNamespaces": ["team-a", "team-b"]},
+    "watching": {"watchNamespaces": ["team-a", "team-b"]},
+    "clusterWide": {"rbac": {"namespaced": False}},
     "monitoring": {
+        "prometheusNamespace": "monitoring",
         "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
         "prometheusRule": {"enabled": True, "labels": {"release": "prometheus"}},
         "grafanaDashboard": {"namespace": "monitoring", "annotations": {"grafana_folder": "x"}},
@@ -60,8 +62,9 @@ def test_chart_lints(values: dict[str, Any], tmp_path: Path) -> None:
         ({"metricsPort": 0}, "at '/metricsPort': minimum: got 0, want 1"),
         ({"rbacc": {"create": True}}, "additional properties 'rbacc' not allowed"),
         ({"image": {"pullPolicy": "Sometimes"}}, "at '/image/pullPolicy': value must be one of"),
+        ({"prometheusNamespace": "Mon itoring"}, "at '/prometheusNamespace': 'Mon itoring' does"),
     ],
-    ids=["namespace", "ttft-target", "port", "misspelt", "pull-policy"],
+    ids=["namespace", "ttft-target", "port", "misspelt", "pull-policy", "prometheus-namespace"],
 )
 def test_bad_values_are_refused_by_name(values: dict[str, Any], message: str) -> None:
     result = run_helm("template", "x", str(CHART), *value_flags(values), check=False)
@@ -69,13 +72,24 @@ def test_bad_values_are_refused_by_name(values: dict[str, Any], message: str) ->
     assert message in result.stderr
 
 
-def test_defaults_run_one_restricted_operator_over_every_namespace() -> None:
+def secret_verbs(role: dict[str, Any]) -> list[str]:
+    (rule,) = [r for r in role["rules"] if "secrets" in r["resources"]]
+    assert rule["resources"] == ["secrets"] and rule["apiGroups"] == [""]
+    verbs: list[str] = rule["verbs"]
+    return verbs
+
+
+def test_defaults_run_one_restricted_operator_in_its_own_namespace() -> None:
     rendered = objects(template())
     found = kinds(rendered)
     assert {k: len(v) for k, v in found.items()} == {
-        "ServiceAccount": 1, "ConfigMap": 1, "ClusterRole": 1, "ClusterRoleBinding": 1,
+        "ServiceAccount": 1, "ConfigMap": 1, "Role": 1, "RoleBinding": 1,
         "Service": 1, "Deployment": 1,
     }  # fmt: skip
+    # Nothing cluster-wide; the pools' credentials are created, no Secret is readable.
+    assert all(obj["metadata"]["namespace"] == "pdserve-system" for obj in rendered)
+    (role,) = found["Role"]
+    assert secret_verbs(role) == ["create"]
     (deployment,) = found["Deployment"]
     spec = deployment["spec"]
     assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
@@ -86,7 +100,8 @@ def test_defaults_run_one_restricted_operator_over_every_namespace() -> None:
     container = operator_container(rendered)
     assert container["image"] == "pdserve-operator:0.1.0"
     assert container["args"] == [
-        "operator", "--all-namespaces", "--default-image=pdserve:0.1.0", "--metrics-port=8080",
+        "operator", "--namespace=pdserve-system", "--default-image=pdserve:0.1.0",
+        "--metrics-port=8080",
     ]  # fmt: skip
     assert container["securityContext"] == {
         "allowPrivilegeEscalation": False,
@@ -96,14 +111,28 @@ def test_defaults_run_one_restricted_operator_over_every_namespace() -> None:
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     assert container["resources"]["limits"]["memory"] == "512Mi"
-    (binding,) = found["ClusterRoleBinding"]
+    (binding,) = found["RoleBinding"]
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "pdserve-operator", "namespace": "pdserve-system"}
     ]
 
 
+def test_the_cluster_wide_mode_watches_every_namespace_and_reads_no_secret() -> None:
+    rendered = objects(template(TOGGLES["clusterWide"]))
+    found = kinds(rendered)
+    assert "Role" not in found and len(found["ClusterRoleBinding"]) == 1
+    (role,) = found["ClusterRole"]
+    assert secret_verbs(role) == ["create"]
+    # kopf follows the CRD when it is installed after the operator.
+    assert {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
+            "verbs": ["list", "watch"]} in role["rules"]  # fmt: skip
+    assert operator_container(rendered)["args"][:2] == ["operator", "--all-namespaces"]
+    watching = objects(template({**TOGGLES["clusterWide"], "watchNamespaces": ["team-a"]}))
+    assert operator_container(watching)["args"][:2] == ["operator", "--namespace=team-a"]
+
+
 def test_namespaced_install_has_no_cluster_scope() -> None:
-    rendered = objects(template(TOGGLES["namespaced"]))
+    rendered = objects(template(TOGGLES["watching"]))
     assert all("namespace" in obj["metadata"] for obj in rendered)
     found = kinds(rendered)
     assert sorted(r["metadata"]["namespace"] for r in found["Role"]) == ["team-a", "team-b"]
@@ -111,13 +140,18 @@ def test_namespaced_install_has_no_cluster_scope() -> None:
     args = operator_container(rendered)["args"]
     assert args[:3] == ["operator", "--namespace=team-a", "--namespace=team-b"]
     # Without namespaces, the release's own.
-    alone = objects(template({"rbac": {"namespaced": True}}, namespace="serving"))
+    alone = objects(template(namespace="serving"))
     assert [r["metadata"]["namespace"] for r in kinds(alone)["Role"]] == ["serving"]
     assert "--namespace=serving" in operator_container(alone)["args"]
 
 
 def test_monitoring_objects_follow_their_settings() -> None:
-    found = kinds(objects(template(TOGGLES["monitoring"])))
+    rendered = objects(template(TOGGLES["monitoring"]))
+    # The pools' NetworkPolicies admit the monitoring namespace (the operator's default).
+    assert "--prometheus-namespace=monitoring" in operator_container(rendered)["args"]
+    assert not any(a.startswith("--prometheus-namespace") for a in operator_container(
+        objects(template()))["args"])  # fmt: skip
+    found = kinds(rendered)
     (monitor,) = found["ServiceMonitor"]
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
     assert monitor["spec"]["endpoints"][0]["port"] == "metrics"

@@ -29,6 +29,7 @@ from support.network import witness
 from support.prom import total
 from support.router import (
     BOUNDARY,
+    as_router,
     known_workers,
     local_pool,
     pool_manifest,
@@ -106,7 +107,9 @@ def test_openai_client_gets_the_colocated_answer_on_both_paths(
         )
         assert streamed_tokens(stream) == want
     # Chat: the router's answer, on either path, is the decode worker's own colocated one.
-    direct = openai.OpenAI(base_url=f"{decode_url(pool)}/v1", api_key="unused", max_retries=0)
+    direct = openai.OpenAI(  # as the router calls it: with the pool's credential
+        base_url=f"{decode_url(pool)}/v1", api_key=credential(pool), max_retries=0
+    )
     for words, mode in ((3, "colocated"), (150, "disaggregated")):
         messages: Any = [{"role": "user", "content": "tell me more " * words}]
         want = (
@@ -277,7 +280,8 @@ def test_the_router_tokenizes_as_the_workers(pool: LocalPool) -> None:
     chat = {"messages": [{"role": "user", "content": text}]}
     for body in (prompt, chat):
         answer = asyncio.run(post(f"{routers}/tokenize", body))
-        assert answer[0] == 200 and answer == asyncio.run(post(f"{workers}/tokenize", body))
+        as_worker = asyncio.run(post(f"{workers}/tokenize", body, as_router(pool)))
+        assert answer[0] == 200 and answer == as_worker
     _, tokens = asyncio.run(post(f"{routers}/tokenize", prompt))
     assert asyncio.run(post(f"{routers}/detokenize", {"tokens": tokens["tokens"]})) == (
         200, {"prompt": text},
@@ -296,6 +300,11 @@ def test_a_client_cannot_make_a_worker_connect_where_it_chooses(pool: LocalPool)
         decode = f"{decode_url(pool)}/v1/completions"
         status, answer = asyncio.run(post(decode, body, named))
         assert (status, answer["error"]["code"]) == (401, "invalid_credential")
+        # Nor any request at all: the router's keys and limits cannot be bypassed.
+        for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+            status, answer = asyncio.run(post(f"{decode_url(pool)}{path}", {"prompt": "hi"}))
+            assert (status, answer["error"]["code"]) == (401, "invalid_credential"), path
+            assert "served to the pool's router only" in answer["error"]["message"]
         status, _ = asyncio.run(post(decode, body, {**named, **bearer("x" * 43)}))
         assert status == 401
         # With the credential, but not one of the pool's prefill workers: 403.

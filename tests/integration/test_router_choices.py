@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 from pdserve.operator.local import LocalPool
 from support.prom import total
-from support.router import BOUNDARY, local_pool, pool_manifest, router_metric
+from support.router import BOUNDARY, as_router, local_pool, pool_manifest, router_metric
 from support.scoring import LOGPROB_ATOL, reference_logprobs, reference_model
 from support.waiting import wait_until
 
@@ -65,13 +65,18 @@ def context(mode: str) -> str:
     return SENTENCE * (1 if mode == "colocated" else 5)
 
 
-async def _post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as session, session.post(url, json=body) as answer:
+async def _post(
+    url: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url, json=body, headers=headers) as answer,
+    ):
         return answer.status, await answer.json(content_type=None)
 
 
-def post(url: str, body: dict[str, Any]) -> Any:
-    status, answer = asyncio.run(_post(url, body))
+def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
+    status, answer = asyncio.run(_post(url, body, headers))
     assert status == 200, answer
     return answer
 
@@ -231,14 +236,17 @@ def test_tokenize_on_the_router_as_on_the_workers(pool: LocalPool, llama_model_d
     messages = [{"role": "user", "content": text}]
     rendered = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     answers = {}
-    for url in (pool.url, worker_url(pool, "decode")):
+    # The worker as the router would call it (it serves nobody else).
+    for url, headers in ((pool.url, {}), (worker_url(pool, "decode"), as_router(pool))):
         tokens = post(
-            f"{url}/tokenize", {"model": "small", "prompt": text, "return_token_strs": True}
-        )
+            f"{url}/tokenize", {"model": "small", "prompt": text, "return_token_strs": True},
+            headers,
+        )  # fmt: skip
         assert tokens["tokens"] == reference(text).input_ids
         assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 1024
-        assert post(f"{url}/detokenize", {"tokens": tokens["tokens"]}) == {"prompt": text}
-        chat = post(f"{url}/tokenize", {"messages": messages})
+        detokenized = post(f"{url}/detokenize", {"tokens": tokens["tokens"]}, headers)
+        assert detokenized == {"prompt": text}
+        chat = post(f"{url}/tokenize", {"messages": messages}, headers)
         assert chat["tokens"] == reference(rendered, add_special_tokens=False).input_ids
         answers[url] = (tokens, chat)
     assert len({repr(answer) for answer in answers.values()}) == 1

@@ -1,7 +1,10 @@
 """Running `pdserve operator` as a real process against the dev cluster, for tests.
 
-The operator runs under the ServiceAccount and ClusterRole of deploy/operator/ (the
-Helm chart's defaults; a token kubeconfig), so the tests also prove they grant enough.
+The operator runs under the ServiceAccount and RBAC of the Helm chart (a token
+kubeconfig), so the tests also prove they grant enough. The tests make a namespace
+each, so the chart's cluster-wide mode is used (rbac.namespaced false: a ClusterRole
+with the same rules as the default's Role per watched namespace);
+tests/e2e/test_chart.py installs the default.
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ import yaml
 
 from pdserve.cli.main import pdserve_command
 from support import prom
+from support.chart import NAMESPACE, RELEASE, template
 from support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
-IDENTITY = [ROOT / "deploy" / "operator" / name for name in ("serviceaccount.yaml", "rbac.yaml")]
+IDENTITY_TEMPLATES = ("templates/serviceaccount.yaml", "templates/rbac.yaml")
 CRDS = ROOT / "crds"
-OPERATOR_NAMESPACE = "pdserve-system"
-OPERATOR_ACCOUNT = "pdserve-operator"
+OPERATOR_NAMESPACE = NAMESPACE
+OPERATOR_ACCOUNT = f"{RELEASE}-operator"
 OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_ACCOUNT}"
 POOL_LABEL = "pdserve.dev/pool"
 
@@ -67,12 +71,17 @@ def install_crd(cluster: Cluster) -> None:
     )
 
 
+def operator_identity() -> str:
+    """The chart's ServiceAccount and cluster-wide RBAC for the operator, as YAML."""
+    shown = [arg for name in IDENTITY_TEMPLATES for arg in ("--show-only", name)]
+    return template({"rbac": {"namespaced": False}}, extra=shown)
+
+
 def operator_kubeconfig(cluster: Cluster, path: Path) -> Path:
-    """A kubeconfig for the operator's ServiceAccount (deploy/operator/)."""
+    """A kubeconfig for the operator's ServiceAccount (the chart's, see the module)."""
     if cluster.kubectl("get", "namespace", OPERATOR_NAMESPACE, check=False).returncode:
         cluster.kubectl("create", "namespace", OPERATOR_NAMESPACE)
-    for manifest in IDENTITY:
-        cluster.kubectl("apply", "-f", str(manifest))
+    cluster.kubectl("apply", "-f", "-", input=operator_identity())
     return account_kubeconfig(cluster, OPERATOR_NAMESPACE, OPERATOR_ACCOUNT, path)
 
 

@@ -118,11 +118,11 @@ async def complete(
     max_tokens: int = 8,
     **extra: Any,
 ) -> tuple[int, dict[str, Any]]:
-    """POST a greedy completion to a decode worker, naming the prefill worker (with
-    the pool's credential, as the router sends it)."""
-    headers = (
-        {PREFILL_URL_HEADER: prefill_url, **internal_headers(decode_url)} if prefill_url else {}
-    )
+    """POST a greedy completion to a decode worker, naming the prefill worker (if
+    any), with the pool's credential, as the router sends it."""
+    headers = internal_headers(decode_url)
+    if prefill_url:
+        headers[PREFILL_URL_HEADER] = prefill_url
     body = {
         "prompt": list(prompt),
         "max_tokens": max_tokens,

@@ -15,6 +15,7 @@ import aiohttp
 from pdserve.cli.process import ServerProcess, start_server
 from pdserve.operator import api
 from pdserve.operator.local import LocalPool
+from pdserve.workers.server.internal import bearer
 from support.prom import total
 
 
@@ -86,6 +87,12 @@ def static_routing_file(folder: Path, model_dir: Path, decode_url: str, pool: st
     path = folder / "routing.json"
     path.write_text(json.dumps(table))
     return path
+
+
+def as_router(pool: LocalPool) -> dict[str, str]:
+    """The header with which the pool's router calls its workers (their OpenAI
+    endpoints serve nobody else)."""
+    return bearer(pool.credential_file.read_text().strip())
 
 
 def router_metric(router: HasUrl, name: str, **labels: str) -> float:

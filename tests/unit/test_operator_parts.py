@@ -41,7 +41,9 @@ def test_the_operator_knows_every_kind_render_makes() -> None:
 
 def test_the_rbac_manifest_grants_every_kind_the_operator_writes() -> None:
     documents = list(yaml.safe_load_all((ROOT / "deploy/operator/rbac.yaml").read_text()))
-    (role,) = [d for d in documents if d["kind"] == "ClusterRole"]
+    # The default install: a Role in the watched namespace, no cluster-wide access.
+    assert {d["kind"] for d in documents} == {"Role", "RoleBinding"}
+    (role,) = [d for d in documents if d["kind"] == "Role"]
     granted = {
         (group, resource): set(rule["verbs"])
         for rule in role["rules"]
@@ -55,6 +57,8 @@ def test_the_rbac_manifest_grants_every_kind_the_operator_writes() -> None:
     assert {"patch"} <= granted[("pdserve.dev", "servingpools/status")]
     # The routers' Role grants these; only a holder may grant them.
     assert {"get", "list", "watch"} <= granted[("discovery.k8s.io", "endpointslices")]
+    # The pools' credentials are created, never read, changed or adopted.
+    assert granted[("", "secrets")] == {"create"}
 
 
 def test_kopf_keeps_its_bookkeeping_out_of_the_status() -> None:

@@ -1,5 +1,6 @@
-"""Retries and resyncs (resync.py) and the reconciler's memory of pools, against an
-in-memory stand-in for the API server and a clock the test moves."""
+"""Retries and resyncs (resync.py) and the reconciler's memory of pools (the pool's
+credential Secret among it), against an in-memory stand-in for the API server and a
+clock the test moves."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class FakeApi:
         self.requests: list[str] = []
         self.refused: set[str] = set()  # "Kind/name" whose applies are refused
         self.hold: asyncio.Event | None = None  # when given, applies wait for it
+        self.status: Obj = {}  # the pool's status, as the patches left it
         self._version = 0
 
     def writes(self) -> list[str]:
@@ -50,13 +52,15 @@ class FakeApi:
         self.objects[name] = {**copy.deepcopy(dict(obj)), "metadata": meta}
         return copy.deepcopy(self.objects[name])
 
-    async def create(self, obj: Mapping[str, Any]) -> bool:
+    async def create(self, obj: Mapping[str, Any]) -> Obj | None:
         name = f"{obj['kind']}/{obj['metadata']['name']}"
         self.requests.append(f"create {name}")
         if name in self.objects:
-            return False
-        self.objects[name] = copy.deepcopy(dict(obj))
-        return True
+            return None
+        self._version += 1
+        meta = {**obj["metadata"], "uid": f"uid-{self._version}"}
+        self.objects[name] = {**copy.deepcopy(dict(obj)), "metadata": meta}
+        return copy.deepcopy(self.objects[name])
 
     async def delete(self, obj: Mapping[str, Any]) -> bool:
         name = f"{obj['kind']}/{obj['metadata']['name']}"
@@ -77,6 +81,11 @@ class FakeApi:
 
     async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
         self.requests.append(f"patch ServingPool/{name}")
+        merged = {**self.status, **copy.deepcopy(dict(status))}
+        self.status = {key: value for key, value in merged.items() if value is not None}
+
+    def condition(self, type_: str) -> Obj:
+        return next(c for c in self.status.get("conditions", []) if c["type"] == type_)
 
     async def close(self) -> None:
         pass
@@ -222,3 +231,50 @@ async def test_resync_retries_a_pool_whose_write_it_saw_refused() -> None:
     clock.now = backoff(0)
     await loop.retry_due()
     assert ROUTING in api.objects and loop.pending() == 0
+
+
+SECRET = "Secret/p-internal"
+
+
+async def test_a_foreign_secret_is_never_adopted_and_the_pool_says_so() -> None:
+    api, reconciler, loop, clock = operator()
+    foreign = {"kind": "Secret", "metadata": {"name": "p-internal", "uid": "theirs"}}
+    api.objects[SECRET] = copy.deepcopy(foreign)
+    with pytest.raises(ApiError) as refused:
+        await reconciler.reconcile(api.pool or {}, [], trigger="create")
+    assert (refused.value.status, refused.value.reason) == (409, "SecretConflict")
+    loop.retry(KEY)
+    # Tried once, by creating; never read, changed or taken over.
+    assert [r for r in api.requests if "Secret/" in r] == [f"create {SECRET}"]
+    assert api.objects[SECRET] == foreign
+    degraded = api.condition("Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "SecretConflict")
+    assert "Secret ns/p-internal exists but was not created for this pool" in degraded["message"]
+    assert api.status["phase"] == "Degraded" and "credentialSecret" not in api.status
+    # The other objects are applied all the same.
+    assert ROUTING in api.objects
+
+    # Its owner deletes it: the retry makes the pool's own, and the status records it.
+    del api.objects[SECRET]
+    clock.now = backoff(0)
+    await loop.retry_due()
+    created = api.objects[SECRET]
+    assert created["metadata"]["ownerReferences"][0]["uid"] == "pool-uid"
+    assert created["metadata"]["labels"]["pdserve.dev/pool"] == "p"
+    assert api.status["credentialSecret"] == {
+        "name": "p-internal", "uid": created["metadata"]["uid"],
+    }  # fmt: skip
+    assert api.condition("Degraded")["status"] == "False" and loop.pending() == 0
+
+
+async def test_a_restarted_operator_knows_the_secret_it_made_from_the_status() -> None:
+    api, reconciler, _, _ = operator()
+    await reconciler.reconcile(api.pool or {}, [], trigger="create")
+    made = copy.deepcopy(api.objects[SECRET])
+
+    restarted = Reconciler(api, Events())  # type: ignore[arg-type]
+    pool = {**(api.pool or {}), "status": copy.deepcopy(api.status)}
+    api.requests.clear()
+    await restarted.reconcile(pool, [], trigger="resume")
+    assert [r for r in api.requests if "Secret/" in r] == [f"create {SECRET}"]
+    assert api.objects[SECRET] == made and api.condition("Degraded")["status"] == "False"

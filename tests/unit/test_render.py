@@ -384,27 +384,90 @@ def test_the_rendered_routing_table_is_one_the_router_reads() -> None:
     assert table.bucket_label(table.bucket_of(1025)) == "gt1024"
 
 
-def test_only_the_pool_and_prometheus_reach_the_workers() -> None:
+MEMBERS = {
+    "podSelector": {
+        "matchLabels": {
+            "app.kubernetes.io/name": "pdserve",
+            "app.kubernetes.io/instance": "llama-pd",
+        }
+    }
+}
+HTTP = [{"port": "http", "protocol": "TCP"}]
+
+
+def test_only_the_pool_and_its_monitoring_namespace_reach_the_workers() -> None:
     policy = by_key(rendered(pool("disaggregated")))[("NetworkPolicy", "llama-pd-workers")]
     spec = policy["spec"]
-    assert spec["policyTypes"] == ["Ingress"]
+    assert spec["policyTypes"] == ["Ingress", "Egress"]
     selector = spec["podSelector"]
     assert selector["matchLabels"]["app.kubernetes.io/instance"] == "llama-pd"
     assert selector["matchExpressions"][0]["values"] == ["prefill", "decode"]
-    members, prometheus = spec["ingress"]
-    assert members == {
-        "from": [
-            {
-                "podSelector": {
-                    "matchLabels": {
-                        "app.kubernetes.io/name": "pdserve",
-                        "app.kubernetes.io/instance": "llama-pd",
-                    }
-                }
-            }
+    # No monitoring namespace named: the pool's own pods only.
+    assert spec["ingress"] == [{"from": [MEMBERS]}]
+    # Out: the pool's pods, and DNS.
+    dns = [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]
+    assert spec["egress"] == [{"to": [MEMBERS]}, {"ports": dns}]
+    # The operator's --prometheus-namespace, or the pool's own: by the namespace's name,
+    # never by a label any pod may carry.
+    by_default = rendered(pool("disaggregated"), prometheus_namespace="monitoring")
+    named = with_patch(pool("disaggregated"), {"monitoring": {"prometheusNamespace": "obs"}})
+    for objects, namespace in ((by_default, "monitoring"), (rendered(named), "obs")):
+        ingress = by_key(objects)[("NetworkPolicy", "llama-pd-workers")]["spec"]["ingress"]
+        by_name = {"matchLabels": {"kubernetes.io/metadata.name": namespace}}
+        assert ingress == [
+            {"from": [MEMBERS]},
+            {"from": [{"namespaceSelector": by_name}], "ports": HTTP},
         ]
-    }
-    assert prometheus["ports"] == [{"port": "http", "protocol": "TCP"}]
+    overridden = rendered(named, prometheus_namespace="monitoring")
+    assert (
+        by_key(overridden)[("NetworkPolicy", "llama-pd-workers")]
+        == by_key(rendered(named))[("NetworkPolicy", "llama-pd-workers")]
+    )
+
+
+def test_direct_clients_are_a_pools_choice() -> None:
+    p = pool("disaggregated")
+    objects = by_key(rendered(p))
+    for role in ("prefill", "decode"):
+        args = container(objects[("Deployment", f"llama-pd-{role}")])["args"]
+        assert "--allow-direct-clients" not in args
+    opened = by_key(rendered(with_patch(p, {"router": {"allowDirectClients": True}})))
+    for role in ("prefill", "decode"):
+        assert (
+            "--allow-direct-clients"
+            in container(opened[("Deployment", f"llama-pd-{role}")])["args"]
+        )
+    # The pool's namespace may then reach the workers' http port (no other namespace).
+    ingress = opened[("NetworkPolicy", "llama-pd-workers")]["spec"]["ingress"]
+    assert ingress == [{"from": [MEMBERS]}, {"from": [{"podSelector": {}}], "ports": HTTP}]
+
+
+def test_containers_run_with_a_read_only_root_filesystem() -> None:
+    objects = by_key(rendered(pool("disaggregated")))
+    for component in COMPONENTS:
+        deployment = objects[("Deployment", f"llama-pd-{component}")]
+        main = container(deployment)
+        assert main["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        }
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        # What the processes write goes to emptyDirs: temporary files, and caches
+        # under $HOME (torch's, Triton's).
+        mounts = {m["mountPath"]: m["name"] for m in main["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for path in ("/tmp", "/home/pdserve"):
+            assert volumes[mounts[path]]["emptyDir"] == {}, (component, path)
+        assert {"name": "HOME", "value": "/home/pdserve"} in main["env"]
+        if component != "router":
+            assert volumes[mounts["/dev/shm"]]["emptyDir"] == {"medium": "Memory"}
+    # A pool's own HOME wins.
+    p = with_patch(pool("tiny-colocated"), {"decode": {"env": [{"name": "HOME", "value": "/x"}]}})
+    env = container(by_key(rendered(p))[("Deployment", "tiny-decode")])["env"]
+    assert [v for v in env if v["name"] == "HOME"] == [{"name": "HOME", "value": "/x"}]
 
 
 def test_client_api_keys_come_from_a_secret() -> None:

@@ -18,12 +18,18 @@ import yaml
 from aiohttp import web
 
 from pdserve.workers.api_errors import APIError
-from pdserve.workers.router.kubernetes import KubeConfigError, load_access, ready_urls
+from pdserve.workers.router.kubernetes import (
+    EndpointSliceSource,
+    KubeAccess,
+    KubeConfigError,
+    load_access,
+    ready_urls,
+)
 from pdserve.workers.router.metrics import RouterMetrics, meets_slo
 from pdserve.workers.router.outcome import RequestOutcome, counted
 from pdserve.workers.router.proxy import Routed
 from pdserve.workers.router.sse import TokenStream, error_event
-from pdserve.workers.router.table import Slo
+from pdserve.workers.router.table import KubernetesDiscovery, Slo
 
 
 def chunk(text: str, index: int = 0, **extra: Any) -> bytes:
@@ -176,6 +182,41 @@ def test_only_ready_endpoints_of_a_slice_get_traffic() -> None:
     ipv6 = {"addressType": "IPv6", "endpoints": [endpoint("fd00::5", ready=True)]}
     assert ready_urls(ipv6, 8000) == {"http://[fd00::5]:8000"}
     assert ready_urls({"endpoints": None}, 8000) == frozenset()
+
+
+def endpoint_slice(name: str, address: str, **labels: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "labels": {"kubernetes.io/service-name": "p-decode", **labels}},
+        "endpoints": [endpoint(address, ready=True)],
+    }
+
+
+def test_only_the_endpointslice_controllers_slices_name_workers() -> None:
+    config = KubernetesDiscovery.model_validate(
+        {"kind": "kubernetes", "namespace": "ns", "port": 8000, "services": {"decode": "p-decode"}}
+    )
+    source = EndpointSliceSource(KubeAccess("https://api", False), config)
+    # The API server is asked for the controller's slices only...
+    assert "endpointslice.kubernetes.io/managed-by=endpointslice-controller.k8s.io" in (
+        source._selector
+    )
+    found: dict[str, list[str]] = {}
+    controller = {"endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}
+    # ...and a slice made by hand adds no worker, whatever else it says.
+    for item in (
+        endpoint_slice("p-decode-abc", "10.0.0.1", **controller),
+        endpoint_slice("by-hand", "169.254.169.254"),
+        endpoint_slice("mirrored", "10.9.9.9", **{
+            "endpointslice.kubernetes.io/managed-by": "endpointslicemirroring-controller.k8s.io"
+        }),
+    ):  # fmt: skip
+        source._event({"type": "ADDED", "object": item})
+    source._report(lambda role, urls: found.__setitem__(role, urls))
+    assert found == {"decode": ["http://10.0.0.1:8000"]}
+    # A controller's slice relabelled by hand stops counting.
+    source._event({"type": "MODIFIED", "object": endpoint_slice("p-decode-abc", "10.0.0.1")})
+    source._report(lambda role, urls: found.__setitem__(role, urls))
+    assert found == {"decode": []}
 
 
 def test_kubeconfig_with_a_token_and_one_with_a_plugin(tmp_path: Path) -> None:

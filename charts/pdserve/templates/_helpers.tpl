@@ -82,11 +82,11 @@ ClusterRole, or by a Role in each watched namespace.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# Each pool's internal credential: made once, read back, adopted by a new pool of
-# the same name (never listed: the operator reads no other Secret).
+# Each pool's internal credential: created once, never read, changed or adopted (the
+# pool's status records it), so the operator can read no Secret at all.
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["create"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]

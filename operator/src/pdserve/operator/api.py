@@ -103,6 +103,7 @@ LabelValue = Annotated[str, StringConstraints(max_length=63)]
 LabelMap = Annotated[dict[ShortStr, LabelValue], Field(max_length=32)]
 QuantityMap = Annotated[dict[ShortStr, Quantity], Field(max_length=16)]
 DNS_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+NAMESPACE_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"  # a DNS-1123 label
 
 
 class Rule(NamedTuple):
@@ -460,6 +461,13 @@ class RouterSpec(Placement):
         description="A key of a Secret holding the API keys clients must present "
         "(Authorization: Bearer), one per line; absent: no key is asked for.",
     )
+    allow_direct_clients: bool = Field(
+        default=False,
+        description="Let clients call the workers' OpenAI endpoints (/v1/*, /tokenize, "
+        "/detokenize) without the pool's credential, bypassing this router's API keys and "
+        "limits; the NetworkPolicy then admits the pods of the pool's namespace to the "
+        "workers' http port. Default: only the router may.",
+    )
 
 
 class KvTransferSpec(ApiModel):
@@ -649,6 +657,15 @@ class MonitoringSpec(ApiModel):
         description="Annotate the pool's pods with prometheus.io/scrape, port and path, for "
         "a Prometheus that discovers pods by them.",
     )
+    prometheus_namespace: str | None = Field(
+        default=None,
+        max_length=63,
+        pattern=NAMESPACE_NAME,
+        description="The namespace of the Prometheus that scrapes the pool: the "
+        "NetworkPolicy admits its pods to the workers' http port (/metrics). Default: the "
+        "operator's --prometheus-namespace; neither set: no pod outside the pool reaches "
+        "the workers.",
+    )
 
 
 class ServingPoolSpec(ApiModel):
@@ -800,6 +817,14 @@ class AutoscalingStatus(ApiModel):
         return self.prefill if role == "prefill" else self.decode
 
 
+class CreatedSecret(ApiModel):
+    """A Secret the operator created for the pool (it reads no Secret: this record is
+    how it knows the pool's credential Secret is its own)."""
+
+    name: ShortStr
+    uid: str = Field(max_length=128)
+
+
 class ServingPoolStatus(ApiModel):
     """What the operator observed and did."""
 
@@ -817,6 +842,9 @@ class ServingPoolStatus(ApiModel):
     decode: RoleStatus | None = None
     router: RoleStatus | None = None
     router_endpoint: str | None = Field(default=None, max_length=1024)
+    credential_secret: CreatedSecret | None = Field(
+        default=None, description="The Secret holding the pool's internal credential."
+    )
     autoscaling: AutoscalingStatus | None = None
 
     def condition(self, type_: ConditionType) -> Condition | None:

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.cli.options import add_options, option, options_from, port_number, positive_float
+
+
+def namespace_name(text: str) -> str:
+    """A namespace's name (a DNS-1123 label), as a command-line value. The pattern is
+    api.NAMESPACE_NAME's (not imported: `pdserve --help` loads no pydantic)."""
+    if len(text) > 63 or not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", text):
+        raise argparse.ArgumentTypeError(f"not a namespace name: {text!r}")
+    return text
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,12 @@ class OperatorOptions:
         help="Prometheus scraping the pools: the planner reads it, KEDA's triggers ask it, "
         "and it tells whether disaggregation works (a pool's "
         "spec.autoscaling.policy.prometheusUrl overrides it)",
+    )  # fmt: skip
+    prometheus_namespace: str | None = option(
+        None, parse=namespace_name, metavar="NS",
+        help="namespace of the Prometheus scraping the pools: each pool's NetworkPolicy "
+        "admits its pods to the workers' http port, for /metrics (a pool's "
+        "spec.monitoring.prometheusNamespace overrides it; default: none is admitted)",
     )  # fmt: skip
     resync_interval: float = option(
         300.0, parse=positive_float, metavar="SECONDS",

@@ -126,7 +126,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     recorder = KopfRecorder()
     memo["reconciler"] = found = Reconciler(
         client, recorder, served=served, default_image=options.default_image,
-        prometheus_url=options.prometheus_url,
+        prometheus_url=options.prometheus_url, prometheus_namespace=options.prometheus_namespace,
     )  # fmt: skip
     memo["resync"] = loop = Resync(
         found, client, namespaces=options.namespace, interval=options.resync_interval

@@ -98,7 +98,7 @@ WATCHED_KINDS = (
 )
 OPTIONAL_KINDS = (SERVICE_MONITOR, SCALED_OBJECT)
 OPTIONAL_NAMES = frozenset(kind.kind for kind in OPTIONAL_KINDS)
-# Secrets are not watched: the operator only makes the pool's credential, once.
+# Secrets are neither watched nor read: the operator only creates the pool's credential.
 KINDS = {kind.kind: kind for kind in (*WATCHED_KINDS, *OPTIONAL_KINDS, SERVING_POOL, SECRET)}
 
 
@@ -297,11 +297,12 @@ class KubeClient:
             raise ApiError(404, f"{kind.kind} is not served by this cluster", "NotFound")
         return live
 
-    async def create(self, obj: Mapping[str, Any]) -> bool:
-        """Create an object unless one of its name exists; whether it was created."""
+    async def create(self, obj: Mapping[str, Any]) -> Obj | None:
+        """Create an object unless one of its name exists: the object created, or None
+        (one of its name exists)."""
         kind = kind_of(obj)
         try:
-            await self.request(
+            created = await self.request(
                 "POST",
                 kind.path(obj["metadata"]["namespace"]),
                 verb="create",
@@ -311,22 +312,11 @@ class KubeClient:
             )
         except ApiError as error:
             if error.status == 409:
-                return False
+                return None
             raise
-        return True
-
-    async def merge_patch(self, obj: Mapping[str, Any], patch: Mapping[str, Any]) -> None:
-        """A JSON merge patch of one object."""
-        kind = kind_of(obj)
-        meta = obj["metadata"]
-        await self.request(
-            "PATCH",
-            kind.path(meta["namespace"], meta["name"]),
-            verb="patch",
-            resource=kind.plural,
-            body=patch,
-            content_type=MERGE_CONTENT_TYPE,
-        )
+        if created is None:
+            raise ApiError(404, f"{kind.kind} is not served by this cluster", "NotFound")
+        return created
 
     async def delete(self, obj: Mapping[str, Any]) -> bool:
         """Delete this very object (uid precondition); False when it was already gone."""

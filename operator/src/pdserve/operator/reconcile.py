@@ -27,6 +27,8 @@ Key = tuple[str, str]  # (kind, name)
 
 log = logging.getLogger(__name__)
 
+CREDENTIAL_CONFLICT = "SecretConflict"  # the reason of the condition naming it
+
 
 class Recorder(Protocol):
     """Posts Kubernetes Events about a pool."""
@@ -42,7 +44,9 @@ class Recorder(Protocol):
 class _PoolState:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     status: dict[str, Any] | None = None  # the status last written
-    credential: bool = False  # the pool's credential Secret is known to exist
+    # The pool's credential Secret, once the operator knows it made it (None: not yet).
+    credential: api.CreatedSecret | None = None
+    conflict: str | None = None  # why the pool's credential Secret is not its own
     failure: str | None = None  # why the last reconcile had a write refused
     generation: int | None = None  # the pool's generation the last reconcile applied
     # The planner's replica counts (None: not read from the status yet).
@@ -86,13 +90,15 @@ def desired_objects(
     spec: api.ServingPoolSpec,
     replicas: Mapping[api.Role, int] | None = None,
     prometheus_url: str | None = None,
+    prometheus_namespace: str | None = None,
 ) -> dict[Key, Obj]:
     """The pool's children as they should be: rendered (with the planner's replica
     counts), owned, stamped with their hash."""
     meta = pool["metadata"]
     rendered = render.render(
-        meta["name"], meta["namespace"], spec, replicas, prometheus_url=prometheus_url
-    )
+        meta["name"], meta["namespace"], spec, replicas,
+        prometheus_url=prometheus_url, prometheus_namespace=prometheus_namespace,
+    )  # fmt: skip
     objects = (drift.stamped(render.with_owner(obj, meta)) for obj in rendered)
     return {key_of(obj): obj for obj in objects}
 
@@ -127,6 +133,7 @@ class Reconciler:
         served: Collection[kube.Kind] = (),
         default_image: str | None = None,
         prometheus_url: str | None = None,
+        prometheus_namespace: str | None = None,
     ) -> None:
         self._client = client
         self._recorder = recorder
@@ -134,6 +141,8 @@ class Reconciler:
         self._served = [kind for kind in kube.OPTIONAL_KINDS if kind in served]
         self._default_image = default_image  # for pools that name no image
         self._prometheus_url = prometheus_url  # for KEDA, where a pool names none
+        # Where the Prometheus scraping the pools runs, where a pool names none.
+        self._prometheus_namespace = prometheus_namespace
         self._pools: dict[str, _PoolState] = {}
 
     async def close(self) -> None:
@@ -158,7 +167,9 @@ class Reconciler:
         if state.rendered is None or state.rendered[0] != key or generation is None:
             spec = api.with_image(api.parse_spec(pool["spec"]), self._default_image)
             planned = state.replicas if planner_scales(spec) else None
-            desired = desired_objects(pool, spec, planned, self._prometheus_url)
+            desired = desired_objects(
+                pool, spec, planned, self._prometheus_url, self._prometheus_namespace
+            )
             state.rendered = (key, spec, desired)
         return state.rendered[1], state.rendered[2]
 
@@ -235,7 +246,7 @@ class Reconciler:
         changes: list[tuple[str, Obj]] = []
         errors: list[ApiError] = []
         try:
-            changes += await self._ensure_credential(pool)
+            changes += await self._ensure_credential(pool, state)
         except ApiError as error:
             errors.append(error)
         # One refused object does not hold back the others: apply all, then report.
@@ -345,29 +356,43 @@ class Reconciler:
             )
         return live, new_version
 
-    async def _ensure_credential(self, pool: Mapping[str, Any]) -> list[tuple[str, Obj]]:
+    async def _ensure_credential(
+        self, pool: Mapping[str, Any], state: _PoolState
+    ) -> list[tuple[str, Obj]]:
         """Make the Secret with the pool's internal credential, once: a random value,
         never rendered, never rewritten (rotating it means deleting the Secret and
-        restarting the pool). One left by an earlier pool of the same name is adopted."""
-        state = self._state(pool)
-        if state.credential:
+        restarting the operator).
+
+        The operator only ever creates Secrets: it never reads, patches or adopts one,
+        so it can be denied `get` on Secrets. The Secret is made with pdserve's labels
+        and the pool's owner reference; the status records it (`credentialSecret`).
+        When one of its name exists that the status does not record (a foreign Secret,
+        or one an earlier pool of the same name left for the garbage collector), it is
+        left alone and ApiError(409, reason SecretConflict) says so: the Degraded
+        condition names the conflict and the reconcile is retried with backoff."""
+        if state.credential is not None:
             return []
         meta = pool["metadata"]
+        name = render.object_name(meta["name"], "internal")
         secret = render.with_owner(
             render.credential_secret(meta["name"], meta["namespace"], secrets.token_urlsafe(32)),
             meta,
         )
+        state.conflict = None
         created = await self._client.create(secret)
-        if not created:
-            live = await self._client.get(
-                kube.SECRET, meta["namespace"], secret["metadata"]["name"]
-            )
-            if live is not None and not owned_by(live, meta["uid"]):
-                owners = {"ownerReferences": secret["metadata"]["ownerReferences"]}
-                await self._client.merge_patch(live, {"metadata": owners})
-        state.credential = True
-        public = {**secret, "stringData": {}}  # what Events and logs may show
-        return [("created", public)] if created else []
+        if created is not None:
+            state.credential = api.CreatedSecret(name=name, uid=created["metadata"]["uid"])
+            return [("created", {**secret, "stringData": {}})]  # no value in Events, logs
+        recorded = pool_status.previous_status(self._last_status(pool, state)).credential_secret
+        if recorded is not None and recorded.name == name:
+            state.credential = recorded
+            return []
+        state.conflict = (
+            f"Secret {meta['namespace']}/{name} exists but was not created for this pool: "
+            "pdserve never adopts a Secret; delete or rename it and the operator creates "
+            "the pool's credential"
+        )
+        raise ApiError(409, state.conflict, CREDENTIAL_CONFLICT)
 
     async def _pool_exists(self, pool: Mapping[str, Any]) -> bool:
         meta = pool["metadata"]
@@ -444,6 +469,8 @@ class Reconciler:
                 if kind == kube.DEPLOYMENT.kind and gen is not None
             },
             failure=state.failure,
+            credential=state.credential,
+            conflict=state.conflict,
         )
         await self._patch_status(pool, state, new)
 

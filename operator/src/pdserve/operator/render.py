@@ -10,7 +10,9 @@ Objects, in apply order (a role with 0 replicas, or without a pool, has none):
   Service         <pool>-prefill    headless: worker discovery
   Service         <pool>-decode     headless: worker discovery
   Service         <pool>-router     the pool's front door
-  NetworkPolicy   <pool>-workers    only the router and pool members reach the workers
+  NetworkPolicy   <pool>-workers    only the pool's pods (and a named monitoring
+                                    namespace, on the http port) reach the workers;
+                                    the workers reach only the pool's pods and DNS
   Deployment      <pool>-prefill, <pool>-decode, <pool>-router
   PodDisruptionBudget (maxUnavailable 1) per Deployment
   ServiceMonitor  <pool>            when spec.monitoring.serviceMonitor.enabled
@@ -59,6 +61,10 @@ CREDENTIAL_DIR = "/var/run/secrets/pdserve"
 CREDENTIAL_KEY = "token"
 API_KEYS_DIR = "/var/run/secrets/pdserve-api-keys"
 API_KEYS_FILE = "keys"
+# The root filesystem is read-only: what the processes write (temporary files, caches
+# under $HOME such as torch's and Triton's) goes to emptyDir volumes mounted here.
+TMP_DIR = "/tmp"
+HOME_DIR = "/home/pdserve"
 ROUTING_HASH_ANNOTATION = "pdserve.dev/routing-hash"
 POOL_LABEL = "pdserve.dev/pool"
 MANAGER = "pdserve-operator"
@@ -179,6 +185,8 @@ def worker_args(pool: str, spec: api.ServingPoolSpec, role: api.Role, wiring: Wi
     if engine.kv_cache_memory is not None:
         args += ["--kv-cache-memory", str(math.ceil(api.quantity_value(engine.kv_cache_memory)))]
     args += ["--internal-token-file", wiring.credential_file]
+    if spec.router.allow_direct_clients:
+        args += ["--allow-direct-clients"]
     if worker_role != "both":
         args += ["--kv-transfer", spec.kv_transfer.backend]
         args += ["--transfer-failure-policy", spec.kv_transfer.failure_policy]
@@ -313,8 +321,16 @@ def _env(placement: api.Placement) -> list[Obj]:
         {"name": "POD_NAME", "valueFrom": field("metadata.name")},
         {"name": "POD_NAMESPACE", "valueFrom": field("metadata.namespace")},
         {"name": "POD_IP", "valueFrom": field("status.podIP")},
+        {"name": "HOME", "value": HOME_DIR},
     ]
     return [var for var in builtin if var["name"] not in taken] + user
+
+
+def _writable_volumes() -> tuple[list[Obj], list[Obj]]:
+    """The writable folders of a read-only root filesystem, as (volumes, volumeMounts)."""
+    folders = {"tmp": TMP_DIR, "home": HOME_DIR}
+    volumes = [{"name": name, "emptyDir": {}} for name in folders]
+    return volumes, [{"name": name, "mountPath": path} for name, path in folders.items()]
 
 
 def _credential_volume(pool: str) -> tuple[list[Obj], list[Obj]]:
@@ -370,6 +386,8 @@ def _container(
         **_probes(),
         "securityContext": {
             "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
             "capabilities": {"drop": ["ALL"]},
         },
         "volumeMounts": mounts,
@@ -449,15 +467,16 @@ def worker_deployment(
     assert workers is not None, f"no {role} pool"
     model_volumes, model_mounts = _model_volume(spec)
     credential_volumes, credential_mounts = _credential_volume(pool)
+    writable_volumes, writable_mounts = _writable_volumes()
     volumes = [
         {"name": "shm", "emptyDir": {"medium": "Memory"}},  # torch and UCX use /dev/shm
-        {"name": "tmp", "emptyDir": {}},
+        *writable_volumes,
         *credential_volumes,
         *model_volumes,
     ]
     mounts = [
         {"name": "shm", "mountPath": "/dev/shm"},
-        {"name": "tmp", "mountPath": "/tmp"},
+        *writable_mounts,
         *credential_mounts,
         *model_mounts,
     ]
@@ -477,10 +496,12 @@ def router_deployment(pool: str, namespace: str, spec: api.ServingPoolSpec, tabl
     model_volumes, model_mounts = _model_volume(spec)
     credential_volumes, credential_mounts = _credential_volume(pool)
     key_volumes, key_mounts = _api_keys_volume(spec)
+    writable_volumes, writable_mounts = _writable_volumes()
     config = {"name": "routing", "configMap": {"name": object_name(pool, "routing")}}
-    volumes = [config, *credential_volumes, *key_volumes, *model_volumes]
+    volumes = [config, *writable_volumes, *credential_volumes, *key_volumes, *model_volumes]
     mounts = [
         {"name": "routing", "mountPath": CONFIG_DIR, "readOnly": True},
+        *writable_mounts,
         *credential_mounts,
         *key_mounts,
         *model_mounts,
@@ -564,10 +585,23 @@ def router_access(pool: str, namespace: str) -> list[Obj]:
     ]
 
 
-def network_policy(pool: str, namespace: str) -> Obj:
-    """Only the pool's own pods (its router and workers, on any port: KV transfer
-    uses ports of its own) and Prometheus (on the http port, for /metrics) reach the
-    workers. The internal endpoints need the pool's credential besides."""
+def network_policy(
+    pool: str, namespace: str, spec: api.ServingPoolSpec, prometheus_namespace: str | None = None
+) -> Obj:
+    """Who the workers talk to.
+
+    In: the pool's own pods (its router and workers, on any port: KV transfer uses
+    ports of its own); the pods of the monitoring namespace (the pool's
+    spec.monitoring.prometheusNamespace, else the operator's `prometheus_namespace`)
+    on the http port, for /metrics; with spec.router.allowDirectClients, the pods of
+    the pool's namespace on the http port. Peers are named by namespace (its
+    immutable kubernetes.io/metadata.name label) and the pool's labels, never by a
+    label any pod anywhere may carry. The endpoints need the pool's credential besides.
+
+    Out: the pool's own pods, and DNS (port 53 at any address: clusters place their
+    resolver differently, CoreDNS pods or a node-local cache). The router is not
+    selected: it serves clients and watches the API server, whose address a
+    NetworkPolicy can only name as a cluster-specific IP block."""
     members = {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": pool}
     workers = {
         "matchLabels": dict(members),
@@ -575,21 +609,25 @@ def network_policy(pool: str, namespace: str) -> Obj:
             {"key": "app.kubernetes.io/component", "operator": "In", "values": list(ROLES)}
         ],
     }
-    prometheus = {
-        "namespaceSelector": {},
-        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
-    }
+    http = [{"port": "http", "protocol": "TCP"}]
+    ingress: list[Obj] = [{"from": [{"podSelector": {"matchLabels": members}}]}]
+    monitoring = spec.monitoring.prometheus_namespace or prometheus_namespace
+    if monitoring is not None:
+        by_name = {"matchLabels": {"kubernetes.io/metadata.name": monitoring}}
+        ingress.append({"from": [{"namespaceSelector": by_name}], "ports": http})
+    if spec.router.allow_direct_clients:
+        ingress.append({"from": [{"podSelector": {}}], "ports": http})
+    dns = [{"port": 53, "protocol": protocol} for protocol in ("UDP", "TCP")]
+    egress = [{"to": [{"podSelector": {"matchLabels": members}}]}, {"ports": dns}]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": _meta(object_name(pool, "workers"), namespace, labels(pool)),
         "spec": {
             "podSelector": workers,
-            "policyTypes": ["Ingress"],
-            "ingress": [
-                {"from": [{"podSelector": {"matchLabels": members}}]},
-                {"from": [prometheus], "ports": [{"port": "http", "protocol": "TCP"}]},
-            ],
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": ingress,
+            "egress": egress,
         },
     }
 
@@ -689,10 +727,12 @@ def render(
     replicas: Mapping[api.Role, int] | None = None,
     *,
     prometheus_url: str | None = None,
+    prometheus_namespace: str | None = None,
 ) -> list[Obj]:
     """Every object of a pool, in apply order. `replicas` overrides the spec's counts
-    (the planner's decisions); `prometheus_url` is the Prometheus KEDA asks when the
-    pool names none."""
+    (the planner's decisions); `prometheus_url` is the Prometheus KEDA asks, and
+    `prometheus_namespace` where the Prometheus scraping the pool runs, when the pool
+    names none."""
     counts = desired_replicas(spec, replicas)
     roles = rendered_roles(spec, counts)
     external = externally_scaled(spec)
@@ -704,7 +744,7 @@ def render(
     components: list[Component] = [*roles, "router"] if with_router else [*roles]
     objects += [service(pool, namespace, c, spec) for c in components]
     if roles:
-        objects.append(network_policy(pool, namespace))
+        objects.append(network_policy(pool, namespace, spec, prometheus_namespace))
     objects += [
         worker_deployment(pool, namespace, spec, r, None if external else counts[r]) for r in roles
     ]

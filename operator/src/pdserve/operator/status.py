@@ -6,7 +6,9 @@ Conditions:
                scheduler's reason, image pulls, crash loops)
   Progressing  a rollout or scale is under way
   Degraded     something needs a person: an invalid spec, a refused apply, a
-               Deployment that cannot make progress (deadline exceeded, pods refused)
+               Deployment that cannot make progress (deadline exceeded, pods refused),
+               a Secret holding the name of the pool's credential that the operator
+               did not create (SecretConflict)
   ScalingActive, DisaggregationActive
                written by the autoscaler (autoscaler.py), kept as they are here
 The phase sums them up for `kubectl get sp`: Failed (invalid spec), Degraded, Ready,
@@ -196,10 +198,14 @@ def pool_status(
     now: datetime | None = None,
     pods: Iterable[Obj] = (),
     replicas: Mapping[api.Role, int] | None = None,
+    credential: api.CreatedSecret | None = None,
+    conflict: str | None = None,
 ) -> api.ServingPoolStatus:
     """The status after applying `spec` (generation `generation`); `written` and
     `replicas` as for rollouts(); `failure` says why the last apply failed, if it did;
-    `pods` tell why replicas are not ready."""
+    `pods` tell why replicas are not ready; `credential` is the credential Secret the
+    operator made (None: the one recorded stays), `conflict` why a Secret of its name
+    is not the pool's."""
     components = rollouts(pool, spec, deployments, written, replicas)
     ready = all(r.settled for r in components.values())
     problems = [r.problem for r in components.values() if r.problem]
@@ -220,13 +226,15 @@ def pool_status(
     else:
         put("Ready", ready, "AllReplicasReady" if ready else "ReplicasNotReady", summary)
     put("Progressing", not ready, "RollingOut" if not ready else "RolloutComplete", summary)
-    if failure is not None:
+    if conflict is not None:
+        put("Degraded", True, "SecretConflict", failure or conflict)
+    elif failure is not None:
         put("Degraded", True, "ApplyFailed", failure)
     elif problems:
         put("Degraded", True, "DeploymentStuck", "; ".join(problems))
     else:
         put("Degraded", False, "AsExpected", "")
-    if failure is not None or problems:
+    if failure is not None or conflict is not None or problems:
         phase: api.Phase = "Degraded"
     elif ready:
         phase = "Ready"
@@ -242,6 +250,7 @@ def pool_status(
         decode=_role(components["decode"]),
         router=_role(components["router"]),
         router_endpoint=render.router_endpoint(pool, namespace) if spec.router.replicas else None,
+        credential_secret=credential or previous.credential_secret,
         autoscaling=previous.autoscaling,
     )
 

@@ -1,7 +1,10 @@
 """Client API keys: when the router is given `--api-key-file`, every `/v1/*` request
-must present one of its keys (`Authorization: Bearer KEY`), else it gets OpenAI's 401.
-The file holds one key per line (blank lines and `#` comments ignored) and is re-read
-when it changes, so keys mounted from a Secret can be rotated without a restart."""
+(and the tokenizer's endpoints, and `/workers`) must present one of its keys
+(`Authorization: Bearer KEY`), else it gets OpenAI's 401. The file holds one key per
+line (blank lines and `#` comments ignored) and is re-read when it changes, so keys
+mounted from a Secret can be rotated without a restart. The file says which keys are
+valid, whenever it is read: one that holds none (emptied), or that cannot be read
+any more, leaves no key valid; it never leaves old keys in force."""
 
 from __future__ import annotations
 
@@ -14,14 +17,16 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from pdserve.workers.api_errors import APIError
-from pdserve.workers.server.internal import presented_token
+from pdserve.workers.server.internal import CLIENT_PREFIXES, presented_token
 
 log = logging.getLogger(__name__)
 
 CHECK_INTERVAL_S = 1.0
-# The paths that need a key: the OpenAI API, and the tokenizer's endpoints (they cost
-# the router CPU as completions do; vLLM leaves them open).
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+# The paths that need a key: the OpenAI API, the tokenizer's endpoints (they cost the
+# router CPU as completions do; vLLM leaves them open) and /workers (it names the
+# workers' internal addresses). The probes and /metrics stay open, as in vLLM, for
+# the kubelet and Prometheus; /metrics names no worker.
+PROTECTED_PREFIXES = (*CLIENT_PREFIXES, "/workers")
 
 
 class ApiKeyError(ValueError):
@@ -29,23 +34,23 @@ class ApiKeyError(ValueError):
 
 
 def read_keys(path: Path) -> tuple[str, ...]:
-    """The keys in `path`; ApiKeyError when it cannot be read or holds none."""
+    """The keys in `path` (none when it holds none); ApiKeyError when it cannot be read."""
     try:
         lines = path.read_text().splitlines()
     except OSError as error:
         raise ApiKeyError(f"cannot read API keys from {path}: {error.strerror}") from error
-    keys = tuple(k for k in (line.strip() for line in lines) if k and not k.startswith("#"))
-    if not keys:
-        raise ApiKeyError(f"{path} holds no API key")
-    return keys
+    return tuple(k for k in (line.strip() for line in lines) if k and not k.startswith("#"))
 
 
 class ApiKeys:
-    """The keys clients must present (none: no check)."""
+    """The keys clients must present (no file: no check; a file without keys: every
+    request is refused)."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self._keys = read_keys(path) if path is not None else ()
+        if path is not None and not self._keys:
+            log.warning("%s holds no API key: every request needing one is refused", path)
         self._stamp = self._file_stamp()
         self._checked = time.monotonic()
 
@@ -67,9 +72,16 @@ class ApiKeys:
         self._stamp = stamp
         try:
             self._keys = read_keys(self.path)
-            log.info("API keys re-read from %s", self.path)
         except ApiKeyError as error:
-            log.error("%s; keeping the keys in force", error)
+            self._keys = ()
+            log.error("%s; no key is valid until it can be read", error)
+            return
+        if self._keys:
+            log.info("API keys re-read from %s", self.path)
+        else:
+            log.warning(
+                "%s holds no API key any more: every request needing one is refused", self.path
+            )
 
     def check(self, request: web.Request) -> None:
         """OpenAI's 401 unless the request presents a key (when keys are required)."""
@@ -86,8 +98,8 @@ class ApiKeys:
             raise _unauthorized("Incorrect API key provided.")
 
     def middleware(self) -> Middleware:
-        """Checks keys on the OpenAI and tokenizer endpoints (probes and /metrics stay
-        open)."""
+        """Checks keys on the OpenAI and tokenizer endpoints and /workers (probes and
+        /metrics stay open)."""
 
         @web.middleware
         async def require_key(request: web.Request, handler: Handler) -> web.StreamResponse:

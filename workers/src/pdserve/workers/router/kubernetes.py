@@ -1,7 +1,9 @@
 """Discovery in Kubernetes: the EndpointSlices of the pool's prefill and decode
 Services, listed and then watched (the API server's plain watch, over aiohttp), so
 that workers scaled up or down, or turning ready or not, are seen within seconds.
-Only ready endpoints get traffic.
+Only ready endpoints get traffic, and only slices the EndpointSlice controller made
+from the Service's selector (its managed-by label): the router sends the pool's
+credential to these addresses, so a slice made by hand must not add any.
 
 Credentials come from a kubeconfig (`--kubeconfig`, else `$KUBECONFIG`) or, inside a
 pod, from its ServiceAccount (the token is re-read, since Kubernetes rotates it).
@@ -33,6 +35,8 @@ from pdserve.workers.server.internal import WorkerAddress
 log = logging.getLogger(__name__)
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+MANAGED_BY_LABEL = "endpointslice.kubernetes.io/managed-by"
+SLICE_CONTROLLER = "endpointslice-controller.k8s.io"  # kube-controller-manager's
 IN_CLUSTER = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 WATCH_SECONDS = 240
 MAX_BACKOFF_S = 10.0
@@ -191,7 +195,8 @@ class EndpointSliceSource:
 
     @property
     def _selector(self) -> str:
-        return f"{SERVICE_NAME_LABEL} in ({','.join(sorted(self.roles))})"
+        services = ",".join(sorted(self.roles))
+        return f"{SERVICE_NAME_LABEL} in ({services}),{MANAGED_BY_LABEL}={SLICE_CONTROLLER}"
 
     async def run(self, report: Report) -> None:
         """List, then watch; list again when the watch expires or fails."""
@@ -263,9 +268,14 @@ class EndpointSliceSource:
 
     def _store(self, item: Mapping[str, Any]) -> None:
         metadata = item.get("metadata") or {}
-        role = self.roles.get((metadata.get("labels") or {}).get(SERVICE_NAME_LABEL, ""))
-        if role is not None:
-            self._slices[metadata["name"]] = (role, ready_urls(item, self.config.port))
+        labels = metadata.get("labels") or {}
+        role = self.roles.get(labels.get(SERVICE_NAME_LABEL, ""))
+        if role is None or labels.get(MANAGED_BY_LABEL) != SLICE_CONTROLLER:
+            # Not (or no longer) one of the controller's slices of the pool's Services
+            # (the selector should have kept it out): it adds no worker.
+            self._slices.pop(metadata.get("name", ""), None)
+            return
+        self._slices[metadata["name"]] = (role, ready_urls(item, self.config.port))
 
     def _report(self, report: Report) -> None:
         """Tell each role's full list, when it changed."""

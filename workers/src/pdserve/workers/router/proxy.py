@@ -141,9 +141,12 @@ class Forwarder:
                 self._note_failure(routed, plan, retry, decode, prefill)
         if plan.last is not None and plan.last.answer is not None:
             return plan.last.answer
-        why = f": {plan.last}" if plan.last is not None else ""
+        # The client learns that the pool failed, not where: the worker's address and
+        # its words go to the log (and were logged with each failed attempt).
+        why = f"{plan.last.reason}: {plan.last}" if plan.last is not None else "no worker known"
+        log.warning("request %s: no worker could serve it (%s)", routed.request_id, why)
         raise APIError(
-            503, f"no worker could serve the request{why}", "server_error",
+            503, "no worker could serve the request", "server_error",
             "no_worker_available", headers={"Retry-After": "1"},
         )  # fmt: skip
 
@@ -259,7 +262,9 @@ class Forwarder:
         if status == 429 or code in BUSY_CODES:  # busy, not failing: no breaker failure
             raise _Retry("worker_busy", message, "none", answer)
         if disaggregated and (status in (401, 403) or (status == 502 and code != "no_blocks")):
-            raise _Retry("handoff_failed", message, "prefill", answer)
+            # The pool's own failure, whose words may name its workers: never the
+            # client's answer.
+            raise _Retry("handoff_failed", message, "prefill")
         if status >= 500 and code != REQUEST_FAILED:
             raise _Retry("worker_failed", message, "decode", answer)
         return answer

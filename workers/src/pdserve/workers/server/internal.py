@@ -7,6 +7,12 @@ Kubernetes, a file made per run by the local pool, see `pdserve.cli.credentials`
 and takes a prefill URL only when it names one of the pool's prefill workers
 (`--prefill-peer`). So no client can make a worker connect to an address of its
 choosing, nor write KV blocks into it.
+
+A worker that has the credential serves its client endpoints (the OpenAI API and the
+tokenizer's) to holders only, the pool's router, unless it is started with
+`--allow-direct-clients`: the router's API keys and limits cannot be bypassed by
+calling a worker. A worker without a credential (one alone, not in a pool) serves
+them to anyone.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ log = logging.getLogger(__name__)
 
 MIN_CREDENTIAL_LENGTH = 16
 INTERNAL_PREFIX = "/pd/"
+# What clients call: the OpenAI endpoints and the tokenizer's (the router asks client
+# API keys on the same paths).
+CLIENT_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 # How long a resolved peer name is trusted before it is looked up again.
 RESOLVE_INTERVAL_S = 1.0
 
@@ -66,10 +75,12 @@ def presented_token(request: web.Request) -> str | None:
 
 
 class InternalAuth:
-    """Checks the pool's credential on internal calls."""
+    """Checks the pool's credential on internal calls, and on clients' calls unless
+    `allow_direct_clients` (or there is no credential to check)."""
 
-    def __init__(self, credential: str | None) -> None:
+    def __init__(self, credential: str | None, *, allow_direct_clients: bool = False) -> None:
         self.credential = credential
+        self.guards_clients = credential is not None and not allow_direct_clients
 
     def holds(self, request: web.Request) -> bool:
         """Whether the caller presented the pool's credential."""
@@ -93,12 +104,15 @@ class InternalAuth:
             )  # fmt: skip
 
     def middleware(self) -> Middleware:
-        """Guards the internal endpoints (/pd/*)."""
+        """Guards the internal endpoints (/pd/*) and, unless direct clients are
+        allowed, the client endpoints."""
 
         @web.middleware
         async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
             if request.path.startswith(INTERNAL_PREFIX):
                 self.require(request, f"{request.path}")
+            elif self.guards_clients and request.path.startswith(CLIENT_PREFIXES):
+                self.require(request, f"{request.path} (served to the pool's router only)")
             return await handler(request)
 
         return guard

@@ -141,6 +141,12 @@ class WorkerOptions:
         help="file holding the pool's internal credential: the hand-off header and /pd/* "
         "are honoured only for callers presenting it (without it, never)",
     )  # fmt: skip
+    allow_direct_clients: bool = option(
+        False,
+        help="serve the OpenAI and tokenizer endpoints to callers without the pool's "
+        "credential too (by default a worker given --internal-token-file serves them to "
+        "its router only, so the router's API keys and limits cannot be bypassed)",
+    )  # fmt: skip
     prefill_peer: tuple[str, ...] = option(
         repeat=True, metavar="URL", group=_HANDOFF,
         help="decode: a prefill worker hand-offs may name, http://HOST:PORT; a HOST that "

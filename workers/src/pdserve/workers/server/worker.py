@@ -119,7 +119,8 @@ def build_server(options: WorkerOptions, limits: RequestLimits) -> WorkerServer:
     admission = Admission(options.max_queued_requests, lambda: async_engine.num_queued)
     serving = OpenAIServing(
         async_engine, tokenizer, metrics, model, limits, admission, handoff,
-        InternalAuth(credential), prefill_peers,
+        InternalAuth(credential, allow_direct_clients=options.allow_direct_clients),
+        prefill_peers,
     )  # fmt: skip
     return WorkerServer(serving, limits.max_body_size, load, prefill)
 
