@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 # compute, so more processes than cores shortens the run. Files stay whole (module
 # fixtures start their workers once).
 TEST_WORKERS ?= 3
-CODE := cli operator workers tests
+CODE := base protocol cli operator workers tests
 
 .PHONY: venv lock demo test lint typecheck unit e2e bench crd clean
 
@@ -35,7 +35,7 @@ lint: venv
 	$(BIN)/ruff format --check $(CODE)
 
 typecheck: venv
-	$(BIN)/mypy -p pdserve.cli -p pdserve.operator -p pdserve.workers -p pdserve.devcluster
+	$(BIN)/mypy -p pdserve.base -p pdserve.protocol -p pdserve.cli -p pdserve.operator -p pdserve.workers -p pdserve.devcluster
 
 # Unit and integration tests: real worker processes, no Kubernetes.
 unit: venv

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cli.main import pdserve_command
+from pdserve.base.process import pdserve_command
 from support.worker import running_worker
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,7 +68,10 @@ def test_the_operator_runs_where_torch_is_not_installed(operator_only: Path) -> 
     python = operator_only / "python"
     assert subprocess.run([python, "-c", "import torch"], capture_output=True).returncode != 0
     # The operator's modules load, and `pdserve crd` works.
-    code = "import pdserve.operator.main, pdserve.operator.handlers, pdserve.operator.render"
+    code = (
+        "import pdserve.operator.main, pdserve.operator.controller.handlers, "
+        "pdserve.operator.render"
+    )
     subprocess.run([python, "-c", code], check=True)
     crd = subprocess.run([operator_only / "pdserve", "crd"], capture_output=True, text=True)
     assert crd.returncode == 0 and "kind: CustomResourceDefinition" in crd.stdout
@@ -85,7 +88,7 @@ def test_the_operator_entry_point_imports_no_torch() -> None:
     code = (
         "import sys\n"
         "for name in ('torch', 'nixl', 'safetensors', 'tokenizers'): sys.modules[name] = None\n"
-        "import pdserve.operator.main, pdserve.operator.handlers\n"
+        "import pdserve.operator.main, pdserve.operator.controller.handlers\n"
         "from pdserve.cli.main import main\n"
         "sys.exit(main(['crd']))\n"
     )

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import yaml
 
-from pdserve.cli.main import pdserve_command
+from pdserve.base.process import pdserve_command
 from support import prom
 from support.chart import NAMESPACE, RELEASE, template
 from support.waiting import wait_until

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.workers.router.table import RoutingFileError, parse_table
+from pdserve.protocol.routing import RoutingFileError, parse_table
 
 TABLE: dict[str, Any] = {
     "pool": "tiny",

@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.cli.options import add_options, option, options_from, port_number, positive_float
+from pdserve.base.options import add_options, option, options_from, port_number, positive_float
 
 
 def namespace_name(text: str) -> str:
@@ -156,7 +156,7 @@ def _operator(args: argparse.Namespace) -> int:
 
 
 def _local(args: argparse.Namespace) -> int:
-    from pdserve.operator.local import Monitoring, serve
+    from pdserve.operator.local.pool import Monitoring, serve
 
     options = options_from(args, LocalOptions)
     monitoring = Monitoring(options.prometheus, options.scrape_interval, options.prometheus_url)

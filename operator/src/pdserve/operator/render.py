@@ -49,7 +49,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pdserve.operator import api, scalers
+from pdserve.operator import api
+from pdserve.operator.scaling import scalers
 
 Obj = dict[str, Any]
 Component = Literal["prefill", "decode", "router"]
