@@ -1,8 +1,8 @@
 """The routing table: routing.json, the file the operator renders into the pool's
-ConfigMap (its format is documented in `pdserve.operator.render`), or the local pool
-writes. It is validated whole: a malformed file is refused with a message naming the
-problem, at start-up and when it is re-read after a change (the table in force then
-stays).
+ConfigMap, or the local pool writes, and the router reads. These models are its one
+schema (published as docs/routing.schema.json: `python -m pdserve.protocol.routing`).
+It is validated whole: a malformed file is refused with a message naming the problem,
+at start-up and when it is re-read after a change (the table in force then stays).
 
 A prompt takes the first bucket whose `maxInputTokens` holds it; the bucket says
 whether it is served colocated (a decode worker prefills it) or disaggregated (a
@@ -176,3 +176,21 @@ def read_table(path: Path) -> tuple[bytes, RoutingTable]:
     except OSError as error:
         raise RoutingFileError(f"cannot read {path}: {error.strerror or error}") from error
     return data, parse_table(data, str(path))
+
+
+def dump_table(table: RoutingTable) -> str:
+    """routing.json's text: the fields that were given (a null given stays null), keys in
+    a stable order, so the same table is always the same bytes (the router's Deployment
+    rolls when they change)."""
+    data = table.model_dump(mode="json", by_alias=True, exclude_unset=True)
+    return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+
+def json_schema() -> str:
+    """The JSON schema of routing.json, as published."""
+    schema = RoutingTable.model_json_schema(by_alias=True)
+    return json.dumps(schema, indent=2, sort_keys=True) + "\n"
+
+
+if __name__ == "__main__":
+    print(json_schema(), end="")
