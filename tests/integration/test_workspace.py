@@ -41,6 +41,10 @@ def test_the_operator_needs_no_torch_and_the_workers_no_kopf() -> None:
     workers = locked_closure("pdserve-workers")
     assert "torch" in workers and "nixl" in workers
     assert "kopf" not in workers and "cryptography" not in workers
+    # What the router, the server and the operator share loads neither.
+    shared = locked_closure("pdserve-protocol") | locked_closure("pdserve-base")
+    assert "kopf" not in shared and not [name for name in shared if name.startswith(HEAVY)]
+    assert locked_closure("pdserve-base") == {"pdserve-base"}
 
 
 def uv() -> str:
@@ -101,7 +105,7 @@ def test_pdserve_processes_run_this_checkouts_code(small_model_dir: Path, tmp_pa
     version = subprocess.run(
         pdserve_command("version"), capture_output=True, text=True, check=True
     ).stdout
-    for part in ("cli", "operator", "workers"):
+    for part in ("base", "protocol", "cli", "operator", "workers"):
         assert str(ROOT / part / "src" / "pdserve" / part) in version
     # A worker process says where its code comes from when it starts.
     with running_worker(small_model_dir, tmp_path) as worker:

@@ -1,4 +1,7 @@
-"""Rendering a ServingPool into Kubernetes objects (pure, deterministic)."""
+"""Rendering a ServingPool into Kubernetes objects (pure, deterministic).
+
+Over 600 lines on purpose: one test module for `render`, one test per rendered object
+or rule, sharing the pools they render."""
 
 from __future__ import annotations
 

@@ -113,7 +113,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser = subparsers.add_parser(
         "crd",
         help="print the ServingPool CustomResourceDefinition",
-        description="Generate the ServingPool CRD (crds/servingpool.yaml) from the API model.",
+        description=(
+            "Generate the ServingPool CRD (charts/pdserve/crds/servingpool.yaml) from the "
+            "API model."
+        ),
     )
     parser.add_argument(
         "-o", "--output", type=Path, help="write to this file instead of standard output"

@@ -1,5 +1,8 @@
 """Pure rendering: a ServingPool spec -> the Kubernetes objects it stands for.
 
+Over 600 lines on purpose: the objects of one pool, in apply order, share their names,
+labels, wiring and pod template helpers; the scalers (HPA/KEDA) are apart already.
+
 Nothing here does I/O; the handlers apply the result (server-side apply) and the
 local backend reuses the command lines. Every object is a plain dict, built in a
 fixed order, so the same spec always renders the same bytes.
