@@ -10,7 +10,7 @@ Conditions:
                a Secret holding the name of the pool's credential that the operator
                did not create (SecretConflict)
   ScalingActive, DisaggregationActive
-               written by the autoscaler (autoscaler.py), kept as they are here
+               written by the autoscaler (scaling/autoscaler.py), kept as they are here
 The phase sums them up for `kubectl get sp`: Failed (invalid spec), Degraded, Ready,
 Pending (no decode worker ready: the pool cannot answer yet) or Progressing.
 """

@@ -8,7 +8,7 @@ prefill workers' URLs as the decode workers' peers (in a file written once they 
 bound their ports) and as the router's static discovery. The workers start together,
 the router once they are ready.
 
-Scaling (`scale`, driven by the planner in local_scaling.py): a new worker joins the
+Scaling (`scale`, driven by the planner in local/scaling.py): a new worker joins the
 router's table once ready (a prefill worker joins the decode workers' peers first); a
 worker leaves the table first, and once the router has let it go it is told to stop,
 which it does after draining its requests and hand-offs in flight.

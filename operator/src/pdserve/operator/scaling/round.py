@@ -1,7 +1,7 @@
 """One scaling round, wherever a pool runs: what Prometheus says about the pool (or
 why it says nothing), the conditions that follow, and the planner's decisions as the
-pool's autoscaling status. The operator (autoscaler.py) and the local pool
-(local_scaling.py) run these rounds in loops of their own and act on the decisions
+pool's autoscaling status. The operator (scaling/autoscaler.py) and the local pool
+(local/scaling.py) run these rounds in loops of their own and act on the decisions
 their own way: Deployments' replicas, or worker processes.
 """
 
