@@ -14,17 +14,17 @@ from typing import Any
 
 import pytest
 
-from support.chart import (
+import render_deploy
+from render_deploy import (
     CHART,
     DEPLOY,
     ROOT,
     deploy_files,
     objects,
-    render_deploy,
     run_helm,
     template,
     value_flags,
-)  # fmt: skip
+)
 
 TOGGLES: dict[str, dict[str, Any]] = {
     "defaults": {},

@@ -22,8 +22,8 @@ from typing import Any, Protocol
 import yaml
 
 from pdserve.base.process import pdserve_command
+from render_deploy import NAMESPACE, RELEASE, template
 from support import prom
-from support.chart import NAMESPACE, RELEASE, template
 from support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
