@@ -1,2 +1,2 @@
-"""A model's files: checkpoint writing and loading checks, tokenizer, chat template, the
-tiny test model and tokenizer, and the weights' identity."""
+"""A model's files: random tiny checkpoints and their tokenizer, the tokenizer and chat
+template of a checkpoint, and the identity of its weights."""
