@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 # compute, so more processes than cores shortens the run. Files stay whole (module
 # fixtures start their workers once).
 TEST_WORKERS ?= 3
-CODE := cli operator workers tests
+CODE := base protocol cli operator workers tests scripts
 
 .PHONY: venv lock demo test lint typecheck unit e2e bench crd clean
 
@@ -33,9 +33,10 @@ demo: venv
 lint: venv
 	$(BIN)/ruff check $(CODE)
 	$(BIN)/ruff format --check $(CODE)
+	$(BIN)/lint-imports --no-cache
 
 typecheck: venv
-	$(BIN)/mypy -p pdserve.cli -p pdserve.operator -p pdserve.workers -p pdserve.devcluster
+	$(BIN)/mypy -p pdserve.base -p pdserve.protocol -p pdserve.cli -p pdserve.operator -p pdserve.workers -p pdserve.devcluster
 
 # Unit and integration tests: real worker processes, no Kubernetes.
 unit: venv
@@ -54,11 +55,12 @@ test: lint typecheck
 bench: venv
 	$(BIN)/pytest tests/bench -m slow -s $(PYTEST_ARGS)
 
-# The CRD from the API models, into crds/ and the Helm chart (then `make deploy`).
+# Every generated file: the CRD from the API models (into the chart, where Helm and
+# kustomize read it), routing.json's schema, and deploy/ (the chart rendered).
 crd: venv
-	$(BIN)/pdserve crd -o crds/servingpool.yaml
-	cp crds/servingpool.yaml charts/pdserve/crds/servingpool.yaml
-	$(MAKE) deploy  # deploy/ holds the chart rendered, CRD included
+	$(BIN)/pdserve crd -o charts/pdserve/crds/servingpool.yaml
+	$(PY) -m pdserve.protocol.routing > docs/routing.schema.json
+	$(MAKE) deploy
 
 # Leaves .venv and the caches: `rm -rf .venv` removes this checkout's environment.
 clean:

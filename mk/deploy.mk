@@ -13,7 +13,7 @@ helm-bin:
 unit e2e: helm-bin
 
 deploy: venv helm-bin
-	PYTHONPATH=tests $(PY) -m support.chart
+	$(PY) scripts/render_deploy.py
 
 # The worker image holds CUDA torch (about 6 GB): its build is here, not in CI.
 images:

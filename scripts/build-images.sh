@@ -67,7 +67,7 @@ source_hash() {
         cd "$ROOT"
         echo "$BASE_IMAGE"
         git ls-files -co --exclude-standard -- pyproject.toml uv.lock '*/pyproject.toml' \
-            cli/src "$part/src" "images/$name" | sort -u | xargs sha256sum
+            base/src protocol/src cli/src "$part/src" "images/$name" | sort -u | xargs sha256sum
     ) | sha256sum | cut -c1-16
 }
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.workers.engine.checkpoint import TinyModelSpec, write_tiny_checkpoint
+from pdserve.workers.model.checkpoint import TinyModelSpec, write_tiny_checkpoint
 from support.llama_tokenizer import write_llama_checkpoint
 
 # Tests share two cores with worker processes they start: one torch thread each keeps

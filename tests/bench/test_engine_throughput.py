@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.engine.config import EngineConfig, SchedulerConfig
 from pdserve.workers.engine.engine import LLMEngine
-from pdserve.workers.engine.sampling import SamplingParams
 from support.results import publish
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -12,8 +12,8 @@ import aiohttp
 import pytest
 import torch
 
-from pdserve.workers.engine.checkpoint import TinyModelSpec, write_tiny_checkpoint
 from pdserve.workers.engine.config import ModelConfig
+from pdserve.workers.model.checkpoint import TinyModelSpec, write_tiny_checkpoint
 from support.pd import complete, pd_workers
 from support.results import publish
 from support.worker import metric

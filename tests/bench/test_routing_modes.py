@@ -22,7 +22,7 @@ import pytest
 
 from pdserve.cli.demo import BUCKET_BOUNDARY, demo_pool
 from pdserve.operator import api
-from pdserve.operator.local import LocalPool
+from pdserve.operator.local.pool import LocalPool
 from pdserve.workers.bench.config import BenchConfig
 from pdserve.workers.bench.metrics import SLO, GroupMetrics
 from pdserve.workers.bench.runner import BenchResult, run_benchmark

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.operator.local_scaling import LocalScaler
+from pdserve.operator.local.scaling import LocalScaler
 from support.results import publish
 from support.scaling import (
     LONG,

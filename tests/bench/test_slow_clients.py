@@ -7,8 +7,9 @@ kernel's count) and how many it has cut off, and the worker's KV cache usage and
 running requests then.
 
 Run with `make bench`. For the figures before a change, run the same file against
-the older code: `PYTHONPATH=OLD/cli/src:OLD/workers/src:OLD/operator/src` puts an
-older checkout's packages first, in this process and the servers it starts."""
+the older code: `PYTHONPATH` set to the older checkout's `*/src` folders (base,
+protocol, cli, workers, operator) puts its packages first, in this process and the
+servers it starts."""
 
 from __future__ import annotations
 

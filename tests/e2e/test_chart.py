@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from support.chart import CHART, objects, run_helm, template, value_flags
+from render_deploy import CHART, objects, run_helm, template, value_flags
 from support.operator import (
     Cluster,
     OperatorProcess,

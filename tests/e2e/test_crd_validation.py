@@ -41,7 +41,9 @@ def crd_ready(cluster: Cluster) -> Iterator[Cluster]:
 
     The CRD stays (other tests use it); the pools made here are deleted afterwards.
     """
-    applied = cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
+    applied = cluster.kubectl(
+        "apply", "--server-side", "-f", str(ROOT / "charts" / "pdserve" / "crds")
+    )
     assert "Warning" not in applied.stderr, applied.stderr
     wait_established(cluster, CRD_NAME)
     if cluster.kubectl("get", "namespace", NAMESPACE, check=False).returncode != 0:

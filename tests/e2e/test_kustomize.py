@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from support.chart import DEPLOY, NAMESPACE, objects, template
+from render_deploy import DEPLOY, NAMESPACE, objects, template
 from support.operator import Cluster, get_json
 
 pytestmark = pytest.mark.cluster

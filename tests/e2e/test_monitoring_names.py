@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from support.chart import CHART, DEPLOY
+from render_deploy import CHART, DEPLOY
 from support.operator import Cluster, OperatorProcess, install_crd, operator_kubeconfig
 from support.promql import dashboard_queries, exported_names, metric_names, rule_queries
 from support.router import running_router, static_routing_file

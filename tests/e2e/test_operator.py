@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.operator import api, drift, render
+from pdserve.operator import api, render
+from pdserve.operator.controller import drift
 from support.operator import POOL_LABEL, Cluster, OperatorProcess, get_json, running, wait_until
 from support.pool_cluster import (
     CHILD_KINDS,

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.cli.process import ServerProcess, start_server
+from pdserve.base.process import ServerProcess, start_server
 from pdserve.operator import api, render
 from support.operator import Cluster, OperatorProcess, account_kubeconfig, get_json
 from support.router import known_workers

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import yaml
 
-from pdserve.workers.server.metrics import LATENCY_BUCKETS
-from support.chart import CHART, DEPLOY
+from pdserve.workers.metric_labels import LATENCY_BUCKETS
+from render_deploy import CHART, DEPLOY
 from support.promql import as_rules_file, dashboard_queries, rule_queries
 from support.tools import promtool
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdserve.cli.main import pdserve_command
+from pdserve.base.process import pdserve_command
 from pdserve.operator import api
 from support.router import pool_manifest
 

@@ -5,12 +5,26 @@ tests/e2e/test_chart.py installs it)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from support.chart import CHART, DEPLOY, deploy_files, objects, run_helm, template, value_flags
+import render_deploy
+from render_deploy import (
+    CHART,
+    DEPLOY,
+    ROOT,
+    deploy_files,
+    objects,
+    run_helm,
+    template,
+    value_flags,
+)
 
 TOGGLES: dict[str, dict[str, Any]] = {
     "defaults": {},
@@ -184,3 +198,20 @@ def test_a_service_monitor_needs_the_service() -> None:
 def test_deploy_is_the_chart_rendered_with_defaults() -> None:
     for path, text in deploy_files().items():
         assert (DEPLOY / path).read_text() == text, f"deploy/{path} is stale: run `make deploy`"
+
+
+def test_the_generator_reports_a_stale_deploy_file(tmp_path: Path) -> None:
+    script = ROOT / "scripts" / "render_deploy.py"
+    env = {**os.environ, "HELM": str(render_deploy.helm())}
+    fresh = subprocess.run([sys.executable, script, "--check"], env=env, capture_output=True)
+    assert fresh.returncode == 0, fresh.stderr
+    copy = tmp_path / "tree"
+    for folder in ("charts", "deploy", "scripts"):
+        shutil.copytree(ROOT / folder, copy / folder)
+    (copy / "deploy" / "namespace.yaml").write_text("# edited by hand\n")
+    stale = subprocess.run(
+        [sys.executable, copy / "scripts" / "render_deploy.py", "--check"],
+        env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert stale.returncode == 1
+    assert "deploy/namespace.yaml is stale" in stale.stderr

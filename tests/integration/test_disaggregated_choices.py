@@ -16,8 +16,8 @@ import openai
 import pytest
 import torch
 
-from pdserve.workers.engine.sampling import SamplingParams
-from pdserve.workers.headers import PREFILL_URL_HEADER
+from pdserve.protocol.headers import PREFILL_URL_HEADER
+from pdserve.protocol.sampling import SamplingParams
 from support.engine import choice_tokens, make_engine, run_outputs
 from support.pd import PDPair, internal_headers, pd_workers
 from support.scoring import LOGPROB_ATOL, reference_logprobs, reference_model

@@ -15,9 +15,9 @@ import aiohttp
 import pytest
 import torch
 
-from pdserve.workers.engine.identity import weights_digest
-from pdserve.workers.engine.sampling import SamplingParams
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.faults import Fault
+from pdserve.workers.model.identity import weights_digest
 from pdserve.workers.server.process import ServerProcess, start_worker
 from support.engine import make_engine, run_to_completion
 from support.pd import (

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.workers.engine.sampling import SamplingParams
+from pdserve.protocol.sampling import SamplingParams
 from support.engine import GREEDY, make_engine, run_to_completion
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.engine.engine import LLMEngine
-from pdserve.workers.engine.sampling import SamplingParams
 from support.engine import choice_tokens, make_engine, run_outputs
 
 N = 4

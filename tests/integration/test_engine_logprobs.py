@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.engine.logprobs import TokenLogprob
-from pdserve.workers.engine.sampling import SamplingParams
 from pdserve.workers.engine.stats import RequestOutput
 from support.engine import make_engine, run_outputs
 from support.scoring import LOGPROB_ATOL, reference_logprobs, reference_model

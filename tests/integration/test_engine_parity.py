@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.engine.engine import LLMEngine
-from pdserve.workers.engine.sampling import SamplingParams
 from support.engine import GREEDY, make_engine, run_to_completion
 
 # float32 on both sides; differences come only from summation order.

@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 import torch
 
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.engine import canary
-from pdserve.workers.engine.sampling import SamplingParams
 from pdserve.workers.faults import Fault
 from support.engine import make_engine, run_to_completion
 from support.pd import PDPair, complete, fault_fired, pd_workers, token_ids, wait_for_log

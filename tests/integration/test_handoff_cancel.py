@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 import torch
 
-from pdserve.workers.engine.sampling import SamplingParams
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.faults import Fault
 from support.engine import make_engine, run_to_completion
 from support.fake_peer import silent_peer

@@ -14,8 +14,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from pdserve.workers.engine.sampling import SamplingParams
-from pdserve.workers.server.internal import RESOLVE_INTERVAL_S
+from pdserve.protocol.internal import RESOLVE_INTERVAL_S
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.server.process import ServerProcess
 from support.engine import make_engine, run_to_completion
 from support.fake_peer import consistent_answer, scripted_peer, silent_peer

@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from pdserve.cli.main import pdserve_command
+from pdserve.base.process import pdserve_command
 from pdserve.operator import api
 from pdserve.workers.faults import Fault, environment
 from support.router import (

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import aiohttp
 
-from pdserve.operator import api, planner
-from pdserve.operator.local_scaling import LocalScaler, read_status
+from pdserve.operator import api
+from pdserve.operator.local.scaling import LocalScaler, read_status
+from pdserve.operator.scaling import planner
 from support.prometheus import running_prometheus
 from support.router import pool_manifest
 from support.scaling import (

@@ -21,8 +21,8 @@ from openai.types import Completion, ErrorObject, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import BaseModel
 
-from pdserve.operator.local import LocalPool
-from pdserve.workers.server.internal import bearer
+from pdserve.operator.local.pool import LocalPool
+from pdserve.protocol.internal import bearer
 from support.conformance import PublishedApi, events, openai_misfits
 from support.router import BOUNDARY, local_pool, pool_manifest, router_metric, worker_load
 from support.waiting import wait_until

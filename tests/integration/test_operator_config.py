@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdserve.cli.main import pdserve_command
+from pdserve.base.process import pdserve_command
 
 SERVICE_ACCOUNT_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 # Far longer than a start needs: an operator that retries instead never ends.

@@ -12,10 +12,10 @@ import openai
 import pytest
 
 from pdserve.operator import api
-from pdserve.operator.prometheus import PrometheusError
-from pdserve.operator.promql import PoolQueries
-from pdserve.operator.promserver import PrometheusServer
-from pdserve.operator.signals import NoMetricsError, PoolSignals, read
+from pdserve.operator.local.promserver import PrometheusServer
+from pdserve.operator.scaling.prometheus import PrometheusError
+from pdserve.operator.scaling.promql import PoolQueries
+from pdserve.operator.scaling.signals import NoMetricsError, PoolSignals, read
 from pdserve.workers.faults import Fault
 from support.network import refusing_url
 from support.prometheus import ask, host_port, running_prometheus

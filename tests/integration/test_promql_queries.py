@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from pdserve.operator.promql import ITL, TTFT, PoolQueries
+from pdserve.operator.scaling.promql import ITL, TTFT, PoolQueries
 from support.tools import promtool
 
 QUERIES = PoolQueries("chat", "llm", window_seconds=300)

@@ -19,11 +19,11 @@ import aiohttp
 import openai
 import pytest
 
-from pdserve.cli.main import pdserve_command
-from pdserve.operator.local import LocalPool
-from pdserve.workers.engine.sampling import SamplingParams
-from pdserve.workers.headers import PREFILL_URL_HEADER
-from pdserve.workers.server.internal import bearer
+from pdserve.base.process import pdserve_command
+from pdserve.operator.local.pool import LocalPool
+from pdserve.protocol.headers import PREFILL_URL_HEADER
+from pdserve.protocol.internal import bearer
+from pdserve.protocol.sampling import SamplingParams
 from support.engine import make_engine, run_to_completion
 from support.network import witness
 from support.prom import total

@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from pdserve.operator.local import LocalPool
+from pdserve.operator.local.pool import LocalPool
 from support.prom import total
 from support.router import BOUNDARY, as_router, local_pool, pool_manifest, router_metric
 from support.scoring import LOGPROB_ATOL, reference_logprobs, reference_model

@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from pdserve.workers.api_errors import APIError, error_response
+from pdserve.protocol.api_errors import APIError, error_response
 from pdserve.workers.network.bodies import TOO_MANY_CONNECTIONS
 from pdserve.workers.server.process import ServerProcess
 from support.network import serving

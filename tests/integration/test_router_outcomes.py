@@ -18,7 +18,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from pdserve.cli.process import ServerProcess
+from pdserve.base.process import ServerProcess
 from support import fake_worker
 from support.fake_worker import FakeWorker
 from support.router import BOUNDARY, router_metric, running_router

@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 
-from pdserve.workers.engine.sampling import SamplingParams
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.faults import Fault, environment
 from support.engine import make_engine, run_to_completion
 from support.router import local_pool, pool_manifest, router_metric, stream, worker_load

@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 
-from pdserve.cli.process import ServerProcess
+from pdserve.base.process import ServerProcess
 from pdserve.operator import render
 from support.network import refusing_url
 from support.router import pool_manifest, router_metric, running_router

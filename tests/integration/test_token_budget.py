@@ -10,6 +10,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.engine.config import (
     CacheConfig,
     EngineConfig,
@@ -17,7 +18,6 @@ from pdserve.workers.engine.config import (
     TokenBudgetConfig,
 )
 from pdserve.workers.engine.engine import LLMEngine, StepResult
-from pdserve.workers.engine.sampling import SamplingParams
 from support.engine import GREEDY, make_engine, run_to_completion
 from support.worker import ServerProcess, metric, running_worker
 

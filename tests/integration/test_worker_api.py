@@ -12,8 +12,8 @@ import aiohttp
 import openai
 import pytest
 
-from pdserve.workers.engine.sampling import SamplingParams
-from pdserve.workers.engine.tokenizer import Tokenizer
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.workers.model.tokenizer import Tokenizer
 from support.engine import make_engine, run_to_completion
 from support.worker import ServerProcess, metric, running_worker
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from pdserve.workers.engine.tokenizer import Tokenizer
+from pdserve.workers.model.tokenizer import Tokenizer
 from support.scoring import LOGPROB_ATOL, reference_logprobs, reference_model
 from support.worker import ServerProcess, metric, running_worker
 

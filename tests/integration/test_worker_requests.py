@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from pdserve.workers.engine.tokenizer import Tokenizer
+from pdserve.workers.model.tokenizer import Tokenizer
 from support.worker import ServerProcess, metric, running_worker
 
 PROMPT = "the quick brown fox jumps over the lazy dog and keeps running"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cli.main import pdserve_command
+from pdserve.base.process import pdserve_command
 from support.worker import running_worker
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,6 +41,10 @@ def test_the_operator_needs_no_torch_and_the_workers_no_kopf() -> None:
     workers = locked_closure("pdserve-workers")
     assert "torch" in workers and "nixl" in workers
     assert "kopf" not in workers and "cryptography" not in workers
+    # What the router, the server and the operator share loads neither.
+    shared = locked_closure("pdserve-protocol") | locked_closure("pdserve-base")
+    assert "kopf" not in shared and not [name for name in shared if name.startswith(HEAVY)]
+    assert locked_closure("pdserve-base") == {"pdserve-base"}
 
 
 def uv() -> str:
@@ -68,7 +72,10 @@ def test_the_operator_runs_where_torch_is_not_installed(operator_only: Path) -> 
     python = operator_only / "python"
     assert subprocess.run([python, "-c", "import torch"], capture_output=True).returncode != 0
     # The operator's modules load, and `pdserve crd` works.
-    code = "import pdserve.operator.main, pdserve.operator.handlers, pdserve.operator.render"
+    code = (
+        "import pdserve.operator.main, pdserve.operator.controller.handlers, "
+        "pdserve.operator.render"
+    )
     subprocess.run([python, "-c", code], check=True)
     crd = subprocess.run([operator_only / "pdserve", "crd"], capture_output=True, text=True)
     assert crd.returncode == 0 and "kind: CustomResourceDefinition" in crd.stdout
@@ -85,7 +92,7 @@ def test_the_operator_entry_point_imports_no_torch() -> None:
     code = (
         "import sys\n"
         "for name in ('torch', 'nixl', 'safetensors', 'tokenizers'): sys.modules[name] = None\n"
-        "import pdserve.operator.main, pdserve.operator.handlers\n"
+        "import pdserve.operator.main, pdserve.operator.controller.handlers\n"
         "from pdserve.cli.main import main\n"
         "sys.exit(main(['crd']))\n"
     )
@@ -98,7 +105,7 @@ def test_pdserve_processes_run_this_checkouts_code(small_model_dir: Path, tmp_pa
     version = subprocess.run(
         pdserve_command("version"), capture_output=True, text=True, check=True
     ).stdout
-    for part in ("cli", "operator", "workers"):
+    for part in ("base", "protocol", "cli", "operator", "workers"):
         assert str(ROOT / part / "src" / "pdserve" / part) in version
     # A worker process says where its code comes from when it starts.
     with running_worker(small_model_dir, tmp_path) as worker:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.workers.engine.engine import LLMEngine, StepResult
 from pdserve.workers.engine.logprobs import LogprobsMode
-from pdserve.workers.engine.sampling import SamplingParams
 from pdserve.workers.engine.stats import RequestOutput
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

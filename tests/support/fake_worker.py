@@ -16,8 +16,8 @@ from typing import Any
 
 from aiohttp import web
 
-from pdserve.workers.api_errors import error_body
-from pdserve.workers.headers import MODE_HEADER, PREFILL_URL_HEADER
+from pdserve.protocol.api_errors import error_body
+from pdserve.protocol.headers import MODE_HEADER, PREFILL_URL_HEADER
 
 # What a request's `user` field may ask for.
 OK = "ok"

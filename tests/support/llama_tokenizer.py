@@ -16,8 +16,8 @@ from pathlib import Path
 
 import tokenizers
 
-from pdserve.workers.engine.checkpoint import TinyModelSpec, write_tiny_checkpoint
-from pdserve.workers.engine.tiny_tokenizer import generate_corpus
+from pdserve.workers.model.checkpoint import TinyModelSpec, write_tiny_checkpoint
+from pdserve.workers.model.tiny_tokenizer import generate_corpus
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}"

@@ -21,14 +21,14 @@ from typing import Any, Protocol
 
 import yaml
 
-from pdserve.cli.main import pdserve_command
+from pdserve.base.process import pdserve_command
+from render_deploy import NAMESPACE, RELEASE, template
 from support import prom
-from support.chart import NAMESPACE, RELEASE, template
 from support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 IDENTITY_TEMPLATES = ("templates/serviceaccount.yaml", "templates/rbac.yaml")
-CRDS = ROOT / "crds"
+CRDS = ROOT / "charts" / "pdserve" / "crds"
 OPERATOR_NAMESPACE = NAMESPACE
 OPERATOR_ACCOUNT = f"{RELEASE}-operator"
 OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_ACCOUNT}"
@@ -59,7 +59,7 @@ def wait_established(cluster: Cluster, name: str, timeout_s: float = 60.0) -> No
 
 
 def install_crd(cluster: Cluster) -> None:
-    """Apply crds/ and wait until the API server serves ServingPools."""
+    """Apply the chart's CRD and wait until the API server serves ServingPools."""
     cluster.kubectl("apply", "--server-side", "-f", str(CRDS))
     wait_established(cluster, "servingpools.pdserve.dev")
     # Established comes before the API server's cache of the new resource is filled;

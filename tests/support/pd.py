@@ -17,11 +17,11 @@ from typing import Any
 
 import aiohttp
 
-from pdserve.cli.credentials import write_new_credential
+from pdserve.base.credentials import write_new_credential
+from pdserve.protocol.headers import PREFILL_URL_HEADER
+from pdserve.protocol.internal import bearer
 from pdserve.workers import faults
 from pdserve.workers.faults import Fault, environment
-from pdserve.workers.headers import PREFILL_URL_HEADER
-from pdserve.workers.server.internal import bearer
 from pdserve.workers.server.process import ServerProcess, start_worker
 
 # The credential of the pool each worker started here belongs to, by its URL.

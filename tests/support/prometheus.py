@@ -11,8 +11,8 @@ from typing import TypeVar
 
 import aiohttp
 
-from pdserve.operator.prometheus import Prometheus
-from pdserve.operator.promserver import PrometheusServer
+from pdserve.operator.local.promserver import PrometheusServer
+from pdserve.operator.scaling.prometheus import Prometheus
 from support.tools import prometheus as prometheus_binary
 
 T = TypeVar("T")

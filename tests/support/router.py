@@ -12,10 +12,10 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from pdserve.cli.process import ServerProcess, start_server
+from pdserve.base.process import ServerProcess, start_server
 from pdserve.operator import api
-from pdserve.operator.local import LocalPool
-from pdserve.workers.server.internal import bearer
+from pdserve.operator.local.pool import LocalPool
+from pdserve.protocol.internal import bearer
 from support.prom import total
 
 

@@ -15,9 +15,9 @@ from typing import Any
 import aiohttp
 
 from pdserve.operator import api
-from pdserve.operator.local import LocalPool, Monitoring, watched
-from pdserve.operator.local_scaling import STATUS_FILE, LocalScaler, read_status
-from pdserve.operator.promql import PoolQueries
+from pdserve.operator.local.pool import LocalPool, Monitoring, watched
+from pdserve.operator.local.scaling import STATUS_FILE, LocalScaler, read_status
+from pdserve.operator.scaling.promql import PoolQueries
 from pdserve.workers.faults import Fault, environment
 from support.prometheus import SCRAPE_INTERVAL_S, ask
 from support.router import BOUNDARY, pool_manifest, stream

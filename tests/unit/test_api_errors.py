@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from pdserve.workers.api_errors import error_middleware
+from pdserve.protocol.api_errors import error_middleware
 from support.network import serving
 
 

@@ -10,7 +10,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from pdserve.workers.bench.client import CompletionsClient, chunk_token_count
+from pdserve.protocol.sse import chunk_token_count
+from pdserve.workers.bench.client import CompletionsClient
 from pdserve.workers.bench.records import RequestRecord
 from support.network import serving
 

@@ -16,10 +16,10 @@ import tokenizers
 import torch
 from transformers import AutoModelForCausalLM
 
-from pdserve.workers.engine import checkpoint, checkpoint_cli
-from pdserve.workers.engine.checkpoint import TinyModelSpec, write_tiny_checkpoint
 from pdserve.workers.engine.config import ConfigError
-from pdserve.workers.engine.identity import weights_digest
+from pdserve.workers.model import checkpoint, checkpoint_cli
+from pdserve.workers.model.checkpoint import TinyModelSpec, write_tiny_checkpoint
+from pdserve.workers.model.identity import weights_digest
 
 # Smaller than the default, for the tests that write several checkpoints.
 SPEC = TinyModelSpec(

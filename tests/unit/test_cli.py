@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.base.options import add_options, option, options_from, positive_int
+from pdserve.base.ports import PortInUseError, binding, check_port_free
 from pdserve.cli import main as cli_main
-from pdserve.cli.options import add_options, option, options_from, positive_int
-from pdserve.cli.ports import PortInUseError, binding, check_port_free
 from pdserve.workers.server.options import WorkerOptions
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.operator.disaggregation import Signals, verdict
+from pdserve.operator.scaling.disaggregation import Signals, verdict
 
 HEALTHY = Signals(routed=2.0, served=2.0, transfers=2.0, prefill_available=2)
 

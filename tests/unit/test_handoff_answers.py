@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.workers.engine.sampling import SamplingParams
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.handoff.answers import drawn_inconsistencies
 from pdserve.workers.handoff.protocol import PrefillAnswer
 

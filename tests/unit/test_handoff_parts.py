@@ -14,10 +14,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.engine.kv_cache import BlockPool, KVCacheManager
 from pdserve.workers.engine.leases import LeaseBook, LeaseError
 from pdserve.workers.engine.request import Request
-from pdserve.workers.engine.sampling import SamplingParams
 from pdserve.workers.handoff import peer_http
 from pdserve.workers.handoff.blocking import BlockingCalls
 from pdserve.workers.handoff.errors import CODES, PEER_FAILED, HandoffError, known_code

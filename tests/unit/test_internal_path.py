@@ -12,17 +12,17 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 from aiohttp.typedefs import Middleware
 
-from pdserve.cli.credentials import write_new_credential
-from pdserve.workers.api_errors import APIError
-from pdserve.workers.router import auth
-from pdserve.workers.router.auth import ApiKeyError, ApiKeys, read_keys
-from pdserve.workers.server.internal import (
+from pdserve.base.credentials import write_new_credential
+from pdserve.protocol.api_errors import APIError
+from pdserve.protocol.internal import (
     CredentialError,
     InternalAuth,
     PrefillAllowList,
     parse_worker_url,
     read_credential,
 )
+from pdserve.workers.router import auth
+from pdserve.workers.router.auth import ApiKeyError, ApiKeys, read_keys
 
 
 @pytest.mark.parametrize(

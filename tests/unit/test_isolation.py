@@ -9,10 +9,10 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from pdserve.protocol.sampling import InvalidRequestError, SamplingParams
 from pdserve.workers.engine.isolation import is_engine_fault, run_isolated
 from pdserve.workers.engine.request import Request
 from pdserve.workers.engine.sampler import Sampled, Sampler
-from pdserve.workers.engine.sampling import InvalidRequestError, SamplingParams
 
 REQUESTS = [Request(f"r{i}", [1, 2, 3], SamplingParams()) for i in range(8)]
 

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 import yaml
 
-from pdserve.operator import api, drift, kube, render
-from pdserve.operator.reconcile import desired_objects, owned_by
+from pdserve.operator import api, render
+from pdserve.operator.controller import drift, kube
+from pdserve.operator.controller.reconcile import desired_objects, owned_by
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "deploy" / "examples").glob("*.yaml"))

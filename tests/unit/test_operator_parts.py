@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from pdserve.cli.main import build_parser
-from pdserve.operator import api, handlers, kube, render
+from pdserve.operator import api, render
+from pdserve.operator.controller import handlers, kube
 
 ROOT = Path(__file__).resolve().parents[2]
 

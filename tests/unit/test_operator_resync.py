@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from pdserve.operator import kube
-from pdserve.operator.kube import ApiError
-from pdserve.operator.reconcile import Reconciler
-from pdserve.operator.resync import RETRY_MAX_SECONDS, Resync, backoff
+from pdserve.operator.controller import kube
+from pdserve.operator.controller.kube import ApiError
+from pdserve.operator.controller.reconcile import Reconciler
+from pdserve.operator.controller.resync import RETRY_MAX_SECONDS, Resync, backoff
 from support.pool_cluster import pool_manifest
 
 Obj = dict[str, Any]

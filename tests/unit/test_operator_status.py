@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.operator import api, status
+from pdserve.operator import api
+from pdserve.operator.controller import status
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 LATER = NOW + timedelta(minutes=5)

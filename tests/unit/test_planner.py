@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from pdserve.operator import api
-from pdserve.operator.planner import (
+from pdserve.operator.scaling.planner import (
     Decision,
     Memory,
     Observation,

@@ -1,4 +1,7 @@
-"""Rendering a ServingPool into Kubernetes objects (pure, deterministic)."""
+"""Rendering a ServingPool into Kubernetes objects (pure, deterministic).
+
+Over 600 lines on purpose: one test module for `render`, one test per rendered object
+or rule, sharing the pools they render."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from pdserve.cli.options import options_from
+from pdserve.base.options import options_from
 from pdserve.operator import api, render
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -366,7 +369,7 @@ def test_colocated_worker_args_parse_with_the_worker_command() -> None:
 
 
 def test_the_rendered_routing_table_is_one_the_router_reads() -> None:
-    from pdserve.workers.router.table import KubernetesDiscovery, parse_table
+    from pdserve.protocol.routing import KubernetesDiscovery, parse_table
 
     for name in ("disaggregated", "tiny-colocated", "tiny-disaggregated"):
         p = pool(name)
@@ -626,7 +629,7 @@ def test_a_role_target_overrides_the_slo_and_no_target_renders_none() -> None:
 
 
 def test_adaptive_worker_args_parse_with_the_worker_command() -> None:
-    from pdserve.cli.options import options_from
+    from pdserve.base.options import options_from
     from pdserve.workers.server import cli as server_cli
     from pdserve.workers.server.options import WorkerOptions
 

@@ -17,7 +17,8 @@ import pytest
 import yaml
 from aiohttp import web
 
-from pdserve.workers.api_errors import APIError
+from pdserve.protocol.api_errors import APIError
+from pdserve.protocol.routing import KubernetesDiscovery, Slo
 from pdserve.workers.router.kubernetes import (
     EndpointSliceSource,
     KubeAccess,
@@ -29,7 +30,6 @@ from pdserve.workers.router.metrics import RouterMetrics, meets_slo
 from pdserve.workers.router.outcome import RequestOutcome, counted
 from pdserve.workers.router.proxy import Routed
 from pdserve.workers.router.sse import TokenStream, error_event
-from pdserve.workers.router.table import KubernetesDiscovery, Slo
 
 
 def chunk(text: str, index: int = 0, **extra: Any) -> bytes:

@@ -4,11 +4,13 @@ what words, and which bucket a prompt length falls in."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from pdserve.workers.router.table import RoutingFileError, parse_table
+from pdserve.protocol import routing
+from pdserve.protocol.routing import RoutingFileError, parse_table
 
 TABLE: dict[str, Any] = {
     "pool": "tiny",
@@ -77,3 +79,8 @@ def test_a_malformed_table_is_refused_naming_the_problem(data: bytes, words: str
     with pytest.raises(RoutingFileError, match=r"routing\.json") as refused:
         parse_table(data)
     assert words in str(refused.value)
+
+
+def test_the_published_routing_schema_is_up_to_date() -> None:
+    published = Path(__file__).resolve().parents[2] / "docs" / "routing.schema.json"
+    assert published.read_text() == routing.json_schema(), "run `make crd`"

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.engine.budget import BatchShape, BudgetPolicy, PrefillWork
 from pdserve.workers.engine.config import SchedulerConfig
 from pdserve.workers.engine.kv_cache import BlockPool, KVCacheManager
 from pdserve.workers.engine.request import Request
-from pdserve.workers.engine.sampling import SamplingParams
 from pdserve.workers.engine.scheduler import Scheduler, SchedulerOutput
 
 PARAMS = SamplingParams(max_tokens=100, temperature=0.0)

@@ -110,8 +110,8 @@ def test_follows_a_device_that_slows_down() -> None:
 
 
 def test_features_of_a_step_count_what_attention_reads() -> None:
+    from pdserve.protocol.sampling import SamplingParams
     from pdserve.workers.engine.request import Request
-    from pdserve.workers.engine.sampling import SamplingParams
     from pdserve.workers.engine.scheduler import ScheduledChunk
 
     params = SamplingParams(max_tokens=4)

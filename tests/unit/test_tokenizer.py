@@ -10,8 +10,8 @@ import pytest
 import tokenizers
 from transformers import AutoTokenizer
 
-from pdserve.workers.engine.checkpoint import TinyModelSpec, write_tiny_checkpoint
-from pdserve.workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.workers.model.checkpoint import TinyModelSpec, write_tiny_checkpoint
+from pdserve.workers.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from support.llama_tokenizer import write_llama_tokenizer
 
 SPEC = TinyModelSpec(

@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def ensure_tiny_model(model_dir: Path) -> None:
     """Write the default tiny model unless it is already there."""
-    from pdserve.workers.engine.checkpoint import TinyModelSpec, write_tiny_checkpoint
+    from pdserve.workers.model.checkpoint import TinyModelSpec, write_tiny_checkpoint
 
     if (model_dir / "config.json").is_file():
         return
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         import yaml
 
         from pdserve.operator import api
-        from pdserve.operator.local import LocalPool
+        from pdserve.operator.local.pool import LocalPool
     except ModuleNotFoundError as error:
         print(f"pdserve demo: needs the pdserve-operator package ({error})", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pdserve.cli.options import OptionError
+from pdserve.base.options import OptionError
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -35,20 +35,14 @@ class CommandSource:
 
 # In the order `--help` lists them.
 COMMAND_SOURCES: tuple[CommandSource, ...] = (
-    CommandSource("pdserve.workers.engine.checkpoint_cli", "pdserve-workers", ("model",)),
+    CommandSource("pdserve.workers.model.checkpoint_cli", "pdserve-workers", ("model",)),
     CommandSource("pdserve.workers.server.cli", "pdserve-workers", ("worker",)),
     CommandSource("pdserve.workers.router.cli", "pdserve-workers", ("router",)),
     CommandSource("pdserve.workers.bench.cli", "pdserve-workers", ("bench",)),
     CommandSource("pdserve.cli.demo", "pdserve-workers", ("demo",)),
     CommandSource("pdserve.operator.cli", "pdserve-operator", ("crd", "operator", "local")),
-    CommandSource("pdserve.cli.version", "pdserve", ("version",)),
+    CommandSource("pdserve.base.version", "pdserve-base", ("version",)),
 )
-
-
-def pdserve_command(*args: str) -> list[str]:
-    """The command line that runs `pdserve ARGS` with this interpreter (and so with this
-    environment's installed parts): how pdserve starts its own processes."""
-    return [sys.executable, "-m", "pdserve.cli", *args]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,9 +1,14 @@
 """The `ServingPool` API (group pdserve.dev, version v1alpha1).
 
-These pydantic models are the single source of truth: crds/servingpool.yaml is
-generated from them (`pdserve crd`), and every cross-field rule is written twice, as
-a CEL rule the API server runs and as a pydantic check, with one message, so a pool
-refused by the cluster is refused in the same words by `pdserve local`.
+Over 600 lines on purpose: it is one schema (one CRD), read top to bottom as the
+manifest is; its cross-field rules (CEL and pydantic, side by side) refer to fields of
+several parts of the spec, and the whole module is what `crd` generates from.
+
+These pydantic models are the single source of truth: the CRD
+(charts/pdserve/crds/servingpool.yaml) is generated from them (`pdserve crd`), and
+every cross-field rule is written twice, as a CEL rule the API server runs and as a
+pydantic check, with one message, so a pool refused by the cluster is refused in the
+same words by `pdserve local`.
 
 Python uses snake_case; manifests use camelCase (the alias of every field).
 """

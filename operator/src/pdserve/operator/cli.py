@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.cli.options import add_options, option, options_from, port_number, positive_float
+from pdserve.base.options import add_options, option, options_from, port_number, positive_float
 
 
 def namespace_name(text: str) -> str:
@@ -113,7 +113,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser = subparsers.add_parser(
         "crd",
         help="print the ServingPool CustomResourceDefinition",
-        description="Generate the ServingPool CRD (crds/servingpool.yaml) from the API model.",
+        description=(
+            "Generate the ServingPool CRD (charts/pdserve/crds/servingpool.yaml) from the "
+            "API model."
+        ),
     )
     parser.add_argument(
         "-o", "--output", type=Path, help="write to this file instead of standard output"
@@ -156,7 +159,7 @@ def _operator(args: argparse.Namespace) -> int:
 
 
 def _local(args: argparse.Namespace) -> int:
-    from pdserve.operator.local import Monitoring, serve
+    from pdserve.operator.local.pool import Monitoring, serve
 
     options = options_from(args, LocalOptions)
     monitoring = Monitoring(options.prometheus, options.scrape_interval, options.prometheus_url)

@@ -194,6 +194,6 @@ class _Dumper(yaml.SafeDumper):
 
 
 def crd_yaml() -> str:
-    """The CRD as the YAML checked in at crds/servingpool.yaml."""
+    """The CRD as the YAML checked in at charts/pdserve/crds/servingpool.yaml."""
     body = yaml.dump(crd(), Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100)
     return HEADER + body

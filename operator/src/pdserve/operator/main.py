@@ -10,10 +10,10 @@ import sys
 import kopf
 from aiohttp import web
 
-from pdserve.cli.ports import announce_port
+from pdserve.base.ports import announce_port
 from pdserve.operator import metrics
 from pdserve.operator.cli import OperatorOptions
-from pdserve.operator.kube import ConfigError, Credentials, load_credentials
+from pdserve.operator.controller.kube import ConfigError, Credentials, load_credentials
 
 
 class _QuietWatchHandlers(logging.Filter):
@@ -44,7 +44,9 @@ def run(options: OperatorOptions) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("kopf.objects").addFilter(_QuietWatchHandlers())
-    importlib.import_module("pdserve.operator.handlers")  # registers the handlers with kopf
+    importlib.import_module(
+        "pdserve.operator.controller.handlers"
+    )  # registers the handlers with kopf
     asyncio.run(_operate(options, credentials))
     return 0
 

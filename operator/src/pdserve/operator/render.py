@@ -1,5 +1,8 @@
 """Pure rendering: a ServingPool spec -> the Kubernetes objects it stands for.
 
+Over 600 lines on purpose: the objects of one pool, in apply order, share their names,
+labels, wiring and pod template helpers; the scalers (HPA/KEDA) are apart already.
+
 Nothing here does I/O; the handlers apply the result (server-side apply) and the
 local backend reuses the command lines. Every object is a plain dict, built in a
 fixed order, so the same spec always renders the same bytes.
@@ -25,15 +28,8 @@ Not rendered here, since it holds a random value: the Secret <pool>-internal wit
 pool's internal credential (`credential_secret`), which the reconciler creates once
 and the router and workers mount.
 
-routing.json (the router's `--config`):
-  {"pool": str, "model": {"name": str, "path": str, "maxModelLen": int | null},
-   "buckets": [{"maxInputTokens": int | null, "mode": "colocated" | "disaggregated"}],
-   "kvTransfer": {"failurePolicy": "recompute" | "fail"},
-   "slo": {"ttftSeconds": float (optional), "itlSeconds": float (optional)},
-   "discovery": {"kind": "kubernetes", "namespace": str, "port": int,
-                 "services": {"decode": str, "prefill": str (only with a prefill pool)}}
-             | {"kind": "static", "decode": [url], "prefill": [url]}}
-A prompt takes the first bucket whose maxInputTokens holds it (null: no bound).
+routing.json (the router's `--config`): `pdserve.protocol.routing.RoutingTable`, the one
+schema the router parses (published as docs/routing.schema.json).
 
 Command lines come from `worker_args` and `router_args` with a `Wiring`: where the
 processes listen and find each other, in the cluster (`cluster_wiring`) or on one
@@ -43,13 +39,14 @@ machine (the local backend's), so both run the same flags.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pdserve.operator import api, scalers
+from pdserve.operator import api
+from pdserve.operator.scaling import scalers
+from pdserve.protocol import routing
 
 Obj = dict[str, Any]
 Component = Literal["prefill", "decode", "router"]
@@ -230,8 +227,8 @@ def routing_table(
     namespace: str,
     spec: api.ServingPoolSpec,
     discovery: Mapping[str, Any] | None = None,
-) -> Obj:
-    """The router's configuration (see the module docstring for its format).
+) -> routing.RoutingTable:
+    """The router's configuration, validated as the router will read it.
 
     Discovery defaults to the pool's headless Services; the local backend passes its
     own (e.g. static URLs). Replica counts are not part of it: scaling a role leaves
@@ -248,7 +245,7 @@ def routing_table(
             "services": services,
         }
     model = spec.model
-    return {
+    table = {
         "pool": pool,
         "model": {"name": model.name, "path": model.path, "maxModelLen": model.max_model_len},
         "buckets": [
@@ -258,6 +255,7 @@ def routing_table(
         "slo": _slo(spec.slo),
         "discovery": dict(discovery),
     }
+    return routing.RoutingTable.model_validate(table, by_name=False)
 
 
 def _slo(slo: api.SloSpec | None) -> Obj:
@@ -270,9 +268,9 @@ def _slo(slo: api.SloSpec | None) -> Obj:
     return targets
 
 
-def routing_json(table: Mapping[str, Any]) -> str:
-    """The routing table as the bytes stored in the ConfigMap (stable key order)."""
-    return json.dumps(table, indent=2, sort_keys=True) + "\n"
+def routing_json(table: routing.RoutingTable) -> str:
+    """The routing table as the bytes stored in the ConfigMap."""
+    return routing.dump_table(table)
 
 
 # --- pods ------------------------------------------------------------------------------
@@ -491,7 +489,9 @@ def worker_deployment(
     return _deployment(pool, namespace, role, replicas, pod, _scrape_annotations(spec))
 
 
-def router_deployment(pool: str, namespace: str, spec: api.ServingPoolSpec, table: Obj) -> Obj:
+def router_deployment(
+    pool: str, namespace: str, spec: api.ServingPoolSpec, table: routing.RoutingTable
+) -> Obj:
     """The router's Deployment; a routing change rolls it through a hash annotation."""
     model_volumes, model_mounts = _model_volume(spec)
     credential_volumes, credential_mounts = _credential_volume(pool)
@@ -552,7 +552,7 @@ def pod_disruption_budget(pool: str, namespace: str, component: Component) -> Ob
     }
 
 
-def routing_config_map(pool: str, namespace: str, table: Obj) -> Obj:
+def routing_config_map(pool: str, namespace: str, table: routing.RoutingTable) -> Obj:
     """The ConfigMap holding routing.json."""
     return {
         "apiVersion": "v1",

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from pdserve.cli.process import death_signal
+from pdserve.base.process import death_signal
 
 
 class ManagedProcess:

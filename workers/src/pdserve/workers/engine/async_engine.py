@@ -19,11 +19,11 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers import faults
 from pdserve.workers.engine.engine import LLMEngine, StepResult
 from pdserve.workers.engine.isolation import is_engine_fault
 from pdserve.workers.engine.output_buffer import OutputBuffer
-from pdserve.workers.engine.sampling import SamplingParams
 from pdserve.workers.engine.stats import RequestOutput
 
 log = logging.getLogger(__name__)

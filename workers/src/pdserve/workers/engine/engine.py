@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
+from pdserve.protocol.sampling import InvalidRequestError, SamplingParams
 from pdserve.workers.engine.budget import budget_policy
 from pdserve.workers.engine.canary import KVCanary, pattern_from_environment
 from pdserve.workers.engine.choices import (
@@ -33,7 +34,6 @@ from pdserve.workers.engine.logprobs import PromptLogprobs
 from pdserve.workers.engine.request import FinishReason, Request, RequestStatus
 from pdserve.workers.engine.runner import ModelRunner, StepOutput, resolve_kv_dtype
 from pdserve.workers.engine.sampler import Sampled
-from pdserve.workers.engine.sampling import InvalidRequestError, SamplingParams
 from pdserve.workers.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from pdserve.workers.engine.stats import FinishedRequest, RequestOutput, StepStats
 from pdserve.workers.engine.step_cost import StepCostModel, StepFeatures

@@ -21,8 +21,8 @@ from typing import Generic, TypeVar
 
 import torch
 
+from pdserve.protocol.sampling import InvalidRequestError
 from pdserve.workers.engine.request import Request
-from pdserve.workers.engine.sampling import InvalidRequestError
 
 Chunk = TypeVar("Chunk")
 Result = TypeVar("Result")

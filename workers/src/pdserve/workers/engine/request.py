@@ -6,8 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.engine.logprobs import TokenLogprob
-from pdserve.workers.engine.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers import faults
 from pdserve.workers.engine.isolation import is_engine_fault
 from pdserve.workers.engine.logprobs import LogprobsMode, TokenLogprob, token_logprobs
 from pdserve.workers.engine.request import Request
-from pdserve.workers.engine.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

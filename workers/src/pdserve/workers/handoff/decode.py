@@ -29,12 +29,12 @@ from typing import Any
 import aiohttp
 from pydantic import ValidationError
 
-from pdserve.workers.api_errors import validation_message
+from pdserve.protocol.api_errors import validation_message
+from pdserve.protocol.sampling import InvalidRequestError, SamplingParams
 from pdserve.workers.engine.async_engine import AsyncEngine
 from pdserve.workers.engine.leases import LeaseError, Reservation
 from pdserve.workers.engine.logprobs import PromptLogprobs
 from pdserve.workers.engine.sampler import Sampled
-from pdserve.workers.engine.sampling import InvalidRequestError, SamplingParams
 from pdserve.workers.engine.stats import RequestOutput
 from pdserve.workers.handoff.answers import drawn_inconsistencies
 from pdserve.workers.handoff.blocking import BlockingCalls

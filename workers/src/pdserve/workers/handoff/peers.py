@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 from pydantic import ValidationError
 
-from pdserve.workers.api_errors import validation_message
+from pdserve.protocol.api_errors import validation_message
 from pdserve.workers.handoff.blocking import BlockingCalls
 from pdserve.workers.handoff.errors import HandoffError
 from pdserve.workers.handoff.expiring import ExpiringMap

@@ -29,14 +29,14 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from pdserve.protocol.api_errors import APIError, read_body
+from pdserve.protocol.sampling import InvalidRequestError
 from pdserve.workers import faults
-from pdserve.workers.api_errors import APIError, read_body
 from pdserve.workers.engine.async_engine import AsyncEngine, EngineDeadError
 from pdserve.workers.engine.isolation import RequestFailedError
 from pdserve.workers.engine.leases import LeaseError
 from pdserve.workers.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.workers.engine.sampler import Sampled
-from pdserve.workers.engine.sampling import InvalidRequestError
 from pdserve.workers.handoff.blocking import BlockingCalls
 from pdserve.workers.handoff.expiring import ExpiringMap
 from pdserve.workers.handoff.observer import HandoffObserver

@@ -11,9 +11,9 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.engine.logprobs import PromptLogprobs, TokenLogprob
 from pdserve.workers.engine.sampler import Sampled
-from pdserve.workers.engine.sampling import SamplingParams
 
 
 class _Body(BaseModel):

@@ -32,7 +32,7 @@ class KVLayout:
     head_dim: int
     dtype: str  # torch dtype name without the prefix, e.g. "float32"
     model: str  # the served model name; prefill and decode must agree
-    # A digest of the weights (see engine/identity.py): KV computed by other weights,
+    # A digest of the weights (see workers/model/identity.py): KV computed by other weights,
     # say during a rolling update, must not be adopted however alike the shapes.
     weights: str
 

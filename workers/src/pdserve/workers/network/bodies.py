@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from pdserve.workers.api_errors import APIError
+from pdserve.protocol.api_errors import APIError
 from pdserve.workers.network.connection import GuardedRequestHandler
 
 if TYPE_CHECKING:

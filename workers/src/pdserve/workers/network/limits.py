@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.cli.options import option, positive_float, positive_int
+from pdserve.base.options import option, positive_float, positive_int
 
 NETWORK = "network limits (slow, idle and hostile clients)"
 

@@ -23,24 +23,24 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import TypeAdapter
 
-from pdserve.workers.api_errors import APIError, error_middleware, read_body
-from pdserve.workers.engine.sampling import InvalidRequestError
-from pdserve.workers.engine.tokenizer import Tokenizer
-from pdserve.workers.headers import REQUEST_ID_HEADER
+from pdserve.protocol.api_errors import APIError, error_middleware, read_body
+from pdserve.protocol.headers import REQUEST_ID_HEADER
+from pdserve.protocol.limits import Admission, RequestLimits
+from pdserve.protocol.models import ServedModel
+from pdserve.protocol.prompts import chat_prompt, completion_prompt
+from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
+from pdserve.protocol.response_models import probe_answer
+from pdserve.protocol.routing import Role, RoutingFileError, RoutingTable, parse_table
+from pdserve.protocol.sampling import InvalidRequestError
+from pdserve.protocol.tokenization import TokenizationServing
+from pdserve.workers.model.tokenizer import Tokenizer
 from pdserve.workers.network.guard import NetworkGuard
 from pdserve.workers.router.auth import ApiKeys
 from pdserve.workers.router.discovery import DiscoverySource, source_for
 from pdserve.workers.router.metrics import RouterMetrics
 from pdserve.workers.router.openapi import router_openapi
 from pdserve.workers.router.proxy import Forwarder, Routed
-from pdserve.workers.router.table import Role, RoutingFileError, RoutingTable, parse_table
 from pdserve.workers.router.workers import WorkersAnswer, WorkerSet, WorkerState
-from pdserve.workers.server.limits import Admission, RequestLimits
-from pdserve.workers.server.models import ServedModel
-from pdserve.workers.server.prompts import chat_prompt, completion_prompt
-from pdserve.workers.server.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.workers.server.response_models import probe_answer
-from pdserve.workers.server.tokenization import TokenizationServing
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from pdserve.workers.api_errors import APIError
-from pdserve.workers.server.internal import CLIENT_PREFIXES, presented_token
+from pdserve.protocol.api_errors import APIError
+from pdserve.protocol.internal import CLIENT_PREFIXES, presented_token
 
 log = logging.getLogger(__name__)
 

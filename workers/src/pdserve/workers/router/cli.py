@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.cli.options import add_options, options_from
+from pdserve.base.options import add_options, options_from
+from pdserve.protocol.limits import RequestLimits
 from pdserve.workers.network.limits import NetworkLimits
 from pdserve.workers.router.options import RouterOptions
-from pdserve.workers.server.limits import RequestLimits
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

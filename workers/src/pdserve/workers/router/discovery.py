@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from pdserve.workers.router.table import KubernetesDiscovery, Role, RoutingTable, StaticDiscovery
+from pdserve.protocol.routing import KubernetesDiscovery, Role, RoutingTable, StaticDiscovery
 
 # Called with a role and the full list of its ready workers' base URLs.
 Report = Callable[[Role, list[str]], None]

@@ -28,9 +28,9 @@ from typing import Any
 import aiohttp
 import yaml
 
+from pdserve.protocol.internal import WorkerAddress
+from pdserve.protocol.routing import KubernetesDiscovery, Role
 from pdserve.workers.router.discovery import Report
-from pdserve.workers.router.table import KubernetesDiscovery, Role
-from pdserve.workers.server.internal import WorkerAddress
 
 log = logging.getLogger(__name__)
 

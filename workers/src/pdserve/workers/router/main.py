@@ -12,8 +12,16 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
-from pdserve.cli.ports import PortInUseError, announce_port, binding, check_port_free
-from pdserve.workers.engine.tokenizer import Tokenizer
+from pdserve.base.ports import PortInUseError, announce_port, binding, check_port_free
+from pdserve.protocol.internal import CredentialError, read_credential
+from pdserve.protocol.limits import Admission, RequestLimits
+from pdserve.protocol.routing import (
+    KubernetesDiscovery,
+    RoutingFileError,
+    RoutingTable,
+    read_table,
+)
+from pdserve.workers.model.tokenizer import Tokenizer
 from pdserve.workers.network.guard import NetworkGuard
 from pdserve.workers.network.limits import NetworkLimits
 from pdserve.workers.network.metrics import NetworkMetrics
@@ -24,15 +32,7 @@ from pdserve.workers.router.load import LoadPoller
 from pdserve.workers.router.metrics import ROLE, RouterMetrics
 from pdserve.workers.router.options import RouterOptions
 from pdserve.workers.router.proxy import Forwarder
-from pdserve.workers.router.table import (
-    KubernetesDiscovery,
-    RoutingFileError,
-    RoutingTable,
-    read_table,
-)
 from pdserve.workers.router.workers import WorkerSet
-from pdserve.workers.server.internal import CredentialError, read_credential
-from pdserve.workers.server.limits import Admission, RequestLimits
 
 log = logging.getLogger("pdserve.router")
 

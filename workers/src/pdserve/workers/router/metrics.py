@@ -12,9 +12,9 @@ from itertools import pairwise
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pdserve.workers.api_errors import APIError
-from pdserve.workers.router.table import Slo
-from pdserve.workers.server.metrics import LATENCY_BUCKETS, rejection_reason
+from pdserve.protocol.api_errors import APIError
+from pdserve.protocol.routing import Slo
+from pdserve.workers.metric_labels import LATENCY_BUCKETS, rejection_reason
 
 ROLE = "router"
 

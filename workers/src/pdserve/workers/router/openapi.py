@@ -6,14 +6,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from pdserve.workers.router.workers import WorkersAnswer
-from pdserve.workers.server.openapi import (
+from pdserve.protocol.openapi import (
     OPENAI_ENDPOINTS,
     OPENAI_ERRORS,
     Endpoint,
     openapi_spec,
     probes,
 )
+from pdserve.workers.router.workers import WorkersAnswer
 
 ENDPOINTS = (
     *OPENAI_ENDPOINTS,

@@ -1,4 +1,4 @@
-"""The settings of `pdserve router`, each declared once (see `pdserve.cli.options`);
+"""The settings of `pdserve router`, each declared once (see `pdserve.base.options`);
 the request limits are the worker's (`RequestLimits`)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.cli.options import option, port_number, positive_int
-from pdserve.workers.server.limits import LIMITS
+from pdserve.base.options import option, port_number, positive_int
+from pdserve.protocol.limits import LIMITS
 
 _POOL = "the pool"
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Literal
 
 from aiohttp import web
 
-from pdserve.workers.api_errors import APIError
+from pdserve.protocol.api_errors import APIError
 from pdserve.workers.router.metrics import RouterMetrics
 from pdserve.workers.router.sse import TokenStream
 

@@ -29,20 +29,20 @@ from typing import Literal
 import aiohttp
 from aiohttp import web
 
-from pdserve.workers.api_errors import REQUEST_FAILED, APIError, log_client_gone
-from pdserve.workers.headers import (
+from pdserve.protocol.api_errors import REQUEST_FAILED, APIError, log_client_gone
+from pdserve.protocol.headers import (
     BUCKET_HEADER,
     MODE_HEADER,
     PREFILL_URL_HEADER,
     REQUEST_ID_HEADER,
 )
+from pdserve.protocol.internal import bearer
+from pdserve.protocol.routing import Mode, Slo
 from pdserve.workers.network.bodies import BUSY_CODES
 from pdserve.workers.router.metrics import RouterMetrics
 from pdserve.workers.router.outcome import RequestOutcome, counted
 from pdserve.workers.router.sse import TokenStream, error_event
-from pdserve.workers.router.table import Mode, Slo
 from pdserve.workers.router.workers import Worker, WorkerSet
-from pdserve.workers.server.internal import bearer
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pdserve.workers.api_errors import error_body
-from pdserve.workers.bench.client import choice_token_count
+from pdserve.protocol.api_errors import error_body
+from pdserve.protocol.sse import choice_token_count
 
 DONE = b"data: [DONE]\n\n"
 

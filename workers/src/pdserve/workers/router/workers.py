@@ -21,8 +21,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from pdserve.protocol.routing import Role
 from pdserve.workers.router.breaker import CircuitBreaker
-from pdserve.workers.router.table import Role
 
 FRESH_S = 1.0
 # A decode worker whose KV cache is this full is passed over while others are not.

@@ -3,7 +3,7 @@ and `/detokenize` (see `tokenization`), the P/D hand-off endpoints of a prefill 
 (for holders of the pool's credential only), `/v1/models`, `/openapi.json`, the probes
 `/health` and `/ready`, `/load` (for the router) and `/metrics`. Every error, from any
 of them, is answered in OpenAI's shape by one middleware
-(`pdserve.workers.api_errors`)."""
+(`pdserve.protocol.api_errors`)."""
 
 from __future__ import annotations
 
@@ -13,21 +13,21 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pdserve.workers.api_errors import error_middleware
-from pdserve.workers.handoff.prefill import PrefillService
-from pdserve.workers.network.guard import NetworkGuard
-from pdserve.workers.server.drain import Drain
-from pdserve.workers.server.load import LoadTracker, WorkerLoad
-from pdserve.workers.server.openapi import (
+from pdserve.protocol.api_errors import error_middleware
+from pdserve.protocol.openapi import (
     OPENAI_ENDPOINTS,
     OPENAI_ERRORS,
     Endpoint,
     openapi_spec,
     probes,
 )
-from pdserve.workers.server.response_models import ProbeAnswer, probe_answer
+from pdserve.protocol.response_models import ProbeAnswer, probe_answer
+from pdserve.protocol.tokenization import TokenizationServing
+from pdserve.workers.handoff.prefill import PrefillService
+from pdserve.workers.network.guard import NetworkGuard
+from pdserve.workers.server.drain import Drain
+from pdserve.workers.server.load import LoadTracker, WorkerLoad
 from pdserve.workers.server.serving import OpenAIServing
-from pdserve.workers.server.tokenization import TokenizationServing
 
 ENDPOINTS = (
     *OPENAI_ENDPOINTS,

@@ -9,7 +9,7 @@ from typing import Any
 
 from pdserve.workers import faults
 from pdserve.workers.engine.stats import RequestOutput
-from pdserve.workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.workers.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.workers.server.logprobs import CompletionLogprobs, chat_logprobs
 from pdserve.workers.server.responses import ChoiceDelta, PreparedRequest
 from pdserve.workers.server.text_stream import TextStream

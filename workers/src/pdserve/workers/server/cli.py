@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.cli.options import add_options, options_from
+from pdserve.base.options import add_options, options_from
+from pdserve.protocol.limits import RequestLimits
 from pdserve.workers.network.limits import NetworkLimits
-from pdserve.workers.server.limits import RequestLimits
 from pdserve.workers.server.options import WorkerOptions
 
 

@@ -13,7 +13,7 @@ import time
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from pdserve.workers.api_errors import APIError
+from pdserve.protocol.api_errors import APIError
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdserve.workers.engine.logprobs import TokenLogprob
-from pdserve.workers.engine.tokenizer import Tokenizer
+from pdserve.workers.model.tokenizer import Tokenizer
 
 FLOOR = -9999.0
 

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pdserve.workers.api_errors import APIError
+from pdserve.protocol.api_errors import APIError
 from pdserve.workers.handoff.errors import known_code
-from pdserve.workers.network.bodies import TOO_MANY_BODY_READS, TOO_MANY_CONNECTIONS
+from pdserve.workers.metric_labels import LATENCY_BUCKETS, rejection_reason
 
 if TYPE_CHECKING:  # the router shares the names and buckets here, and loads no torch
     from pdserve.workers.engine.engine import StepResult
@@ -21,10 +21,6 @@ if TYPE_CHECKING:  # the router shares the names and buckets here, and loads no 
     from pdserve.workers.kv_transfer.base import TransferStats
 
 # Latency buckets in seconds: fine below 100 ms where ITL lives, coarse up to minutes.
-LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
-    0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 40.0, 80.0,
-)  # fmt: skip
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 # The step-cost model's terms, each a gauge pdserve_engine_step_cost_<term>_seconds.
 STEP_COST_TERMS = {
@@ -306,29 +302,3 @@ class WorkerMetrics:
     def observe_stream_overflow(self) -> None:
         """Count a request aborted because its tokens waited for its client too long."""
         self.aborted.labels(**self._labels, reason="stream_buffer_full").inc()
-
-
-def rejection_reason(error: APIError) -> str:
-    """The `reason` label of an error answer: a small fixed set, whatever the error."""
-    if error.code in _REASONS:
-        return _REASONS[str(error.code)]
-    if error.status == 404:
-        return "not_found"
-    if error.status == 413:
-        return "too_large"
-    if 400 <= error.status < 500:
-        return "invalid"
-    if error.status == 502:
-        return "handoff_failed"
-    return "internal"
-
-
-_REASONS = {
-    "queue_full": "queue_full",
-    "queue_timeout": "queue_timeout",
-    "engine_stopped": "engine_stopped",
-    "request_failed": "request_failed",
-    TOO_MANY_CONNECTIONS: "connection_limit",
-    TOO_MANY_BODY_READS: "body_read_limit",
-    "body_timeout": "body_timeout",
-}

@@ -1,12 +1,12 @@
 """The settings of `pdserve worker`, each declared once: the dataclass field is the
-flag, its default and its help (see `pdserve.cli.options`)."""
+flag, its default and its help (see `pdserve.base.options`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.cli.options import (
+from pdserve.base.options import (
     OptionError,
     non_negative_float,
     option,
@@ -15,7 +15,7 @@ from pdserve.cli.options import (
     positive_float,
     positive_int,
 )
-from pdserve.workers.server.limits import LIMITS
+from pdserve.protocol.limits import LIMITS
 
 ROLES = ("both", "prefill", "decode")
 # As in pdserve.workers.engine.config; not imported, so `pdserve --help` loads no torch.

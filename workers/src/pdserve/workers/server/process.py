@@ -1,5 +1,5 @@
 """Worker processes on this machine, for the demo and tests (the process handling
-itself is `pdserve.cli.process`, shared with the operator's local backend)."""
+itself is `pdserve.base.process`, shared with the operator's local backend)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from pdserve.cli.process import ServerProcess, spawn, start_server
+from pdserve.base.process import ServerProcess, spawn, start_server
 
 __all__ = [
     "ServerProcess",

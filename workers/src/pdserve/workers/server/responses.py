@@ -13,19 +13,19 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel
 
-from pdserve.workers.api_errors import REQUEST_FAILED, APIError
-from pdserve.workers.engine.async_engine import EngineDeadError, QueueTimeoutError
-from pdserve.workers.engine.isolation import RequestFailedError
-from pdserve.workers.engine.output_buffer import StreamOverflowError
-from pdserve.workers.engine.sampling import InvalidRequestError, SamplingParams
-from pdserve.workers.engine.stats import RequestOutput
-from pdserve.workers.handoff.errors import HandoffError
-from pdserve.workers.server.response_models import (
+from pdserve.protocol.api_errors import REQUEST_FAILED, APIError
+from pdserve.protocol.response_models import (
     ChatCompletion,
     ChatCompletionChunk,
     Completion,
     CompletionChunk,
 )
+from pdserve.protocol.sampling import InvalidRequestError, SamplingParams
+from pdserve.workers.engine.async_engine import EngineDeadError, QueueTimeoutError
+from pdserve.workers.engine.isolation import RequestFailedError
+from pdserve.workers.engine.output_buffer import StreamOverflowError
+from pdserve.workers.engine.stats import RequestOutput
+from pdserve.workers.handoff.errors import HandoffError
 
 # The model of an answer, by (chat, whole): what each endpoint sends, whole or streamed.
 _BODIES: dict[tuple[bool, bool], type[BaseModel]] = {

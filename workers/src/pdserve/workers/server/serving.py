@@ -18,21 +18,21 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 from aiohttp import web
 
-from pdserve.workers.api_errors import APIError, error_body, read_body
+from pdserve.protocol.api_errors import APIError, error_body, read_body
+from pdserve.protocol.headers import MODE_HEADER, PREFILL_URL_HEADER, REQUEST_ID_HEADER
+from pdserve.protocol.internal import InternalAuth, PrefillAllowList
+from pdserve.protocol.limits import Admission, RequestLimits
+from pdserve.protocol.models import ServedModel
+from pdserve.protocol.prompts import chat_prompt, completion_prompt
+from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
+from pdserve.protocol.sampling import InvalidRequestError
 from pdserve.workers.engine.async_engine import AsyncEngine
 from pdserve.workers.engine.isolation import RequestFailedError
-from pdserve.workers.engine.sampling import InvalidRequestError
 from pdserve.workers.engine.stats import RequestOutput
-from pdserve.workers.engine.tokenizer import Tokenizer
 from pdserve.workers.handoff.decode import DecodeHandoff
-from pdserve.workers.headers import MODE_HEADER, PREFILL_URL_HEADER, REQUEST_ID_HEADER
+from pdserve.workers.model.tokenizer import Tokenizer
 from pdserve.workers.server.choices import Choice
-from pdserve.workers.server.internal import InternalAuth, PrefillAllowList
-from pdserve.workers.server.limits import Admission, RequestLimits
 from pdserve.workers.server.metrics import WorkerMetrics
-from pdserve.workers.server.models import ServedModel
-from pdserve.workers.server.prompts import chat_prompt, completion_prompt
-from pdserve.workers.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.workers.server.responses import (
     REQUEST_ERRORS,
     ChoiceDelta,

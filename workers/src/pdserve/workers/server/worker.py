@@ -10,8 +10,18 @@ import uuid
 
 from aiohttp import web
 
-from pdserve.cli.ports import PortInUseError, announce_port, binding, check_port_free
-from pdserve.cli.version import installed_parts
+from pdserve.base.ports import PortInUseError, announce_port, binding, check_port_free
+from pdserve.base.version import installed_parts
+from pdserve.protocol.internal import (
+    CredentialError,
+    InternalAuth,
+    PrefillAllowList,
+    bearer,
+    read_credential,
+)
+from pdserve.protocol.limits import Admission, RequestLimits
+from pdserve.protocol.models import ServedModel
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.engine.async_engine import AsyncEngine
 from pdserve.workers.engine.config import (
     CacheConfig,
@@ -21,28 +31,18 @@ from pdserve.workers.engine.config import (
     TokenBudgetConfig,
 )
 from pdserve.workers.engine.engine import LLMEngine
-from pdserve.workers.engine.identity import weights_digest
-from pdserve.workers.engine.sampling import SamplingParams
-from pdserve.workers.engine.tokenizer import Tokenizer
 from pdserve.workers.handoff.decode import DecodeHandoff
 from pdserve.workers.handoff.prefill import PrefillService
 from pdserve.workers.kv_transfer.layout import KVLayout
+from pdserve.workers.model.identity import weights_digest
+from pdserve.workers.model.tokenizer import Tokenizer
 from pdserve.workers.network.guard import NetworkGuard
 from pdserve.workers.network.limits import NetworkLimits
 from pdserve.workers.network.metrics import NetworkMetrics
 from pdserve.workers.network.site import listen
 from pdserve.workers.server.app import WorkerServer
-from pdserve.workers.server.internal import (
-    CredentialError,
-    InternalAuth,
-    PrefillAllowList,
-    bearer,
-    read_credential,
-)
-from pdserve.workers.server.limits import Admission, RequestLimits
 from pdserve.workers.server.load import LoadTracker
 from pdserve.workers.server.metrics import WorkerMetrics
-from pdserve.workers.server.models import ServedModel
 from pdserve.workers.server.options import WorkerOptions
 from pdserve.workers.server.serving import OpenAIServing
 

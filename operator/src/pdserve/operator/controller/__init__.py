@@ -1,0 +1,2 @@
+"""The kopf controller: handlers, reconciliation, status, the resync loop, drift and the
+Kubernetes client."""

@@ -1,0 +1,266 @@
+"""kopf handlers: thin adapters from kopf's callbacks to the Reconciler.
+
+- A ServingPool created, changed (spec) or found at start-up: reconcile it.
+- A child (anything labelled pdserve.dev/pool) added, changed or deleted: put it
+  back if needed; Deployment news refreshes the pool's status.
+- Pools and children are cached in kopf indexes (from the watches kopf keeps
+  anyway), so deciding that nothing needs writing costs no request.
+- What the watches cannot bring (a refused write, drift during a watch gap) is left
+  to the background loop of resync.py: retries with backoff, and periodic resyncs.
+
+kopf keeps its bookkeeping in annotations under pdserve.dev/: the status schema
+has no room for it. Handlers return nothing for the same reason. No finalizers:
+children go by garbage collection (owner references).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Mapping
+from typing import Any, cast
+
+import kopf
+
+from pdserve.operator import api, metrics, render
+from pdserve.operator.cli import OperatorOptions
+from pdserve.operator.controller import kube
+from pdserve.operator.controller.kube import ApiError, Credentials, KubeClient
+from pdserve.operator.controller.reconcile import Reconciler
+from pdserve.operator.controller.resync import Resync, backoff
+from pdserve.operator.scaling.autoscaler import Autoscaler
+
+Obj = dict[str, Any]
+PoolKey = tuple[str, str]  # (namespace, pool name)
+
+POOL = (api.API_VERSION, api.PLURAL)
+HAS_POOL = {render.POOL_LABEL: kopf.PRESENT}
+MAX_EVENT_MESSAGE = 1000
+
+
+class KopfRecorder:
+    """Posts Events through kopf's poster (batched, retried, off the handler's path)."""
+
+    def normal(self, pool: Mapping[str, Any], reason: str, message: str) -> None:
+        """An Event of type Normal on the pool."""
+        self._post(pool, "Normal", reason, message)
+
+    def warning(self, pool: Mapping[str, Any], reason: str, message: str) -> None:
+        """An Event of type Warning on the pool."""
+        self._post(pool, "Warning", reason, message)
+
+    @staticmethod
+    def _post(pool: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+        text = message if len(message) <= MAX_EVENT_MESSAGE else message[:MAX_EVENT_MESSAGE] + "…"
+        kopf.event(cast(kopf.Body, pool), type=type_, reason=reason, message=text)
+
+
+def configure(settings: kopf.OperatorSettings, namespaces: Collection[str] = ()) -> None:
+    """kopf settings: bookkeeping in annotations, quiet Events, filtered watches, and
+    no cluster-wide observation when only named namespaces are watched."""
+    persistence = settings.persistence
+    persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
+    persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=api.GROUP, key="last-handled-configuration"
+    )
+    persistence.finalizer = f"{api.GROUP}/finalizer"
+    # kopf would post an Event per handler run; the reconciler posts what matters.
+    settings.posting.level = logging.WARNING
+    settings.posting.reporting_component = "pdserve-operator"
+    # Only children reach the operator: the API server filters the watches.
+    for kind in kube.WATCHED_KINDS:
+        settings.watching.label_selectors[kind.api_version, kind.plural] = render.POOL_LABEL
+    # kopf lists namespaces and watches CRDs (both cluster-scoped) to follow namespace
+    # patterns and CRDs installed later. Named namespaces need neither, so a namespaced
+    # install runs on Roles alone; the CRD must exist before the operator starts.
+    settings.scanning.disabled = named_namespaces_only(namespaces)
+
+
+def named_namespaces_only(namespaces: Collection[str]) -> bool:
+    """Whether the operator watches a fixed list of namespaces (no pattern, not all)."""
+    patterns = ("*", "?", "!", ",")
+    return bool(namespaces) and not any(c in ns for ns in namespaces for c in patterns)
+
+
+def plain(body: Mapping[str, Any]) -> Obj:
+    """An object as a dict without managedFields (large, and never read).
+
+    Shallow: nested values are shared with kopf's copy, which nobody modifies (the
+    reconciler builds new objects, and kopf makes new bodies for every event).
+    """
+    meta = body["metadata"]
+    return {**body, "metadata": {k: v for k, v in meta.items() if k != "managedFields"}}
+
+
+def reconciler(memo: Mapping[str, Any]) -> Reconciler:
+    """The reconciler that start-up put in the operator's memo."""
+    found: Reconciler = memo["reconciler"]
+    return found
+
+
+def resync(memo: Mapping[str, Any]) -> Resync:
+    """The retry and resync loop that start-up put in the operator's memo."""
+    found: Resync = memo["resync"]
+    return found
+
+
+def autoscaler(memo: Mapping[str, Any]) -> Autoscaler:
+    """The pools' autoscaler loops that start-up put in the operator's memo."""
+    found: Autoscaler = memo["autoscaler"]
+    return found
+
+
+# --- start and stop ----------------------------------------------------------------------
+
+
+@kopf.on.startup()
+async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """Configure kopf; connect the reconciler to the API server (the credentials and
+    options are in the memo: main.py checked them before kopf started)."""
+    options: OperatorOptions = memo["options"]
+    configure(settings, options.namespace)
+    client = KubeClient(memo["credentials"])
+    try:
+        served = [kind for kind in kube.OPTIONAL_KINDS if await client.serves(kind)]
+    except BaseException:
+        await client.close()
+        raise
+    recorder = KopfRecorder()
+    memo["reconciler"] = found = Reconciler(
+        client, recorder, served=served, default_image=options.default_image,
+        prometheus_url=options.prometheus_url, prometheus_namespace=options.prometheus_namespace,
+    )  # fmt: skip
+    memo["resync"] = loop = Resync(
+        found, client, namespaces=options.namespace, interval=options.resync_interval
+    )
+    memo["autoscaler"] = Autoscaler(found, loop, recorder, prometheus_url=options.prometheus_url)
+    metrics.POOLS.set_function(lambda: len(found.tracked()))
+    metrics.RETRIES_PENDING.set_function(loop.pending)
+
+
+@kopf.on.login()
+def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:
+    """kopf connects with the same credentials as the reconciler's client."""
+    credentials: Credentials = memo["credentials"]
+    scheme, token = credentials.token()
+    ca, certificate, key = credentials.files()
+    return kopf.ConnectionInfo(
+        server=credentials.server,
+        ca_path=ca,
+        insecure=credentials.ssl_context is False,
+        scheme=scheme,
+        token=token,
+        certificate_path=certificate,
+        private_key_path=key,
+    )
+
+
+@kopf.on.cleanup()
+async def stop(memo: kopf.Memo, **_: Any) -> None:
+    """Stop the autoscaler and resync loops; close the reconciler's connections."""
+    if "autoscaler" in memo:
+        await autoscaler(memo).close()
+    if "resync" in memo:
+        await resync(memo).close()
+    if "reconciler" in memo:
+        await reconciler(memo).close()
+
+
+# --- caches ------------------------------------------------------------------------------
+
+
+@kopf.index(*POOL)
+def pools(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[PoolKey, Obj]:
+    """Every ServingPool, by (namespace, name)."""
+    return {(namespace or "", name): plain(body)}
+
+
+def children(
+    namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[PoolKey, Obj]:
+    """Every child object, by the (namespace, name) of its pool."""
+    return {(namespace or "", labels[render.POOL_LABEL]): plain(body)}
+
+
+def _index(kwargs: Mapping[str, Any], name: str) -> kopf.Index[PoolKey, Obj]:
+    """An index kopf passes as a keyword argument named after its indexing handler."""
+    index: kopf.Index[PoolKey, Obj] = kwargs[name]
+    return index
+
+
+def _children_of(kwargs: Mapping[str, Any], key: PoolKey) -> list[Obj]:
+    return list(_index(kwargs, "children").get(key, ()))
+
+
+# --- pools ---------------------------------------------------------------------------------
+
+
+@kopf.on.resume(*POOL)
+@kopf.on.create(*POOL)
+@kopf.on.update(*POOL, field="spec")
+async def reconcile_pool(
+    body: kopf.Body, reason: str, retry: int, memo: Any, **kwargs: Any
+) -> None:
+    """Apply the pool's rendered objects, prune the rest, write its status (kopf
+    retries a refused write, with backoff)."""
+    pool = plain(body)
+    key = (pool["metadata"]["namespace"], pool["metadata"]["name"])
+    try:
+        await reconciler(memo).reconcile(pool, _children_of(kwargs, key), trigger=str(reason))
+    except api.InvalidPoolError as error:
+        raise kopf.PermanentError("; ".join(error.errors)) from None
+    except ApiError as error:
+        raise kopf.TemporaryError(str(error), delay=backoff(retry)) from None
+
+
+@kopf.on.event(*POOL)
+async def pool_event(
+    type: str | None,
+    uid: str,
+    namespace: str | None,
+    name: str,
+    body: kopf.Body,
+    memo: Any,
+    **_: Any,
+) -> None:
+    """Forget a deleted pool; start the resync loop once there is a pool to keep (a
+    retry scheduled for a pool before its first event here waits for that); give the
+    autoscaler the pool's latest state."""
+    if "resync" not in memo:
+        return
+    if type == "DELETED":
+        reconciler(memo).forget(uid)
+        resync(memo).forget((namespace or "", name))
+        autoscaler(memo).forget((namespace or "", name))
+    else:
+        resync(memo).start()
+        autoscaler(memo).track(plain(body))
+
+
+# --- children ------------------------------------------------------------------------------
+
+
+async def child_event(
+    type: str | None,
+    body: kopf.Body,
+    namespace: str | None,
+    labels: kopf.Labels,
+    memo: Any,
+    **kwargs: Any,
+) -> None:
+    """Put a changed or deleted child back; refresh status on Deployment news."""
+    if type is None:  # the initial listing: the pools' resume handlers cover it
+        return
+    metrics.WATCH_EVENTS.labels(kind=body.get("kind", "")).inc()
+    key = (namespace or "", labels[render.POOL_LABEL])
+    pool = next(iter(_index(kwargs, "pools").get(key, ())), None)
+    if pool is None:
+        return
+    try:
+        await reconciler(memo).child_changed(pool, plain(body), type, _children_of(kwargs, key))
+    except ApiError:
+        resync(memo).retry(key)  # no further event may come: retry with backoff
+
+
+for _kind in kube.WATCHED_KINDS:
+    kopf.index(_kind.api_version, _kind.plural, id="children", labels=HAS_POOL)(children)
+    kopf.on.event(_kind.api_version, _kind.plural, id="child_event", labels=HAS_POOL)(child_event)
