@@ -34,17 +34,18 @@ class Binaries:
         return [n for n in NAMES if not os.access(self.path(n), os.X_OK)]
 
 
-def find_build_script(start: Path | None = None) -> Path:
-    """scripts/build-cluster.sh of the checkout holding this module (or `start`)."""
+def find_build_script(start: Path | None = None, script_path: Path = BUILD_SCRIPT) -> Path:
+    """scripts/build-cluster.sh (or `script_path`) of the checkout holding this module
+    (or `start`)."""
     # An editable install links this file from the checkout: resolve() finds the
     # checkout; the working directory is the fallback for other installs.
     candidates = [Path(__file__).resolve(), (start or Path.cwd()).resolve()]
     for origin in candidates:
         for folder in (origin, *origin.parents):
-            script = folder / BUILD_SCRIPT
+            script = folder / script_path
             if script.is_file():
                 return script
-    raise BinariesError(f"{BUILD_SCRIPT} not found above {candidates[0]} or {candidates[1]}")
+    raise BinariesError(f"{script_path} not found above {candidates[0]} or {candidates[1]}")
 
 
 def ensure_binaries(*, build: bool = True) -> Binaries:
