@@ -126,6 +126,10 @@ def apiserver_args(layout: Layout) -> list[str]:
         f"--proxy-client-cert-file={pki.clients[FRONT_PROXY].cert}",
         f"--proxy-client-key-file={pki.clients[FRONT_PROXY].key}",
         *_endpoint_reconciler(layout),
+        # Logs, exec and port-forward reach a real node's kubelet as the admin.
+        f"--kubelet-client-certificate={pki.clients['admin'].cert}",
+        f"--kubelet-client-key={pki.clients['admin'].key}",
+        "--kubelet-preferred-address-types=InternalIP",
         "--profiling=false",
     ]
 
