@@ -15,14 +15,18 @@ from pathlib import Path
 import pytest
 
 from pdserve.devcluster.node import NodeCluster
+from pdserve.operator import api
 from support import node
 from support.load import load
 from support.pool_cluster import make_namespace, patch_pool
 from support.prom import total
+from support.results import publish
+from support.router import local_pool
 from support.worker import running_worker
 
 POOL = "tiny"
 TRANSFERRED = "pdserve_kv_transfer_bytes_total"
+DURATION = "pdserve_kv_transfer_duration_seconds"
 
 
 @dataclass
@@ -150,3 +154,83 @@ def test_a_decode_pod_scaled_down_under_load_drains_its_streams(served: ServedPo
     assert outcomes.ok > 0 and outcomes.failed == 0, outcomes.errors[:5]
     # Drained within the rendered grace period (60 s), not killed at its end.
     assert gone_after < 60
+
+
+def test_the_network_policy_admits_the_pool_and_monitoring_only(served: ServedPool) -> None:
+    cluster, namespace = served.cluster, served.namespace
+    enforcer = cluster.network_policies
+    if enforcer is None or enforcer.unsupported:
+        pytest.skip(enforcer.unsupported if enforcer else "no NetworkPolicy implementation")
+    (decode,) = node.pods(cluster, namespace, node.component(POOL, "decode"))
+    worker = node.pod_url(decode)
+    outsider_ns = make_namespace(cluster.control_plane, "outsider")
+    monitoring_ns = make_namespace(cluster.control_plane, "monitoring")
+    try:
+        image = decode["spec"]["containers"][0]["image"]
+        for path in ("/metrics", "/pd/connect", "/v1/models"):
+            assert not node.reaches(cluster, outsider_ns, image, f"{worker}{path}"), path
+        assert node.reaches(cluster, monitoring_ns, image, f"{worker}/metrics")
+        _, headers = node.complete(served.url, node.LONG_PROMPT, 4)
+        assert headers["X-Pdserve-Mode"] == "disaggregated"
+    finally:
+        for name in (outsider_ns, monitoring_ns):
+            cluster.kubectl("delete", "namespace", name, "--wait=false")
+
+
+def handoff_totals(urls: list[str]) -> tuple[float, float, float]:
+    """(bytes, seconds, transfers) of the KV hand-offs the workers at `urls` counted."""
+    moved = sum(total(f"{url}/metrics", TRANSFERRED) for url in urls)
+    seconds = sum(total(f"{url}/metrics", f"{DURATION}_sum") for url in urls)
+    count = sum(total(f"{url}/metrics", f"{DURATION}_count") for url in urls)
+    return moved, seconds, count
+
+
+def handoff_rate(router: str, workers: list[str], prompts: int) -> dict[str, float]:
+    """Send `prompts` disaggregated prompts one at a time; the hand-offs' bandwidth."""
+    before = handoff_totals(workers)
+    for i in range(prompts):
+        prompt = [(token + i) % 1000 + 3 for token in node.LONG_PROMPT]  # no prefix hits
+        _, headers = node.complete(router, prompt, 2)
+        assert headers["X-Pdserve-Mode"] == "disaggregated"
+    moved, seconds, count = (a - b for a, b in zip(handoff_totals(workers), before, strict=True))
+    assert count > 0 and seconds > 0, "no hand-off was counted"
+    return {"bytes_per_transfer": moved / count, "ms_per_transfer": 1e3 * seconds / count,
+            "mb_per_s": moved / seconds / 1e6}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_measure_handoff_pod_to_pod_against_process_to_process(
+    served: ServedPool, tmp_path: Path
+) -> None:
+    prompts = 20
+    pods = [
+        node.pod_url(pod)
+        for role in ("prefill", "decode")
+        for pod in node.pods(served.cluster, served.namespace, node.component(POOL, role))
+    ]
+    on_node = handoff_rate(served.url, pods, prompts)
+    manifest = node.node_pool(POOL, "unused", served.cluster.node_name)
+    manifest["spec"]["model"].update(path=str(served.model_dir), claimName=None)
+    for role in ("prefill", "decode", "router"):
+        manifest["spec"][role].pop("nodeSelector")
+    with local_pool(api.parse_pool(manifest), tmp_path / "local") as local:
+        workers = [p.url for p in local.processes if p.url != local.url]
+        local_rate = handoff_rate(local.url, workers, prompts)
+    rows = [{"path": "pod to pod (node)", **on_node}, {"path": "process to process", **local_rate}]
+    ratio = on_node["mb_per_s"] / local_rate["mb_per_s"]
+    publish(
+        "node_kv_handoff", rows, extra={"prompts": prompts, "pod_over_process": round(ratio, 3)}
+    )
+
+
+@pytest.mark.slow
+def test_measure_pod_start_to_ready(served: ServedPool) -> None:
+    rows = []
+    for role in ("router", "prefill", "decode"):
+        (pod,) = node.pods(served.cluster, served.namespace, node.component(POOL, role))
+        rows.append({"role": role, **node.started_to_ready(pod)})
+    publish(
+        "node_pod_start",
+        rows,
+        extra={"apply_to_first_completion_s": round(served.apply_to_first_completion, 1)},
+    )

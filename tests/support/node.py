@@ -231,3 +231,24 @@ def started_to_ready(pod: Mapping[str, Any]) -> dict[str, float]:
         stamp(c["lastTransitionTime"]) for c in status["conditions"] if c["type"] == "Ready"
     )
     return {"container_started": running - started, "ready": ready_at - started}
+
+
+def reaches(cluster: NodeCluster, namespace: str, image: str, url: str) -> bool:
+    """Whether a pod in `namespace` gets any HTTP answer from `url` (within 5 s)."""
+    probe = (
+        "import sys, urllib.request, urllib.error\n"
+        "try:\n"
+        f"    urllib.request.urlopen({url!r}, timeout=5)\n"
+        "except urllib.error.HTTPError:\n"
+        "    pass\n"
+        "except OSError:\n"
+        "    sys.exit(3)\n"
+    )
+    overrides = {"spec": {"nodeSelector": {"kubernetes.io/hostname": cluster.node_name}}}
+    result = cluster.kubectl(
+        "run", f"probe-{int(time.monotonic() * 1000) % 100000}", "-n", namespace, "--rm", "-i",
+        "--restart=Never", f"--image={image}", "--image-pull-policy=Never",
+        f"--overrides={json.dumps(overrides)}", "--command", "--", "python3", "-c", probe,
+        check=False,
+    )  # fmt: skip
+    return result.returncode == 0
