@@ -84,11 +84,12 @@ build() {
     go_build "$BIN_DIR" "$1" "$MODULES/$2" "$3" "$4"
 }
 
-# wrap NAME TREE PATH: a script running TREE/PATH with TREE's libraries.
+# wrap NAME TREE PATH: a script running TREE/PATH with TREE's libraries (and
+# iptables' extensions, which it looks for where Debian installs them).
 wrap() {
     local libs=$2/usr/lib/x86_64-linux-gnu:$2/lib/x86_64-linux-gnu
-    printf '#!/bin/sh\nLD_LIBRARY_PATH=%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %s "$@"\n' \
-        "$libs" "$2/$3" >"$BIN_DIR/.$1.tmp"
+    printf '#!/bin/sh\nexport XTABLES_LIBDIR=%s\nLD_LIBRARY_PATH=%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %s "$@"\n' \
+        "$2/usr/lib/x86_64-linux-gnu/xtables" "$libs" "$2/$3" >"$BIN_DIR/.$1.tmp"
     chmod +x "$BIN_DIR/.$1.tmp"
     mv -f "$BIN_DIR/.$1.tmp" "$BIN_DIR/$1"
 }
