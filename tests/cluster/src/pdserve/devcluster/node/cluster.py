@@ -11,6 +11,7 @@ everything the node changed goes away with `stop()`.
 from __future__ import annotations
 
 import atexit
+import fcntl
 import json
 import os
 import shutil
@@ -28,7 +29,7 @@ from pdserve.devcluster.node import configs
 from pdserve.devcluster.node.binaries import NodeBinaries, ensure_node_binaries
 from pdserve.devcluster.node.images import ImageStore, pause_archive
 from pdserve.devcluster.node.netpol import NetworkPolicyEnforcer
-from pdserve.devcluster.node.sandbox import Addresses, Sandbox
+from pdserve.devcluster.node.sandbox import Addresses, Sandbox, SandboxError
 from pdserve.devcluster.nodes import node_schedulable
 from pdserve.devcluster.processes import ManagedProcess, wait_until
 
@@ -65,6 +66,7 @@ class NodeCluster:
         self._binaries: NodeBinaries | None = None
         self._paths: configs.NodePaths | None = None
         self._processes: list[ManagedProcess] = []
+        self._lock: int | None = None
         self.network_policies: NetworkPolicyEnforcer | None = None
         self.startup_seconds: float | None = None
 
@@ -110,6 +112,7 @@ class NodeCluster:
         """Build what is missing, start the control plane and the node, wait for it Ready."""
         began = time.monotonic()
         self._binaries = ensure_node_binaries(build=self._build)
+        self._take_machine()
         self._work_dir = Path(tempfile.mkdtemp(prefix="pdserve-node-"))
         atexit.register(self.stop)
         try:
@@ -144,6 +147,9 @@ class NodeCluster:
         if self._work_dir is not None:
             shutil.rmtree(self._work_dir, ignore_errors=True)
             self._work_dir = None
+        if self._lock is not None:
+            os.close(self._lock)  # releases the machine
+            self._lock = None
 
     def __enter__(self) -> NodeCluster:
         return self.start()
@@ -157,6 +163,18 @@ class NodeCluster:
         self.stop()
 
     # -- start-up steps ----------------------------------------------------------
+
+    def _take_machine(self) -> None:
+        """One node per machine: its addresses, routes and image store are fixed."""
+        store = image_store_dir()
+        store.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(store / "node.lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(descriptor)
+            raise SandboxError("another dev cluster node runs on this machine") from None
+        self._lock = descriptor
 
     def _paths_or_fail(self) -> configs.NodePaths:
         if self._paths is None:
