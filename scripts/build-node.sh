@@ -94,6 +94,33 @@ wrap() {
     mv -f "$BIN_DIR/.$1.tmp" "$BIN_DIR/$1"
 }
 
+# kube-network-policies from its module, with one change (tests/cluster/netpol/patch/):
+# its rules queue packets through the xtables NFQUEUE target instead of nftables'
+# `queue` statement, which kernels without CONFIG_NFT_QUEUE (these machines) lack.
+build_netpol() {
+    local source=$BIN_DIR/../src/kube-network-policies module=$BIN_DIR/../src/netpol-module
+    local origin
+    [[ -x $BIN_DIR/kube-network-policies ]] && return 0
+    (cd "$MODULES/netpol" && "$GO" mod download sigs.k8s.io/kube-network-policies)
+    origin=$(cd "$MODULES/netpol" && "$GO" list -m -f '{{.Dir}}' sigs.k8s.io/kube-network-policies)
+    rm -rf "$source" "$module"
+    mkdir -p "$source" "$module"
+    cp -r "$origin/." "$source/"
+    chmod -R u+w "$source"
+    cp "$MODULES/netpol/patch/nfqueue_compat.go" "$source/pkg/networkpolicy/"
+    sed -i -e 's/queue := &expr.Queue{Num: uint16(c.config.QueueID)}/queue := nfqueueTarget(uint16(c.config.QueueID), c.config.FailOpen)/' \
+        -e '/queue.Flag = expr.QueueFlagBypass/d' "$source/pkg/networkpolicy/controller.go"
+    sed -i 's/&expr.Queue{Num: uint16(n.nfQueueID), Flag: expr.QueueFlagBypass}/nfqueueTarget(uint16(n.nfQueueID), true)/' \
+        "$source/pkg/networkpolicy/dnsagent.go"
+    if grep -rq 'expr.Queue' "$source/pkg"; then
+        echo "kube-network-policies: the NFQUEUE change no longer applies; update build_netpol" >&2
+        exit 1
+    fi
+    cp "$MODULES/netpol/go.mod" "$MODULES/netpol/go.sum" "$module/"
+    (cd "$module" && "$GO" mod edit -replace "sigs.k8s.io/kube-network-policies=$source")
+    go_build "$BIN_DIR" kube-network-policies "$module" sigs.k8s.io/kube-network-policies/cmd "-s -w"
+}
+
 echo "building the node's binaries into $BIN_DIR (first time only; tens of minutes)" >&2
 BUILD_START=$(date +%s)
 packages=()
@@ -123,7 +150,7 @@ for plugin in main/bridge main/loopback ipam/host-local meta/portmap; do
     build "${plugin#*/}" cni "github.com/containernetworking/plugins/plugins/$plugin" "-s -w"
 done
 build coredns coredns pdserve.local/cluster/coredns "-s -w"
-build kube-network-policies netpol sigs.k8s.io/kube-network-policies/cmd "-s -w"
+build_netpol
 build pause pause pdserve.local/cluster/pause "-s -w"
 echo "total $(($(date +%s) - BUILD_START))s $(date -u +%Y-%m-%dT%H:%M:%SZ)" >>"$BIN_DIR/../build-times.txt"
 go_clean_private_cache

@@ -26,12 +26,13 @@ RULES: list[dict[str, Any]] = [
     },
 ]
 # kube-network-policies sends the first packet of each connection of a pod under a
-# policy to user space with nftables' `queue` statement (CONFIG_NFT_QUEUE).
+# policy to user space: built here with the xtables NFQUEUE target (nft_compat), so
+# that is what the kernel must offer (tried in the node's namespace, then removed).
 PROBE = (
-    "nft add table inet pdserve-probe && "
-    "nft add chain inet pdserve-probe c '{ type filter hook forward priority 0 ; }' && "
-    "nft add rule inet pdserve-probe c queue num 65000 bypass; "
-    "status=$?; nft delete table inet pdserve-probe 2>/dev/null; exit $status"
+    "iptables -w -A FORWARD -j NFQUEUE --queue-num 65000 --queue-bypass "
+    "-m comment --comment pdserve-probe; status=$?; "
+    "iptables -w -D FORWARD -j NFQUEUE --queue-num 65000 --queue-bypass "
+    "-m comment --comment pdserve-probe 2>/dev/null; exit $status"
 )
 
 
@@ -98,11 +99,12 @@ class NetworkPolicyEnforcer:
         )
 
     def _probe(self) -> str | None:
-        result = self._cluster.run_on_node("sh", "-c", PROBE, check=False)
+        path = f"PATH={self._paths.bin_dir}:/usr/sbin:/usr/bin:/sbin:/bin"
+        result = self._cluster.run_on_node("env", path, "sh", "-c", PROBE, check=False)
         if result.returncode == 0:
             return None
         return (
             "NetworkPolicies are not enforced on this node: kube-network-policies queues "
-            "packets with nftables' `queue` statement, which this kernel lacks "
-            f"(CONFIG_NFT_QUEUE): {result.stderr.strip()[-300:]}"
+            "packets to user space with the NFQUEUE target, which this kernel lacks "
+            f"(CONFIG_NETFILTER_XT_TARGET_NFQUEUE, nft_compat): {result.stderr.strip()[-300:]}"
         )
