@@ -6,9 +6,10 @@ rendered securityContext."""
 
 from __future__ import annotations
 
+import functools
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,13 +79,13 @@ def test_short_and_long_prompts_through_the_service_match_a_local_worker(
     served: ServedPool, tmp_path: Path
 ) -> None:
     (decode,) = node.pods(served.cluster, served.namespace, node.component(POOL, "decode"))
-    moved_before = total(f"{node.pod_url(decode)}/metrics", TRANSFERRED)
+    moved_before = node.pod_total(served.cluster, decode, TRANSFERRED)
     short, short_headers = node.complete(served.url, node.SHORT_PROMPT, 16)
     long, long_headers = node.complete(served.url, node.LONG_PROMPT, 16)
     assert short_headers["X-Pdserve-Mode"] == "colocated"
     assert long_headers["X-Pdserve-Mode"] == "disaggregated"
     # The long prompt's KV cache moved from the prefill pod to the decode pod.
-    assert total(f"{node.pod_url(decode)}/metrics", TRANSFERRED) > moved_before
+    assert node.pod_total(served.cluster, decode, TRANSFERRED) > moved_before
     with running_worker(
         served.model_dir, tmp_path, "--served-model-name", node.MODEL_NAME
     ) as local:
@@ -119,11 +120,11 @@ def test_a_prefill_pod_deleted_under_load_fails_no_request(served: ServedPool) -
         (new,) = node.wait_pods_ready(cluster, namespace, selector, 1)
         assert new["metadata"]["name"] != old["metadata"]["name"]
         (decode,) = node.pods(cluster, namespace, node.component(POOL, "decode"))
-        moved = total(f"{node.pod_url(decode)}/metrics", TRANSFERRED)
+        moved = node.pod_total(cluster, decode, TRANSFERRED)
 
         def handed_over_again() -> bool:
             _, headers = node.complete(served.url, node.LONG_PROMPT, 4)
-            now = total(f"{node.pod_url(decode)}/metrics", TRANSFERRED)
+            now = node.pod_total(cluster, decode, TRANSFERRED)
             return headers["X-Pdserve-Mode"] == "disaggregated" and now > moved
 
         node.wait_until(
@@ -164,7 +165,8 @@ def test_the_network_policy_admits_the_pool_and_monitoring_only(served: ServedPo
     (decode,) = node.pods(cluster, namespace, node.component(POOL, "decode"))
     worker = node.pod_url(decode)
     outsider_ns = make_namespace(cluster.control_plane, "outsider")
-    monitoring_ns = make_namespace(cluster.control_plane, "monitoring")
+    cluster.kubectl("create", "namespace", node.MONITORING, check=False)
+    monitoring_ns = node.MONITORING
     try:
         image = decode["spec"]["containers"][0]["image"]
         for path in ("/metrics", "/pd/connect", "/v1/models"):
@@ -173,19 +175,20 @@ def test_the_network_policy_admits_the_pool_and_monitoring_only(served: ServedPo
         _, headers = node.complete(served.url, node.LONG_PROMPT, 4)
         assert headers["X-Pdserve-Mode"] == "disaggregated"
     finally:
-        for name in (outsider_ns, monitoring_ns):
-            cluster.kubectl("delete", "namespace", name, "--wait=false")
+        cluster.kubectl("delete", "namespace", outsider_ns, "--wait=false")
 
 
-def handoff_totals(urls: list[str]) -> tuple[float, float, float]:
-    """(bytes, seconds, transfers) of the KV hand-offs the workers at `urls` counted."""
-    moved = sum(total(f"{url}/metrics", TRANSFERRED) for url in urls)
-    seconds = sum(total(f"{url}/metrics", f"{DURATION}_sum") for url in urls)
-    count = sum(total(f"{url}/metrics", f"{DURATION}_count") for url in urls)
+Totals = Callable[[str], float]
+
+
+def handoff_totals(read: Sequence[Totals]) -> tuple[float, float, float]:
+    """(bytes, seconds, transfers) of the KV hand-offs the workers counted."""
+    names = (TRANSFERRED, f"{DURATION}_sum", f"{DURATION}_count")
+    moved, seconds, count = (sum(worker(name) for worker in read) for name in names)
     return moved, seconds, count
 
 
-def handoff_rate(router: str, workers: list[str], prompts: int) -> dict[str, float]:
+def handoff_rate(router: str, workers: Sequence[Totals], prompts: int) -> dict[str, float]:
     """Send `prompts` disaggregated prompts one at a time; the hand-offs' bandwidth."""
     before = handoff_totals(workers)
     for i in range(prompts):
@@ -204,7 +207,7 @@ def test_measure_handoff_pod_to_pod_against_process_to_process(
 ) -> None:
     prompts = 20
     pods = [
-        node.pod_url(pod)
+        functools.partial(node.pod_total, served.cluster, pod)
         for role in ("prefill", "decode")
         for pod in node.pods(served.cluster, served.namespace, node.component(POOL, role))
     ]
@@ -214,7 +217,11 @@ def test_measure_handoff_pod_to_pod_against_process_to_process(
     for role in ("prefill", "decode", "router"):
         manifest["spec"][role].pop("nodeSelector")
     with local_pool(api.parse_pool(manifest), tmp_path / "local") as local:
-        workers = [p.url for p in local.processes if p.url != local.url]
+        workers = [
+            functools.partial(total, f"{p.url}/metrics")
+            for p in local.processes
+            if p.url != local.url
+        ]
         local_rate = handoff_rate(local.url, workers, prompts)
     rows = [{"path": "pod to pod (node)", **on_node}, {"path": "process to process", **local_rate}]
     ratio = on_node["mb_per_s"] / local_rate["mb_per_s"]

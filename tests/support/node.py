@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from pdserve.devcluster.node import NodeCluster
 from pdserve.workers.engine.checkpoint import TinyModelSpec, write_tiny_checkpoint
 from support.chart import CHART, run_helm, value_flags
@@ -27,6 +29,7 @@ POD_WAIT = 420.0
 MODEL_MOUNT = "/models"
 MODEL_NAME = "small"
 CLAIM = "models"
+MONITORING = "monitoring"  # the namespace the pools' NetworkPolicies admit to /metrics
 # The tests' small model (tests/conftest.py), written where the pods' user can read it.
 NODE_MODEL = TinyModelSpec(
     layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=1024, max_position=2048
@@ -49,6 +52,7 @@ def install_chart(
     values: dict[str, Any] = {
         "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
         "watchNamespaces": [pools_ns],
+        "prometheusNamespace": MONITORING,
         "nodeSelector": {"kubernetes.io/hostname": cluster.node_name},
     }
     helm_on(
@@ -214,6 +218,22 @@ def wait_serving(url: str, timeout: float = 120.0) -> float:
 def pod_url(pod: Mapping[str, Any], port: int = 8000) -> str:
     """http://POD-IP:PORT (routed from this machine to the node)."""
     return f"http://{pod['status']['podIP']}:{port}"
+
+
+def pod_total(cluster: NodeCluster, pod: Mapping[str, Any], name: str) -> float:
+    """The sum of a metric's samples, scraped inside the pod (on its loopback: the
+    pool's NetworkPolicy admits no client from this machine)."""
+    scrape = "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8000/metrics').read().decode())"
+    meta = pod["metadata"]
+    text = cluster.kubectl(
+        "exec", "-n", meta["namespace"], meta["name"], "--", "python3", "-c", scrape
+    ).stdout
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    )
 
 
 def started_to_ready(pod: Mapping[str, Any]) -> dict[str, float]:
