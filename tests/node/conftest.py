@@ -61,5 +61,5 @@ def node_images(
     references = {}
     for name in ("operator", "worker"):
         references[name] = built_image(name)
-        store.load_from_podman(podman(), references[name], scratch)
+        store.load_from_podman(podman().parent, references[name], scratch)
     return references

@@ -65,11 +65,12 @@ class ImageStore:
             capture_output=True, text=True, check=True,
         )  # fmt: skip
 
-    def load_from_podman(self, podman: Path, reference: str, scratch: Path) -> bool:
-        """Import `reference` from podman's storage unless this very image (by podman's
-        id) is already there; True when it was imported now."""
+    def load_from_podman(self, tools: Path, reference: str, scratch: Path) -> bool:
+        """Import `reference` from the local image storage (`tools`: the folder of the
+        project's podman, buildah and policy.json) unless this very image (by its id)
+        is already there; True when it was imported now."""
         image_id = subprocess.run(
-            [str(podman), "image", "inspect", "--format", "{{.Id}}", reference],
+            [str(tools / "podman"), "image", "inspect", "--format", "{{.Id}}", reference],
             capture_output=True, text=True, check=True,
         ).stdout.strip()  # fmt: skip
         mark = self._marks / hashlib.sha256(reference.encode()).hexdigest()
@@ -77,8 +78,10 @@ class ImageStore:
             return False
         archive = scratch / "image.tar"
         try:
+            # buildah, not `podman save`: it takes the signature policy of the tools.
             subprocess.run(
-                [str(podman), "save", "--format", "docker-archive", "-o", str(archive), reference],
+                [str(tools / "buildah"), "push", "--signature-policy", str(tools / "policy.json"),
+                 reference, f"docker-archive:{archive}:{reference}"],
                 capture_output=True, text=True, check=True,
             )  # fmt: skip
             self.import_archive(archive)
