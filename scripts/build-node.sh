@@ -135,7 +135,7 @@ cp "$tree/usr/sbin/runc" "$BIN_DIR/.runc.tmp"
 mv -f "$BIN_DIR/.runc.tmp" "$BIN_DIR/runc"
 # kube-proxy's iptables mode on the kernel's nf_tables, as current distributions do.
 for name in iptables iptables-save iptables-restore ip6tables ip6tables-save ip6tables-restore; do
-    wrap "$name" "$tree" "usr/sbin/${name/iptables/iptables-nft}"
+    wrap "$name" "$tree" "usr/sbin/${name/tables/tables-nft}"
 done
 wrap nft "$tree" usr/sbin/nft
 
