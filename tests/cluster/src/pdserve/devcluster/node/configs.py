@@ -64,6 +64,9 @@ state = "{paths.state("containerd")}/run"
 
 [{runtime}]
   enable_selinux = false
+  # Without CAP_SYS_RESOURCE (some VMs) no process may lower its OOM score below its
+  # parent's: the kubelet's -998 for pod sandboxes would fail every pod.
+  restrict_oom_score_adj = true
 
 [{runtime}.containerd.runtimes.runc]
   runtime_type = "io.containerd.runc.v2"
