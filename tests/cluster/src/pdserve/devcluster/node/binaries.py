@@ -4,12 +4,11 @@ kube-network-policies, pause; runc, iptables and nft from Debian's packages)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
-from pdserve.devcluster.binaries import BinariesError, find_build_script
+from pdserve.devcluster.binaries import Binaries, built_by, find_build_script
 
 BUILD_SCRIPT = Path("scripts") / "build-node.sh"
 NAMES = (
@@ -20,31 +19,13 @@ NAMES = (
 
 
 @dataclass(frozen=True)
-class NodeBinaries:
+class NodeBinaries(Binaries):
     """The folder holding every executable a node runs (also its PATH)."""
 
-    bin_dir: Path
-
-    def path(self, name: str) -> Path:
-        """The executable called `name` (one of NAMES)."""
-        if name not in NAMES:
-            raise KeyError(name)
-        return self.bin_dir / name
-
-    def missing(self) -> list[str]:
-        """Names of the executables that are not there."""
-        return [n for n in NAMES if not os.access(self.path(n), os.X_OK)]
+    names: ClassVar[tuple[str, ...]] = NAMES
 
 
 def ensure_node_binaries(*, build: bool = True) -> NodeBinaries:
     """The node's binaries, built into the version-keyed cache if missing (a cold build
     takes tens of minutes; the script returns at once once they are there)."""
-    script = find_build_script(script_path=BUILD_SCRIPT)
-    args = [str(script)] if build else [str(script), "--check"]
-    result = subprocess.run(args, stdout=subprocess.PIPE, text=True, check=False)
-    if result.returncode != 0:
-        raise BinariesError(f"{script} failed with exit status {result.returncode}")
-    found = NodeBinaries(Path(result.stdout.strip().splitlines()[-1]))
-    if found.missing():
-        raise BinariesError(f"{found.bin_dir} lacks {', '.join(found.missing())}")
-    return found
+    return built_by(find_build_script(script_path=BUILD_SCRIPT), NodeBinaries, build=build)
