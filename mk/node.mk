@@ -15,8 +15,10 @@ cluster-node-bin:
 cluster-node: venv cluster-bin cluster-node-bin
 	$(PY) -m pdserve.devcluster.node
 
-# Not part of `make test`: the first run loads the worker image (several GB) into the
-# node's containerd, and each pool's pods load torch and a model (minutes).
+# Not part of `make test`: warm it takes about 4 minutes on two loaded cores (three
+# pods starting torch, load for a deleted pod and a drain), which `make test`'s
+# 10-minute budget does not hold beside unit and e2e; cold it builds the node (over an
+# hour here) and loads the 6.5 GB worker image into containerd (about 13 minutes).
 e2e-node: venv cluster-bin cluster-node-bin helm-bin images
 	$(BIN)/pytest tests/node -m "node and not slow" $(PYTEST_ARGS)
 
