@@ -14,6 +14,7 @@ from pdserve.base.ports import announce_port
 from pdserve.operator import metrics
 from pdserve.operator.cli import OperatorOptions
 from pdserve.operator.controller.kube import ConfigError, Credentials, load_credentials
+from pdserve.operator.identity import own_identity
 
 
 class _QuietWatchHandlers(logging.Filter):
@@ -63,6 +64,7 @@ async def _operate(options: OperatorOptions, credentials: Credentials) -> None:
             clusterwide=not options.namespace,
             namespaces=list(options.namespace),
             standalone=True,  # no peering: one operator per cluster (or per namespace set)
+            identity=own_identity(),  # type: ignore[arg-type]  # kopf's NewType of str
             memo=kopf.Memo(options=options, credentials=credentials),
         )
     finally:

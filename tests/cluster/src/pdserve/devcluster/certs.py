@@ -138,17 +138,20 @@ class _Authority:
         return builder.sign(self.key, hashes.SHA256()), key
 
 
-def _serving_sans() -> list[x509.GeneralName]:
+def _serving_sans(extra_ips: tuple[str, ...]) -> list[x509.GeneralName]:
     names: list[x509.GeneralName] = [x509.DNSName(n) for n in SERVING_DNS_NAMES]
-    names += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in SERVING_IPS]
+    names += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in (*SERVING_IPS, *extra_ips)]
     return names
 
 
-def make_pki(directory: Path, clients: dict[str, str]) -> ClusterPKI:
+def make_pki(
+    directory: Path, clients: dict[str, str], serving_ips: tuple[str, ...] = ()
+) -> ClusterPKI:
     """Write a CA, a serving certificate and client certificates into `directory`.
 
-    `clients` maps a file name to the user name (certificate CN) of each client. Every
-    client is in the `system:masters` group: this cluster is a private test fixture,
+    `clients` maps a file name to the user name (certificate CN) of each client;
+    `serving_ips` are more addresses the API server's certificate names. Every client
+    is in the `system:masters` group: this cluster is a private test fixture,
     and full rights keep each component independent of RBAC bootstrap ordering.
     """
     directory.mkdir(parents=True, exist_ok=True)
@@ -157,7 +160,9 @@ def make_pki(directory: Path, clients: dict[str, str]) -> ClusterPKI:
     serving = _write_pair(
         directory,
         "serving",
-        *authority.issue(_name("kube-apiserver"), ExtendedKeyUsageOID.SERVER_AUTH, _serving_sans()),
+        *authority.issue(
+            _name("kube-apiserver"), ExtendedKeyUsageOID.SERVER_AUTH, _serving_sans(serving_ips)
+        ),
     )
     pairs = {
         file_name: _write_pair(

@@ -53,6 +53,8 @@ class Layout:
     pki: ClusterPKI
     work_dir: Path
     ports: Ports
+    # Where the API server listens: loopback, or an address a node's network reaches.
+    api_address: str = LOOPBACK
 
     def kubeconfig(self, component: str) -> Path:
         """The kubeconfig of `component` ("admin" is the user's)."""
@@ -101,8 +103,8 @@ def apiserver_args(layout: Layout) -> list[str]:
     return [
         str(layout.binaries.path("kube-apiserver")),
         f"--etcd-servers=http://{LOOPBACK}:{layout.ports.etcd_client}",
-        f"--bind-address={LOOPBACK}",
-        f"--advertise-address={LOOPBACK}",
+        f"--bind-address={layout.api_address}",
+        f"--advertise-address={layout.api_address}",
         f"--secure-port={layout.ports.apiserver}",
         f"--cert-dir={layout.data('kube-apiserver')}",
         f"--tls-cert-file={pki.serving.cert}",
@@ -123,11 +125,19 @@ def apiserver_args(layout: Layout) -> list[str]:
         "--requestheader-extra-headers-prefix=X-Remote-Extra-",
         f"--proxy-client-cert-file={pki.clients[FRONT_PROXY].cert}",
         f"--proxy-client-key-file={pki.clients[FRONT_PROXY].key}",
-        # Endpoints of the `kubernetes` Service would name a loopback address, which
-        # EndpointSlice validation rejects; nothing in this cluster needs them.
-        "--endpoint-reconciler-type=none",
+        *_endpoint_reconciler(layout),
+        # Logs, exec and port-forward reach a real node's kubelet as the admin.
+        f"--kubelet-client-certificate={pki.clients['admin'].cert}",
+        f"--kubelet-client-key={pki.clients['admin'].key}",
+        "--kubelet-preferred-address-types=InternalIP",
         "--profiling=false",
     ]
+
+
+def _endpoint_reconciler(layout: Layout) -> list[str]:
+    # Endpoints of the `kubernetes` Service would name a loopback address, which
+    # EndpointSlice validation rejects: kept only where pods can reach the API server.
+    return ["--endpoint-reconciler-type=none"] if layout.api_address == LOOPBACK else []
 
 
 def _serving_flags(layout: Layout, component: str, port: int) -> list[str]:

@@ -82,12 +82,19 @@ class DevCluster:
         gpus: int = 8,
         startup_timeout: float = 180.0,
         build: bool = True,
+        api_address: str = LOOPBACK,
+        extra_clients: dict[str, str] | None = None,
     ) -> None:
+        """`api_address`: where the API server listens (a real node's network reaches
+        it there); `extra_clients`: more kubeconfigs to write, file name -> user name."""
         self.node_name = node_name
         self.gpus = gpus
         self.startup_timeout = startup_timeout
         self._build = build
         self._given_dir = work_dir
+        self._api_address = api_address
+        self._clients = {**CLIENTS, **(extra_clients or {})}
+        self._kubeconfig_clients = (*KUBECONFIG_CLIENTS, *(extra_clients or {}))
         self._layout: Layout | None = None
         self._processes: list[ManagedProcess] = []
         self._reader: ApiReader | None = None
@@ -102,8 +109,9 @@ class DevCluster:
 
     @property
     def server(self) -> str:
-        """The API server URL, https://127.0.0.1:PORT."""
-        return f"https://{LOOPBACK}:{self._started().ports.apiserver}"
+        """The API server URL, https://127.0.0.1:PORT (or the address it was given)."""
+        layout = self._started()
+        return f"https://{layout.api_address}:{layout.ports.apiserver}"
 
     @property
     def work_dir(self) -> Path:
@@ -129,8 +137,9 @@ class DevCluster:
         binaries = ensure_binaries(build=self._build)
         work_dir = self._given_dir or self._new_temp_dir()
         work_dir.mkdir(parents=True, exist_ok=True)
-        pki = make_pki(work_dir / "pki", CLIENTS)
-        self._layout = Layout(binaries, pki, work_dir, Ports.allocate())
+        serving_ips = () if self._api_address == LOOPBACK else (self._api_address,)
+        pki = make_pki(work_dir / "pki", self._clients, serving_ips)
+        self._layout = Layout(binaries, pki, work_dir, Ports.allocate(), self._api_address)
         atexit.register(self.stop)
         try:
             self._start_components()
@@ -192,8 +201,8 @@ class DevCluster:
 
     def _start_components(self) -> None:
         layout = self._started()
-        for component in KUBECONFIG_CLIENTS:
-            user = CLIENTS[component]
+        for component in self._kubeconfig_clients:
+            user = self._clients[component]
             write_kubeconfig(
                 layout.kubeconfig(component),
                 self.server,

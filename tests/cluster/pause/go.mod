@@ -1,0 +1,3 @@
+module pdserve.local/cluster/pause
+
+go 1.26.0
