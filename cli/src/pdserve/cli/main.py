@@ -42,6 +42,7 @@ COMMAND_SOURCES: tuple[CommandSource, ...] = (
     CommandSource("pdserve.workers.plan.cli", "pdserve-workers", ("profile", "simulate")),
     CommandSource("pdserve.cli.demo", "pdserve-workers", ("demo",)),
     CommandSource("pdserve.operator.cli", "pdserve-operator", ("crd", "operator", "local")),
+    CommandSource("pdserve.operator.planning.cli", "pdserve-operator", ("plan",)),
     CommandSource("pdserve.cli.version", "pdserve", ("version",)),
 )
 

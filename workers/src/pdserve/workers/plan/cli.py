@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -103,8 +104,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
     except (ConfigError, TraceError, ProfileError) as error:
         print(f"pdserve simulate: {error}", file=sys.stderr)
         return 2
-    source = sys.stdin if args.scenarios == "-" else Path(args.scenarios).open()
-    with source:
+    with contextlib.ExitStack() as stack:
+        source = sys.stdin if args.scenarios == "-" else stack.enter_context(open(args.scenarios))
         for line in source:
             if not line.strip():
                 continue

@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.cli.credentials import write_new_credential
+from pdserve.workers.engine.step_cost import StepFeatures
 from pdserve.workers.headers import PREFILL_URL_HEADER
 from pdserve.workers.plan.costs import HandoffCost, StepCost
 from pdserve.workers.server.internal import bearer
 from pdserve.workers.server.process import ServerProcess, start_worker
-from pdserve.workers.engine.step_cost import StepFeatures
 
 REQUEST_TIMEOUT_S = 120.0
 REPEATS = 5
@@ -66,7 +66,8 @@ def measure_pair(
         common = ["--port", "0", "--internal-token-file", str(directory / "credential")]
         common += ["--kv-transfer", setup.backend, *setup.worker_args]
         started = time.perf_counter()
-        prefill = start_worker(setup.model, directory / "prefill.log", ["--role", "prefill", *common])
+        prefill_args = ["--role", "prefill", *common]
+        prefill = start_worker(setup.model, directory / "prefill.log", prefill_args)
         workers = [prefill]
         try:
             prefill.wait_ready()

@@ -15,6 +15,7 @@ prefill worker until the first token is back.
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass, field
 from dataclasses import replace as replaced
@@ -107,7 +108,7 @@ class PoolSimulation:
         """Replay the traffic to its end (or the drain deadline, as the bench's)."""
         random.seed(self.traffic.seed)  # the router breaks ties at random
         for planned in self.traffic.plan:
-            self.events.at(planned.offset_s, lambda now, p=planned: self._arrive(p, now))
+            self.events.at(planned.offset_s, functools.partial(self._arrive, planned))
         self.events.at(0.0, self._poll)
         last = self.traffic.plan[-1].offset_s if self.traffic.plan else 0.0
         deadline = max(self.traffic.horizon_s or 0.0, last) + self.traffic.drain_timeout_s
@@ -138,8 +139,8 @@ class PoolSimulation:
             planned.index, planned.kind, planned.input_tokens, planned.output_tokens, now, now
         )
         self.records.append(record)
-        traffic = self.traffic
-        prompt = prompt_tokens(traffic.seed, planned.index, planned.input_tokens, traffic.vocab_size)
+        seed, vocab = self.traffic.seed, self.traffic.vocab_size
+        prompt = prompt_tokens(seed, planned.index, planned.input_tokens, vocab)
         table = self.scenario.table
         mode = table.buckets[table.bucket_of(len(prompt))].mode
         prefill = self.sets["prefill"].choose() if mode == "disaggregated" else None

@@ -66,7 +66,11 @@ def profile_model(run: ProfileRun, progress: Callable[[str], None] = lambda line
         worker_args=run.worker_args,
         backend=run.kv_transfer,
         lengths=tuple(n for n in HANDOFF_LENGTHS if n < engine.max_model_len),
-        block_bytes=2 * model.num_layers * model.num_kv_heads * model.head_dim * itemsize
+        block_bytes=2
+        * model.num_layers
+        * model.num_kv_heads
+        * model.head_dim
+        * itemsize
         * engine.block_size,
         block_size=engine.block_size,
         vocab=model.vocab_size,

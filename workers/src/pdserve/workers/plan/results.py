@@ -39,7 +39,10 @@ def summarize_run(
     """Every figure of a run whose clock started at 0, as JSON-ready values."""
     metrics = compute_metrics(records, 0.0, slo_of(slo), bounds)
     latencies = [request_latency(r) for r in records]
-    labelled = [(bucket_label(r.input_tokens, bounds), lat) for r, lat in zip(records, latencies)]
+    labelled = [
+        (bucket_label(r.input_tokens, bounds), lat)
+        for r, lat in zip(records, latencies, strict=True)
+    ]
     overall = metrics.overall
     return {
         "duration_s": metrics.duration_s,
@@ -71,7 +74,7 @@ def _latencies(
 ) -> dict[str, Percentiles | None]:
     """TTFT, ITL (every gap, pooled), TPOT and E2E of the successful requests."""
     done = [lat for lat in latencies if lat is not None]
-    samples = {
+    samples: dict[str, Sequence[float] | np.ndarray] = {
         "ttft_s": [lat.ttft_s for lat in done],
         "itl_s": np.concatenate([lat.itl_s for lat in done]) if done else np.array([]),
         "tpot_s": [lat.tpot_s for lat in done if lat.tpot_s is not None],
@@ -80,7 +83,9 @@ def _latencies(
     return {name: _percentiles(values, percentiles) for name, values in samples.items()}
 
 
-def _percentiles(values: Sequence[float] | np.ndarray, percentiles: Sequence[float]) -> Percentiles | None:
+def _percentiles(
+    values: Sequence[float] | np.ndarray, percentiles: Sequence[float]
+) -> Percentiles | None:
     array = np.asarray(values, dtype=float)
     if array.size == 0:
         return None

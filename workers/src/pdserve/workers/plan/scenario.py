@@ -86,9 +86,7 @@ def parse_scenario(line: str) -> Scenario:
     if missing:
         raise ScenarioError(f"scenario {spec.name}: no worker arguments for {sorted(missing)}")
     setups = {role: role_setup(spec.name, spec.workers[role]) for role in roles}
-    return Scenario(
-        spec.name, table, table.discovery, setups, spec.percentiles, spec.buckets
-    )
+    return Scenario(spec.name, table, table.discovery, setups, spec.percentiles, spec.buckets)
 
 
 def role_setup(name: str, args: list[str]) -> RoleSetup:

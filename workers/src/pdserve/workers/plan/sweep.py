@@ -67,8 +67,10 @@ def design_points(design: SweepDesign, engine: LLMEngine) -> Iterator[SweepPoint
                 for prefill in design.prefills:
                     fits = used + start + prefill + 1 <= capacity
                     inside = start + prefill + 1 < engine.max_model_len
+                    # A decode-only step once per batch; prefill alone at one context.
                     useful = prefill > 0 or (decodes > 0 and start == design.starts[0])
-                    if fits and inside and useful and (decodes > 0 or context == design.contexts[0]):
+                    once = decodes > 0 or context == design.contexts[0]
+                    if fits and inside and useful and once:
                         yield SweepPoint(context, decodes, prefill, start)
 
 
