@@ -29,9 +29,7 @@ def constant_profile(model_dir: Path, step_s: float, handoff_s: float = 0.0) -> 
     return profile_with(model_dir, cost, HandoffCost(fixed_s=handoff_s))
 
 
-def profile_with(
-    model_dir: Path, cost: StepCost, handoff: HandoffCost | None = None
-) -> Profile:
+def profile_with(model_dir: Path, cost: StepCost, handoff: HandoffCost | None = None) -> Profile:
     """A profile of the model in `model_dir` with these costs."""
     return Profile(
         created="2026-01-01T00:00:00Z",
@@ -52,7 +50,9 @@ def azure_trace(path: Path, rows: Sequence[tuple[float, int, int]]) -> Path:
     lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
     for offset, prompt, output in rows:
         seconds = 10.0 + offset
-        lines.append(f"2023-11-16 18:{int(seconds // 60):02d}:{seconds % 60:09.6f},{prompt},{output}")
+        lines.append(
+            f"2023-11-16 18:{int(seconds // 60):02d}:{seconds % 60:09.6f},{prompt},{output}"
+        )
     path.write_text("\n".join(lines) + "\n")
     return path
 
