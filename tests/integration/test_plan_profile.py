@@ -44,7 +44,7 @@ def test_profile_sweeps_the_engine_and_the_simulator_runs_on_it(
     assert any(s.prefill_tokens == 0 and s.decode_tokens > 0 for s in steps)
     assert any(s.decode_tokens == 0 and s.prefill_tokens > 0 for s in steps)
     assert len({s.decode_keys // max(1, s.decode_tokens) for s in steps if s.decode_tokens}) > 2
-    assert len({s.prefill_keys for s in steps if s.prefill_tokens}) > 2
+    assert len({s.prefill_keys for s in steps if s.prefill_tokens}) > 1
     errors = relative_errors(profile.step_cost, steps)
     assert float(np.mean(errors)) == profile.step_fit.mean_abs
 
