@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.cli.credentials import write_new_credential
+from pdserve.workers.bench.config import FIRST_PROMPT_TOKEN_ID
 from pdserve.workers.engine.step_cost import StepFeatures
 from pdserve.workers.headers import PREFILL_URL_HEADER
 from pdserve.workers.plan.costs import HandoffCost, StepCost
@@ -31,7 +32,6 @@ from pdserve.workers.server.process import ServerProcess, start_worker
 
 REQUEST_TIMEOUT_S = 120.0
 REPEATS = 5
-FIRST_TOKEN_ID = 3
 
 
 @dataclass(frozen=True)
@@ -99,9 +99,9 @@ def _measure(
     for length in setup.lengths:
         colocated, disaggregated = [], []
         for _ in range(REPEATS + 1):  # the first of each is a warm-up
-            prompt = rng.integers(FIRST_TOKEN_ID, setup.vocab, length).tolist()
+            prompt = rng.integers(FIRST_PROMPT_TOKEN_ID, setup.vocab, length).tolist()
             colocated.append(_first_token_s(decode.url, prompt, headers))
-            prompt = rng.integers(FIRST_TOKEN_ID, setup.vocab, length).tolist()
+            prompt = rng.integers(FIRST_PROMPT_TOKEN_ID, setup.vocab, length).tolist()
             disaggregated.append(_first_token_s(decode.url, prompt, handed))
         local = statistics.median(colocated[1:])
         blocks = -(-length // setup.block_size)

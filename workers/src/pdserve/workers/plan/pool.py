@@ -240,20 +240,20 @@ class PoolSimulation:
             else:
                 self._streamed(request, output, now)
         for failure in result.failed:
-            request = self._by_id.pop((side, failure.request_id), None)
+            request = self._by_id.get((side, failure.request_id))
             if request is None:
                 continue
             if side == "prefill":
-                self._prefill_failed(request)
+                self._prefill_failed(worker, request)
             else:
-                self._by_id[("decode", request.request_id)] = request
                 request.record.fail(f"HTTP 503: {failure}", now)
                 self._ended(request, now)
 
-    def _prefill_failed(self, request: SimRequest) -> None:
+    def _prefill_failed(self, prefill: SimWorker, request: SimRequest) -> None:
         """The prefill worker could not compute the prompt: the decode worker frees
         its reservation and follows the failure policy."""
-        self.workers[request.prefill.url if request.prefill else ""].load.request_ended()
+        del self._by_id[("prefill", request.request_id)]
+        prefill.load.request_ended()
 
         def settle(engine: LLMEngine) -> list[RequestOutput]:
             engine.release(request.request_id)

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdserve.workers.bench.config import FIRST_PROMPT_TOKEN_ID
 from pdserve.workers.engine.budget import StaticBudget
 from pdserve.workers.engine.engine import LLMEngine
 from pdserve.workers.engine.sampling import SamplingParams
 from pdserve.workers.engine.step_cost import StepFeatures
 from pdserve.workers.plan.costs import StepSample
 
-FIRST_TOKEN_ID = 3  # below this, small models keep special tokens
 WARM_UP_STEPS = 4
 
 
@@ -137,7 +137,7 @@ class Sweep:
     def _add(self, prompt_tokens: int, max_tokens: int) -> str:
         self._ids += 1
         request_id = f"sweep-{self._ids}"
-        prompt = self.rng.integers(FIRST_TOKEN_ID, self.vocab, prompt_tokens).tolist()
+        prompt = self.rng.integers(FIRST_PROMPT_TOKEN_ID, self.vocab, prompt_tokens).tolist()
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         self.engine.add_request(request_id, prompt, params)
         return request_id
