@@ -86,9 +86,19 @@ class SimWorker:
         if not self.engine.has_unfinished():
             return
         result = self.engine.step()
+        if not result.chunks:
+            # Nothing could run (no blocks, no seat): only a command or a lease running
+            # out changes that, and a real engine spins meanwhile. Wait for either.
+            self._wake_at(self.engine.leases.next_deadline())
+            return
         self.num_steps += 1
         self._stepping = True
         self.events.at(self.clock.now, lambda at: self._step_ended(result, at))
+
+    def _wake_at(self, when: float | None) -> None:
+        if when is not None and not self._woken:
+            self._woken = True
+            self.events.at(when + 1e-6, self._loop)  # strictly past it: expired then
 
     def _expire_queued(self) -> list[str]:
         """The requests that waited past the queue's deadline (the worker's 503)."""
