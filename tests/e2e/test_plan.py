@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 import yaml
 
 from pdserve.cli.main import pdserve_command

@@ -10,7 +10,6 @@ from typing import Any
 
 from pdserve.workers.plan.costs import FitError, HandoffCost, Profile, StepCost
 
-
 # Step costs of the order a small model has on a CPU: a fixed cost, per-token costs,
 # and attention that grows with the keys a chunk reads.
 CPU_LIKE = StepCost(

@@ -101,8 +101,8 @@ def test_disaggregation_wins_when_long_prompts_break_the_short_ones_itl() -> Non
     assert words.startswith("Disaggregate: bucketed 1P+2D")
     assert "no colocated budget tried meets it" in words
     assert (
-        "with 3 workers the best colocated budget (static 512) misses the ITL target in bucket <=1024: P99 150 ms against 100 ms"
-        in words
+        "with 3 workers the best colocated budget (static 512) misses the ITL target in "
+        "bucket <=1024: P99 150 ms against 100 ms" in words
     )
     pool = recommended_pool(MANIFEST, trials, best, "test plan")
     assert pool["spec"]["prefill"]["replicas"] == 1
