@@ -1,9 +1,11 @@
-"""`pdserve plan` on a small trace: it finishes within a minute, prints what it tried
-and its answer, and writes a ServingPool the API server accepts as it is."""
+"""`pdserve plan` on a small trace: it finishes within a minute of processor time,
+prints what it tried and its answer, and writes a ServingPool the API server accepts
+as it is."""
 
 from __future__ import annotations
 
 import json
+import resource
 import subprocess
 import time
 from pathlib import Path
@@ -65,12 +67,14 @@ def test_plan_on_a_small_trace_writes_a_pool_the_api_server_accepts(
         "--json", str(tmp_path / "trials.json"),
     )  # fmt: skip
 
-    started = time.monotonic()
-    run = subprocess.run(command, capture_output=True, text=True, timeout=5 * PLAN_LIMIT_S)
-    elapsed = time.monotonic() - started
+    started, before = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    run = subprocess.run(command, capture_output=True, text=True, timeout=10 * PLAN_LIMIT_S)
+    elapsed, after = time.monotonic() - started, resource.getrusage(resource.RUSAGE_CHILDREN)
 
     assert run.returncode == 0, run.stdout + run.stderr
-    assert elapsed < PLAN_LIMIT_S, f"the plan took {elapsed:.0f}s"
+    # Its processor time: a machine busy with other work stretches the wall clock.
+    cpu_s = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    assert cpu_s < PLAN_LIMIT_S, f"the plan took {cpu_s:.0f}s of CPU ({elapsed:.0f}s wall)"
     trials = json.loads((tmp_path / "trials.json").read_text())
     families = {trial["pool"].split()[0] for trial in trials}
     assert families == {"colocated", "bucketed", "disaggregated"}

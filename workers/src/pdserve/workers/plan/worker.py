@@ -96,9 +96,14 @@ class SimWorker:
         self.events.at(self.clock.now, lambda at: self._step_ended(result, at))
 
     def _wake_at(self, when: float | None) -> None:
-        if when is not None and not self._woken:
-            self._woken = True
-            self.events.at(when + 1e-6, self._loop)  # strictly past it: expired then
+        """A pass of the loop just past `when` (a lease expires then), unless a command
+        brought one earlier."""
+        if when is not None:
+            self.events.at(when + 1e-6, self._lease_due)
+
+    def _lease_due(self, now: float) -> None:
+        if not self._stepping and not self._woken:
+            self._loop(now)
 
     def _expire_queued(self) -> list[str]:
         """The requests that waited past the queue's deadline (the worker's 503)."""
