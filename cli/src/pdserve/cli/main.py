@@ -39,8 +39,10 @@ COMMAND_SOURCES: tuple[CommandSource, ...] = (
     CommandSource("pdserve.workers.server.cli", "pdserve-workers", ("worker",)),
     CommandSource("pdserve.workers.router.cli", "pdserve-workers", ("router",)),
     CommandSource("pdserve.workers.bench.cli", "pdserve-workers", ("bench",)),
+    CommandSource("pdserve.workers.plan.cli", "pdserve-workers", ("profile", "simulate")),
     CommandSource("pdserve.cli.demo", "pdserve-workers", ("demo",)),
     CommandSource("pdserve.operator.cli", "pdserve-operator", ("crd", "operator", "local")),
+    CommandSource("pdserve.operator.planning.cli", "pdserve-operator", ("plan",)),
     CommandSource("pdserve.base.version", "pdserve-base", ("version",)),
 )
 

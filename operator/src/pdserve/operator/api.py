@@ -239,6 +239,19 @@ RATIO_MIN_NOT_ABOVE_MAX = Rule(
     "min must not exceed max",
     ".min",
 )
+RATIO_WITHIN_REPLICAS = Rule(
+    "!has(self.policy) || !has(self.policy.prefillDecodeRatio)"
+    " || ((!has(self.policy.prefillDecodeRatio.min)"
+    " || self.policy.prefillDecodeRatio.min * double(self.decode.minReplicas)"
+    " <= double(self.prefill.maxReplicas))"
+    " && (!has(self.policy.prefillDecodeRatio.max)"
+    " || self.policy.prefillDecodeRatio.max * double(self.decode.maxReplicas)"
+    " >= double(self.prefill.minReplicas)))",
+    "prefillDecodeRatio admits no split within the replica bounds: min must not exceed "
+    "prefill.maxReplicas / decode.minReplicas, and max must be at least "
+    "prefill.minReplicas / decode.maxReplicas",
+    ".policy.prefillDecodeRatio",
+)
 EXISTS_TAKES_NO_VALUE = Rule(
     "!has(self.operator) || self.operator != 'Exists' || !has(self.value)",
     "a toleration with operator Exists takes no value",
@@ -626,7 +639,7 @@ class ScalingPolicy(ApiModel):
 class AutoscalingSpec(ApiModel):
     """SLO-driven scaling of each role, within its bounds."""
 
-    model_config = ConfigDict(json_schema_extra=cel(HPA_NEEDS_ONE_REPLICA))
+    model_config = ConfigDict(json_schema_extra=cel(HPA_NEEDS_ONE_REPLICA, RATIO_WITHIN_REPLICAS))
 
     enabled: bool = False
     prefill: RoleScaling = RoleScaling()
@@ -638,6 +651,20 @@ class AutoscalingSpec(ApiModel):
         lowest = min(self.prefill.min_replicas, self.decode.min_replicas)
         if self.policy.type == "hpa" and lowest < 1:
             raise refuse(HPA_NEEDS_ONE_REPLICA)
+        # A bound the replica bounds cannot meet (a plan's, for other bounds) would
+        # hold the planner still whatever the SLOs say.
+        ratio = self.policy.prefill_decode_ratio
+        if ratio is not None and (
+            (
+                ratio.min is not None
+                and ratio.min * self.decode.min_replicas > self.prefill.max_replicas
+            )
+            or (
+                ratio.max is not None
+                and ratio.max * self.decode.max_replicas < self.prefill.min_replicas
+            )
+        ):
+            raise refuse(RATIO_WITHIN_REPLICAS)
         return self
 
     def bounds(self, role: Role) -> RoleScaling:

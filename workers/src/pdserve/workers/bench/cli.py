@@ -23,6 +23,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description=__doc__,
     )
     parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    add_traffic_arguments(parser)
+    _add_slo_arguments(parser)
+    _add_output_arguments(parser)
+    parser.set_defaults(handler=_run)
+
+
+def add_traffic_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that say what traffic a run sends (a workload or a trace, arrivals,
+    lengths): the bench's, and the simulator's, which replays the same traffic."""
     traffic = parser.add_mutually_exclusive_group(required=True)
     traffic.add_argument("--workload", choices=WORKLOAD_NAMES, help="synthetic workload class")
     parser.add_argument(
@@ -32,9 +41,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     traffic.add_argument("--trace", type=Path, metavar="FILE", help="replay a trace CSV (Azure)")
     _add_run_arguments(parser)
     _add_length_arguments(parser)
-    _add_slo_arguments(parser)
-    _add_output_arguments(parser)
-    parser.set_defaults(handler=_run)
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:

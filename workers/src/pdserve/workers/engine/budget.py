@@ -24,14 +24,12 @@ every stream and help nothing, so the policy stops at the fastest one.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from pdserve.workers.engine.clock import Clock
 from pdserve.workers.engine.config import SchedulerConfig
 from pdserve.workers.engine.step_cost import StepCostModel, StepFeatures
-
-Clock = Callable[[], float]
 
 
 @dataclass(frozen=True)
@@ -182,11 +180,15 @@ def static_budget(config: SchedulerConfig, max_model_len: int) -> int:
     return config.max_num_batched_tokens
 
 
-def budget_policy(config: SchedulerConfig, max_model_len: int, cost: StepCostModel) -> BudgetPolicy:
+def budget_policy(
+    config: SchedulerConfig, max_model_len: int, cost: StepCostModel, clock: Clock = time.monotonic
+) -> BudgetPolicy:
     """The policy `config` asks for; an adaptive one predicts with `cost`, which its
-    owner teaches after every step."""
+    owner teaches after every step, and reads the time from `clock`."""
     budget = config.token_budget
     if budget.mode == "adaptive":
         assert budget.target_itl_s is not None  # checked by TokenBudgetConfig
-        return AdaptiveBudget(budget.target_itl_s, budget.min_budget, config.budget_ceiling, cost)
+        return AdaptiveBudget(
+            budget.target_itl_s, budget.min_budget, config.budget_ceiling, cost, clock
+        )
     return StaticBudget(static_budget(config, max_model_len))

@@ -20,6 +20,7 @@ from pdserve.workers.engine.choices import (
     fork,
     prompt_logprobs,
 )
+from pdserve.workers.engine.clock import Clock
 from pdserve.workers.engine.config import EngineConfig, ModelConfig
 from pdserve.workers.engine.isolation import (
     Isolated,
@@ -32,13 +33,20 @@ from pdserve.workers.engine.kv_cache import BlockPool, KVCacheManager
 from pdserve.workers.engine.leases import LeaseBook, LeaseError, Reservation
 from pdserve.workers.engine.logprobs import PromptLogprobs
 from pdserve.workers.engine.request import FinishReason, Request, RequestStatus
-from pdserve.workers.engine.runner import ModelRunner, StepOutput, resolve_kv_dtype
+from pdserve.workers.engine.runner import (
+    ModelRunner,
+    RunnerFactory,
+    StepOutput,
+    resolve_kv_dtype,
+)
 from pdserve.workers.engine.sampler import Sampled
 from pdserve.workers.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from pdserve.workers.engine.stats import FinishedRequest, RequestOutput, StepStats
 from pdserve.workers.engine.step_cost import StepCostModel, StepFeatures
 
 log = logging.getLogger(__name__)
+# One DEBUG line per step: the chunks it ran, in order (request id, start, tokens).
+step_log = logging.getLogger("pdserve.workers.engine.steps")
 Result = TypeVar("Result")
 
 
@@ -51,21 +59,36 @@ class StepResult:
     finished: list[FinishedRequest] = field(default_factory=list)
     # Requests that failed in the step (each alone: the others went on).
     failed: list[RequestFailedError] = field(default_factory=list)
+    # What the step computed, in the scheduler's order.
+    chunks: tuple[ScheduledChunk, ...] = ()
 
 
 class LLMEngine:
-    """A model, its KV cache and its scheduler."""
+    """A model, its KV cache and its scheduler.
 
-    def __init__(self, config: EngineConfig) -> None:
+    By default the model's config.json is read from the model directory, steps run
+    the model, and time is `time.monotonic`. The planner passes the model's
+    configuration, a runner that takes each step's duration from a profile, and the
+    clock that runner advances: the same scheduling, budget and bookkeeping, on a
+    simulated clock."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig | None = None,
+        runner: RunnerFactory = ModelRunner,
+        clock: Clock = time.monotonic,
+    ) -> None:
         self.config = config
-        self.model_config = ModelConfig.from_dir(config.model_dir)
+        self.clock = clock
+        self.model_config = model_config or ModelConfig.from_dir(config.model_dir)
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         cache = config.cache
         self.block_size = cache.block_size
         itemsize = resolve_kv_dtype(config, self.model_config).itemsize
         self.num_blocks = cache.resolve_num_blocks(self.model_config, itemsize)
-        self.runner = ModelRunner(config, self.model_config, self.num_blocks, self.block_size)
+        self.runner = runner(config, self.model_config, self.num_blocks, self.block_size)
         pattern = pattern_from_environment()
         self.canary = None if pattern is None else KVCanary(self.runner.kv_cache, pattern)
         if self.canary is not None:
@@ -77,14 +100,16 @@ class LLMEngine:
         # The cost model learns in every mode: its metrics show a static pool what an
         # adaptive budget would believe.
         self.step_cost = StepCostModel()
-        self.budget_policy = budget_policy(config.scheduler, self.max_model_len, self.step_cost)
+        self.budget_policy = budget_policy(
+            config.scheduler, self.max_model_len, self.step_cost, clock
+        )
         self.scheduler = Scheduler(
-            config.scheduler, self.kv_cache, self.max_model_len, self.budget_policy
+            config.scheduler, self.kv_cache, self.max_model_len, self.budget_policy, clock
         )
         self.target_itl_s = config.scheduler.token_budget.target_itl_s
         # When the last step ended, if requests were still running: their last tokens.
         self._last_busy_end: float | None = None
-        self.leases = LeaseBook(self.kv_cache)
+        self.leases = LeaseBook(self.kv_cache, clock)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self._requests: dict[str, Request] = {}
 
@@ -163,7 +188,7 @@ class LLMEngine:
             # larger than the cache would preempt itself forever.
             limit = min(self.max_model_len, self.num_blocks * self.block_size)
             params = replace(params, max_tokens=limit - len(prompt_token_ids))
-        request = Request(request_id, list(prompt_token_ids), params)
+        request = Request(request_id, list(prompt_token_ids), params, arrival_time=self.clock())
         self._requests[request_id] = request
         return request
 
@@ -218,13 +243,13 @@ class LLMEngine:
         if prompt is not None and request.prompt_logprobs is not None:
             request.prompt_logprobs = [entry for entry in prompt[1:] if entry is not None]
         request.num_computed_tokens = request.num_prompt_tokens
-        request.first_scheduled_time = time.monotonic()
+        request.first_scheduled_time = self.clock()
         self.kv_cache.cache_full_blocks(
             request_id, request.prompt_token_ids, request.num_computed_tokens
         )
         self.scheduler.add_running(request)
         failed: list[RequestFailedError] = []
-        outputs, _ = self._take_sampled([(request, first)], time.monotonic(), failed)
+        outputs, _ = self._take_sampled([(request, first)], self.clock(), failed)
         if failed:
             raise failed[0]
         return outputs
@@ -281,7 +306,7 @@ class LLMEngine:
         request.status = RequestStatus.FINISHED
         request.finish_reason = request.finish_reason or FinishReason.ABORT
         self._forget(request)
-        return self._output(request, (), time.monotonic())
+        return self._output(request, (), self.clock())
 
     def _abort_choice(self, request: Request, index: int) -> RequestOutput | None:
         if request.choices is None or not 0 <= index < len(request.choices):
@@ -290,12 +315,12 @@ class LLMEngine:
         self.scheduler.finish(choice, FinishReason.ABORT)
         if all_ended(request):
             self._forget(request)
-        return self._output(choice, (), time.monotonic())
+        return self._output(choice, (), self.clock())
 
     def expire_queued(self, max_wait_s: float) -> list[str]:
         """End the requests that have waited more than `max_wait_s` for their first
         step (a preempted request has had one); their ids."""
-        now = time.monotonic()
+        now = self.clock()
         expired = [
             request
             for request in self.scheduler.waiting
@@ -316,7 +341,7 @@ class LLMEngine:
         """Schedule, run the model, sample, and account for one step. A request that
         fails in it ends alone (see `isolation`): its blocks are freed and the step
         reports it in `failed`; the others go on."""
-        started = time.monotonic()
+        started = self.clock()
         newly_scheduled = list(self.scheduler.waiting)
         output = self.scheduler.schedule()
         queries, hits = _prefix_lookups(newly_scheduled, output.chunks)
@@ -326,7 +351,7 @@ class LLMEngine:
         failures = [] if ran is None else [*ran.failures, *ran.results[0].failures]
         failed = self._fail_all(failures)
         self._account(output, failed)
-        now = time.monotonic()
+        now = self.clock()
         outputs: list[RequestOutput] = []
         finished: list[FinishedRequest] = []
         if ran is not None:
@@ -353,7 +378,9 @@ class LLMEngine:
             predicted_duration_s=predicted,
             over_target=self._over_target(features, interval),
         )
-        return StepResult(outputs, stats, finished, failed)
+        if step_log.isEnabledFor(logging.DEBUG):
+            step_log.debug("step %s", describe_chunks(output.chunks))
+        return StepResult(outputs, stats, finished, failed, output.chunks)
 
     def _execute(self, output: SchedulerOutput) -> Isolated[StepOutput]:
         """Run the step's chunks, in parts if one of them fails (see `isolation`); the
@@ -490,7 +517,7 @@ class LLMEngine:
 
     def snapshot(self) -> StepResult:
         """The engine's state without running a step (after aborts, while idle)."""
-        return StepResult([], self._stats(time.monotonic()))
+        return StepResult([], self._stats(self.clock()))
 
     def _stats(self, now: float, **step: int | float) -> StepStats:
         counters: dict[str, int | float] = {
@@ -571,6 +598,11 @@ def _prefix_lookups(candidates: list[Request], chunks: Sequence[ScheduledChunk])
         and r.params.prompt_logprobs is None
     ]
     return sum(r.num_prompt_tokens for r in fresh), sum(r.num_cached_tokens for r in fresh)
+
+
+def describe_chunks(chunks: Sequence[ScheduledChunk]) -> str:
+    """A step's chunks as its log line shows them: `id@start+tokens`, in order."""
+    return " ".join(f"{c.request.request_id}@{c.start}+{c.num_tokens}" for c in chunks)
 
 
 def _request_of(chunk: ScheduledChunk) -> Request:

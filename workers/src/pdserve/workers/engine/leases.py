@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from pdserve.workers.engine.clock import Clock
 from pdserve.workers.engine.kv_cache import KVCacheManager
 from pdserve.workers.engine.request import Request
 
@@ -49,8 +50,9 @@ class _Lease:
 class LeaseBook:
     """Requests whose blocks are held under a lease."""
 
-    def __init__(self, kv_cache: KVCacheManager) -> None:
+    def __init__(self, kv_cache: KVCacheManager, clock: Clock = time.monotonic) -> None:
         self.kv_cache = kv_cache
+        self.clock = clock
         self._held: dict[str, _Lease] = {}
         self.num_expired = 0
 
@@ -63,7 +65,7 @@ class LeaseBook:
     def hold(self, request: Request, lease_s: float, margin_s: float = 0.0) -> _Lease:
         """Put a request's blocks under a lease of `lease_s` seconds from now, kept
         `margin_s` longer unless released."""
-        deadline = time.monotonic() + lease_s
+        deadline = self.clock() + lease_s
         lease = _Lease(request, deadline, deadline + margin_s)
         self._held[request.request_id] = lease
         return lease
@@ -72,7 +74,7 @@ class LeaseBook:
         """Remove a live lease (the blocks stay allocated); LeaseError if it is unknown
         or past its deadline (then it stays, until released or held out)."""
         lease = self._held.get(request_id)
-        if lease is None or lease.expired or lease.deadline < time.monotonic():
+        if lease is None or lease.expired or lease.deadline < self.clock():
             raise LeaseError(f"no lease for request {request_id!r} (unknown or expired)")
         del self._held[request_id]
         return lease.request
@@ -88,7 +90,7 @@ class LeaseBook:
     def expire(self, now: float | None = None) -> list[Request]:
         """Mark leases past their deadline (they can no longer be taken) and free the
         blocks of those past their hold; the requests whose blocks were freed."""
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         for lease in self._held.values():
             if not lease.expired and lease.deadline < now:
                 lease.expired = True

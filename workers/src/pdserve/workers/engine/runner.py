@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -87,6 +88,24 @@ class StepOutput:
             [item for output in outputs for item in output.prompt_logprobs],
             [item for output in outputs for item in output.failures],
         )
+
+
+class StepRunner(Protocol):
+    """What the engine asks of a runner: the model runner, or a runner that takes a
+    step's time from a profile instead of computing it (`pdserve.workers.plan`)."""
+
+    kv_cache: torch.Tensor
+
+    def execute(self, output: SchedulerOutput, block_tables: BlockTables) -> StepOutput:
+        """Run one step; what each request that reached the end of its tokens drew."""
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy KV blocks (source, destination): a fork's partial last block."""
+
+
+# Builds an engine's runner from its configuration, the model's, and the KV cache's
+# block count and block size.
+RunnerFactory = Callable[[EngineConfig, ModelConfig, int, int], StepRunner]
 
 
 class ModelRunner:

@@ -27,6 +27,7 @@ from pdserve.workers.engine.budget import (
     StaticBudget,
     static_budget,
 )
+from pdserve.workers.engine.clock import Clock
 from pdserve.workers.engine.config import SchedulerConfig
 from pdserve.workers.engine.kv_cache import KVCacheManager
 from pdserve.workers.engine.request import FinishReason, Request, RequestStatus
@@ -83,8 +84,10 @@ class Scheduler:
         kv_cache: KVCacheManager,
         max_model_len: int,
         policy: BudgetPolicy | None = None,
+        clock: Clock = time.monotonic,
     ) -> None:
         self.config = config
+        self.clock = clock
         self.kv_cache = kv_cache
         self.policy = policy or StaticBudget(static_budget(config, max_model_len))
         self.waiting: deque[Request] = deque()
@@ -181,7 +184,7 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
+                request.first_scheduled_time = self.clock()
             self.running.append(request)
             chunks.append(ScheduledChunk.of(request, num_tokens))
             budget -= num_tokens

@@ -63,6 +63,14 @@ class LoadTracker:
             prefill_tokens=0 if idle else self._prefill_tokens,
         )
 
+    def request_started(self) -> None:
+        """A served request came in (the middleware's count, or the planner's)."""
+        self._in_flight += 1
+
+    def request_ended(self) -> None:
+        """A served request was answered or failed."""
+        self._in_flight -= 1
+
     def middleware(self) -> Middleware:
         """Counts the requests in flight."""
 
@@ -70,11 +78,11 @@ class LoadTracker:
         async def count(request: web.Request, handler: Handler) -> web.StreamResponse:
             if not request.path.startswith(_SERVED_PREFIXES):
                 return await handler(request)
-            self._in_flight += 1
+            self.request_started()
             try:
                 return await handler(request)
             finally:
-                self._in_flight -= 1
+                self.request_ended()
 
         return count
 

@@ -1,0 +1,54 @@
+"""`pdserve profile` on the small model: the engine's steps over the designed sweep,
+the fit and its error written with the model, device and versions, and a file the
+simulator runs a pool on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pdserve.cli.main import pdserve_command
+from pdserve.workers.bench.config import BenchConfig
+from pdserve.workers.plan.costs import load_profile
+from pdserve.workers.plan.fit import relative_errors
+from pdserve.workers.plan.scenario import parse_scenario
+from pdserve.workers.plan.simulate import simulate, traffic_of
+from support.plan import scenario_line
+
+
+def test_profile_sweeps_the_engine_and_the_simulator_runs_on_it(
+    small_model_dir: Path, tmp_path: Path
+) -> None:
+    output = tmp_path / "profile.json"
+    command = pdserve_command(
+        "profile", "--model", str(small_model_dir), "-o", str(output),
+        "--sweep", "quick", "--no-handoff",
+    )  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert "step-time fit error" in run.stdout
+
+    profile = load_profile(output)
+    assert profile.model_json == json.loads((small_model_dir / "config.json").read_text())
+    assert profile.device == "cpu"
+    assert profile.versions["torch"] == torch.__version__
+    steps = profile.steps
+    assert profile.step_fit.samples == len(steps) > 0
+    assert profile.step_fit.holdout_samples > 0
+    # The sweep excites each term on its own: decode-only and prefill-only steps,
+    # several decode contexts, chunks starting at several offsets.
+    assert any(s.prefill_tokens == 0 and s.decode_tokens > 0 for s in steps)
+    assert any(s.decode_tokens == 0 and s.prefill_tokens > 0 for s in steps)
+    assert len({s.decode_keys // max(1, s.decode_tokens) for s in steps if s.decode_tokens}) > 2
+    assert len({s.prefill_keys for s in steps if s.prefill_tokens}) > 1
+    errors = relative_errors(profile.step_cost, steps)
+    assert float(np.mean(errors)) == profile.step_fit.mean_abs
+
+    traffic = traffic_of(BenchConfig(url="simulated", workload="chat", rate=4.0, duration_s=5.0))
+    result = simulate(parse_scenario(scenario_line("one", [])), profile, traffic)
+    assert result["requests"] == len(traffic.plan) > 0
+    assert result["succeeded"] == result["requests"]

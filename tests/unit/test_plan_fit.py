@@ -1,0 +1,63 @@
+"""The profile's fit: the engine's step-cost model, given a sweep's steps, settles on
+the costs that made them, and its error is measured on steps it did not see."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pdserve.workers.plan.costs import StepCost, StepSample
+from pdserve.workers.plan.fit import fit_step_cost, fit_with_error, relative_errors
+from pdserve.workers.plan.sweep import SweepPoint
+
+TRUE = StepCost(
+    base_s=0.003,
+    per_decode_token_s=4e-5,
+    per_prefill_token_s=6e-5,
+    per_decode_key_s=2e-8,
+    per_prefill_key_s=5e-9,
+)
+
+
+def sweep(noise: float, seed: int = 0) -> list[tuple[SweepPoint, StepSample]]:
+    """The full design's grid, each step timed by TRUE and off by up to `noise`."""
+    rng = np.random.default_rng(seed)
+    measured = []
+    for context in (64, 256, 1024):
+        for decodes in (0, 1, 4, 16, 32):
+            for start in (0, 512):
+                for prefill in (0, 32, 128, 512):
+                    if prefill == 0 and decodes == 0:
+                        continue
+                    point = SweepPoint(context, decodes, prefill, start)
+                    for repeat in range(3):
+                        end = start + prefill
+                        sample = StepSample(
+                            decode_tokens=decodes,
+                            prefill_tokens=prefill,
+                            decode_keys=decodes * (context + repeat),
+                            prefill_keys=prefill * end,
+                            seconds=1.0,
+                        )
+                        seconds = TRUE.seconds(sample.features) * (1 + rng.uniform(-noise, noise))
+                        measured.append((point, sample.model_copy(update={"seconds": seconds})))
+    return measured
+
+
+def test_the_fit_recovers_the_costs_of_exact_steps() -> None:
+    cost = fit_step_cost([sample for _, sample in sweep(noise=0.0)])
+    for name, value in TRUE.model_dump().items():
+        assert getattr(cost, name) == pytest.approx(value, rel=0.02), name
+
+
+def test_the_error_is_measured_in_and_out_of_sample() -> None:
+    measured = sweep(noise=0.05)
+    cost, error = fit_with_error(measured)
+
+    assert error.samples == len(measured)
+    assert error.mean_abs == pytest.approx(
+        float(relative_errors(cost, [s for _, s in measured]).mean())
+    )
+    assert 0 < error.mean_abs < 0.05
+    assert 0 < error.holdout_samples < len(measured)
+    assert error.holdout_mean_abs is not None and error.holdout_mean_abs < 0.1

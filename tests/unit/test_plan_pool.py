@@ -1,0 +1,97 @@
+"""The simulated pool: the router's bucket and load choice, the hand-off's time and
+its failure policy, on a profile whose steps and hand-offs take fixed times (so that
+every figure is known exactly)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdserve.workers.bench.plan import PlannedRequest
+from pdserve.workers.plan.pool import PoolSimulation, Traffic
+from pdserve.workers.plan.scenario import ScenarioError, parse_scenario
+from support.plan import constant_profile, scenario_line
+
+STEP_S, HANDOFF_S = 0.01, 0.05
+SPLIT = [{"maxInputTokens": 64, "mode": "colocated"}, {"mode": "disaggregated"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model's config.json: all the simulator reads of a model."""
+    directory = tmp_path_factory.mktemp("model")
+    config = {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "max_position_embeddings": 2048, "torch_dtype": "float32",
+    }  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def run(model_dir: Path, line: str, requests: list[tuple[float, int, int]]) -> PoolSimulation:
+    plan = [PlannedRequest(i, at, n, out, "t") for i, (at, n, out) in enumerate(requests)]
+    simulation = PoolSimulation(
+        parse_scenario(line),
+        constant_profile(model_dir, STEP_S, HANDOFF_S),
+        Traffic(plan, seed=0, vocab_size=256, drain_timeout_s=60.0, horizon_s=None),
+    )
+    simulation.run()
+    return simulation
+
+
+def ttft(simulation: PoolSimulation, index: int) -> float:
+    record = simulation.records[index]
+    assert record.sent_at is not None
+    return record.chunk_times[0] - record.sent_at
+
+
+def test_a_long_prompt_is_prefilled_on_a_prefill_worker_and_pays_for_its_hand_off(
+    model_dir: Path,
+) -> None:
+    line = scenario_line("split", [], num_prefill=1, buckets=SPLIT)
+    simulation = run(model_dir, line, [(0.0, 32, 4), (1.0, 200, 4)])
+
+    short, long = simulation.records
+    assert (short.mode, long.mode) == ("colocated", "disaggregated")
+    assert ttft(simulation, 0) == pytest.approx(STEP_S)  # one step prefills it
+    assert ttft(simulation, 1) == pytest.approx(STEP_S + HANDOFF_S)
+    assert all(r.finished and sum(r.chunk_tokens) == 4 for r in simulation.records)
+    prefill = simulation.workers["http://prefill-0.sim:8000"]
+    assert prefill.num_steps == 1
+    assert len(prefill.engine.leases) == 0  # its blocks went once the KV was sent
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_hand_off_without_free_blocks_follows_the_failure_policy(
+    model_dir: Path, policy: str
+) -> None:
+    # The decode worker holds one long prompt at a time: the second one's reservation
+    # finds no blocks.
+    decode = ["--num-kv-blocks", "16", "--transfer-failure-policy", policy]
+    line = scenario_line("small", decode, num_prefill=1, buckets=SPLIT)
+    simulation = run(model_dir, line, [(0.0, 200, 20), (0.0, 200, 20)])
+
+    first, second = simulation.records
+    assert first.finished and first.mode == "disaggregated"
+    assert simulation.handoff_failures == {"no_blocks": 1}
+    if policy == "recompute":
+        assert second.finished and second.mode == "colocated"
+    else:
+        assert second.error is not None and "no_blocks" in second.error
+
+
+def test_the_router_spreads_requests_over_the_least_loaded_workers(model_dir: Path) -> None:
+    line = scenario_line("two", [], num_decode=2)
+    simulation = run(model_dir, line, [(0.0, 32, 50)] * 4)
+
+    assert all(record.finished for record in simulation.records)
+    steps = [worker.num_steps for worker in simulation.workers.values()]
+    assert steps[0] == steps[1] > 0  # two requests each, in lockstep
+
+
+def test_a_scenario_with_bad_worker_flags_is_refused_naming_them(model_dir: Path) -> None:
+    with pytest.raises(ScenarioError, match="--max-num-seqs"):
+        parse_scenario(scenario_line("bad", ["--max-num-seqs", "none"]))

@@ -1,0 +1,144 @@
+"""The profile file: what `pdserve profile` measured on one machine for one model, and
+the costs the simulator takes from it.
+
+A step's time is the engine's own step-cost model (`engine.step_cost`): linear in the
+decode tokens, prefill tokens and the keys attention reads, with every cost
+non-negative. A hand-off costs a fixed time plus a time per byte of KV sent; a
+request pays a fixed overhead on its way in (HTTP, tokenization, the router's hop).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pdserve.protocol.api_errors import validation_message
+from pdserve.workers.engine.step_cost import StepCostEstimate, StepFeatures
+
+PROFILE_FORMAT = 1
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used; the message names the problem."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+class StepCost(_Model):
+    """Seconds per unit of each term of a step (see `engine.step_cost`)."""
+
+    base_s: float = Field(ge=0)
+    per_decode_token_s: float = Field(ge=0)
+    per_prefill_token_s: float = Field(ge=0)
+    per_decode_key_s: float = Field(ge=0)
+    per_prefill_key_s: float = Field(ge=0)
+
+    @classmethod
+    def of(cls, estimate: StepCostEstimate) -> StepCost:
+        """The coefficients a fitted step-cost model holds."""
+        return cls(
+            base_s=estimate.base_s,
+            per_decode_token_s=estimate.per_decode_token_s,
+            per_prefill_token_s=estimate.per_prefill_token_s,
+            per_decode_key_s=estimate.per_decode_key_s,
+            per_prefill_key_s=estimate.per_prefill_key_s,
+        )
+
+    def seconds(self, features: StepFeatures) -> float:
+        """The duration of a step that computes `features`."""
+        return (
+            self.base_s
+            + self.per_decode_token_s * features.decode_tokens
+            + self.per_prefill_token_s * features.prefill_tokens
+            + self.per_decode_key_s * features.decode_keys
+            + self.per_prefill_key_s * features.prefill_keys
+        )
+
+
+class FitError(_Model):
+    """How far the fit's predictions fall from the measured steps, as fractions of the
+    measured time: over the steps it was fitted on, and over steps held out of it."""
+
+    samples: int = Field(ge=0)
+    mean_abs: float = Field(ge=0)
+    p90_abs: float = Field(ge=0)
+    max_abs: float = Field(ge=0)
+    holdout_samples: int = Field(default=0, ge=0)
+    holdout_mean_abs: float | None = Field(default=None, ge=0)
+
+
+class StepSample(_Model):
+    """One measured step of the sweep."""
+
+    decode_tokens: int = Field(ge=0)
+    prefill_tokens: int = Field(ge=0)
+    decode_keys: int = Field(ge=0)
+    prefill_keys: int = Field(ge=0)
+    seconds: float = Field(gt=0)
+
+    @property
+    def features(self) -> StepFeatures:
+        """The step's features as the cost model takes them."""
+        return StepFeatures(
+            self.decode_tokens, self.prefill_tokens, self.decode_keys, self.prefill_keys
+        )
+
+
+class HandoffCost(_Model):
+    """A hand-off's time beyond the prefill's compute: fixed plus per byte of KV."""
+
+    fixed_s: float = Field(default=0.0, ge=0)
+    per_byte_s: float = Field(default=0.0, ge=0)
+    backend: str | None = None
+    # (bytes, seconds) pairs it was fitted from; empty when not measured.
+    samples: tuple[tuple[int, float], ...] = ()
+
+    def seconds(self, nbytes: int) -> float:
+        """The time to hand `nbytes` of KV cache over."""
+        return self.fixed_s + self.per_byte_s * nbytes
+
+
+class Profile(_Model):
+    """A profile file."""
+
+    format: int = PROFILE_FORMAT
+    created: str
+    model: str  # the directory profiled
+    model_json: dict[str, Any]  # its config.json, as the engine reads it
+    device: str
+    device_name: str
+    threads: int = Field(ge=1)
+    versions: dict[str, str]
+    engine_args: tuple[str, ...] = ()  # the worker flags the sweep ran under
+    step_cost: StepCost
+    step_fit: FitError
+    steps: tuple[StepSample, ...] = ()
+    handoff: HandoffCost = HandoffCost()
+    request_overhead_s: float = Field(default=0.0, ge=0)
+    startup_s: float | None = Field(default=None, ge=0)
+
+
+def load_profile(path: Path) -> Profile:
+    """Read a profile file; ProfileError naming the problem."""
+    try:
+        raw = json.loads(path.read_text())
+    except OSError as error:
+        raise ProfileError(f"cannot read profile {path}: {error.strerror or error}") from error
+    except json.JSONDecodeError as error:
+        raise ProfileError(f"{path}: not JSON: {error}") from error
+    if isinstance(raw, dict) and raw.get("format") != PROFILE_FORMAT:
+        raise ProfileError(f"{path}: profile format {raw.get('format')!r}, not {PROFILE_FORMAT}")
+    try:
+        return Profile.model_validate(raw)
+    except ValidationError as error:
+        raise ProfileError(f"{path}: {validation_message(error)}") from error
+
+
+def write_profile(profile: Profile, path: Path) -> None:
+    """Write a profile file (indented JSON)."""
+    path.write_text(json.dumps(profile.model_dump(mode="json"), indent=2) + "\n")

@@ -1,0 +1,139 @@
+"""Measuring a real prefill/decode pair: a worker's start-up, a request's overhead on
+its way through a worker, and what a hand-off adds to the first token by the bytes
+of KV it sends.
+
+Two workers are started as a pool starts them (`pdserve worker`, the pool's
+credential, the decode worker naming its prefill peer). Each prompt length is asked
+for one token colocated (the decode worker prefills it) and disaggregated (the
+prefill worker does, then hands the KV over); the difference of the medians is the
+hand-off's time for that many bytes, fitted as fixed plus per byte.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pdserve.base.credentials import write_new_credential
+from pdserve.workers.bench.config import FIRST_PROMPT_TOKEN_ID
+from pdserve.workers.engine.step_cost import StepFeatures
+from pdserve.protocol.headers import PREFILL_URL_HEADER
+from pdserve.workers.plan.costs import HandoffCost, StepCost
+from pdserve.protocol.internal import bearer
+from pdserve.workers.server.process import ServerProcess, start_worker
+
+REQUEST_TIMEOUT_S = 120.0
+REPEATS = 5
+
+
+@dataclass(frozen=True)
+class PairFigures:
+    """What the pair measured."""
+
+    handoff: HandoffCost
+    request_overhead_s: float
+    startup_s: float
+
+
+@dataclass(frozen=True)
+class PairSetup:
+    """The model, the workers' flags, and the lengths to ask for."""
+
+    model: Path
+    worker_args: tuple[str, ...]
+    backend: str
+    lengths: tuple[int, ...]
+    block_bytes: int
+    block_size: int
+    vocab: int
+
+
+def measure_pair(
+    setup: PairSetup, cost: StepCost, progress: Callable[[str], None] = lambda line: None
+) -> PairFigures:
+    """Start the pair, measure, stop it."""
+    with tempfile.TemporaryDirectory(prefix="pdserve-profile-") as scratch:
+        directory = Path(scratch)
+        credential = write_new_credential(directory / "credential")
+        common = ["--port", "0", "--internal-token-file", str(directory / "credential")]
+        common += ["--kv-transfer", setup.backend, *setup.worker_args]
+        started = time.perf_counter()
+        prefill_args = ["--role", "prefill", *common]
+        prefill = start_worker(setup.model, directory / "prefill.log", prefill_args)
+        workers = [prefill]
+        try:
+            prefill.wait_ready()
+            startup_s = time.perf_counter() - started
+            decode_args = ["--role", "decode", "--prefill-peer", prefill.url, *common]
+            decode = start_worker(setup.model, directory / "decode.log", decode_args)
+            workers.append(decode)
+            decode.wait_ready()
+            progress(f"profile: worker pair ready ({startup_s:.1f}s to start one worker)")
+            return _measure(setup, cost, credential, prefill, decode, startup_s)
+        finally:
+            for worker in workers:
+                worker.stop()
+
+
+def _measure(
+    setup: PairSetup,
+    cost: StepCost,
+    credential: str,
+    prefill: ServerProcess,
+    decode: ServerProcess,
+    startup_s: float,
+) -> PairFigures:
+    rng = np.random.default_rng(0)
+    headers = {"Content-Type": "application/json", **bearer(credential)}
+    handed = {**headers, PREFILL_URL_HEADER: prefill.url}
+    extra: list[tuple[int, float]] = []
+    overheads: list[float] = []
+    for length in setup.lengths:
+        colocated, disaggregated = [], []
+        for _ in range(REPEATS + 1):  # the first of each is a warm-up
+            prompt = rng.integers(FIRST_PROMPT_TOKEN_ID, setup.vocab, length).tolist()
+            colocated.append(_first_token_s(decode.url, prompt, headers))
+            prompt = rng.integers(FIRST_PROMPT_TOKEN_ID, setup.vocab, length).tolist()
+            disaggregated.append(_first_token_s(decode.url, prompt, handed))
+        local = statistics.median(colocated[1:])
+        blocks = -(-length // setup.block_size)
+        extra.append((blocks * setup.block_bytes, statistics.median(disaggregated[1:]) - local))
+        computed = cost.seconds(StepFeatures(prefill_tokens=length, prefill_keys=length * length))
+        overheads.append(max(0.0, local - computed))
+    return PairFigures(_fit_handoff(extra, setup.backend), min(overheads), startup_s)
+
+
+def _fit_handoff(points: Sequence[tuple[int, float]], backend: str) -> HandoffCost:
+    """Fixed plus per byte, both non-negative, by least squares."""
+    sizes = np.array([float(n) for n, _ in points])
+    seconds = np.array([max(0.0, s) for _, s in points])
+    design = np.stack([np.ones_like(sizes), sizes], axis=1)
+    (fixed, per_byte), *_ = np.linalg.lstsq(design, seconds, rcond=None)
+    if per_byte < 0:
+        fixed, per_byte = float(seconds.mean()), 0.0
+    if fixed < 0:
+        fixed, per_byte = 0.0, float((sizes @ seconds) / (sizes @ sizes))
+    samples = tuple((int(n), float(s)) for n, s in points)
+    return HandoffCost(
+        fixed_s=float(fixed), per_byte_s=float(per_byte), backend=backend, samples=samples
+    )
+
+
+def _first_token_s(url: str, prompt: list[int], headers: dict[str, str]) -> float:
+    """Seconds until the answer to a one-token completion is in."""
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
+    request = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), headers, method="POST"
+    )
+    started = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as answer:
+        answer.read()
+    return time.perf_counter() - started

@@ -1,0 +1,93 @@
+"""What a simulation reports: the figures `pdserve bench` computes from its records
+(goodput, SLO attainment, per bucket and mode), and latency percentiles per
+input-length bucket at the percentiles a pool's SLO names."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from pdserve.workers.bench.metrics import (
+    SLO,
+    RequestLatency,
+    bucket_label,
+    bucket_labels,
+    compute_metrics,
+    request_latency,
+)
+from pdserve.workers.bench.records import RequestRecord
+from pdserve.protocol.routing import Slo
+
+Percentiles = dict[str, float]
+
+
+def slo_of(slo: Slo) -> SLO:
+    """The pool's targets as the bench's goodput counts them (every gap under the ITL
+    target, the first token under the TTFT target)."""
+    ms = [None if s is None else s * 1000.0 for s in (slo.ttft_seconds, slo.itl_seconds)]
+    return SLO(ttft_ms=ms[0], itl_ms=ms[1])
+
+
+def summarize_run(
+    records: Sequence[RequestRecord],
+    slo: Slo,
+    percentiles: Sequence[float],
+    bounds: Sequence[int],
+) -> dict[str, Any]:
+    """Every figure of a run whose clock started at 0, as JSON-ready values."""
+    metrics = compute_metrics(records, 0.0, slo_of(slo), bounds)
+    latencies = [request_latency(r) for r in records]
+    labelled = [
+        (bucket_label(r.input_tokens, bounds), lat)
+        for r, lat in zip(records, latencies, strict=True)
+    ]
+    overall = metrics.overall
+    return {
+        "duration_s": metrics.duration_s,
+        "requests": overall.requests,
+        "succeeded": overall.succeeded,
+        "failed": overall.failed,
+        "errors": metrics.errors,
+        "goodput": overall.goodput,
+        "slo_attainment": overall.slo_attainment,
+        "output_throughput": overall.output_throughput,
+        "overall": _latencies([lat for _, lat in labelled], percentiles),
+        "buckets": {
+            label: {
+                "requests": metrics.buckets[label].requests,
+                "slo_attainment": metrics.buckets[label].slo_attainment,
+                **_latencies([lat for name, lat in labelled if name == label], percentiles),
+            }
+            for label in bucket_labels(bounds)
+        },
+        "modes": {
+            bucket: {mode: group.requests for mode, group in modes.items()}
+            for bucket, modes in metrics.modes.items()
+        },
+    }
+
+
+def _latencies(
+    latencies: Sequence[RequestLatency | None], percentiles: Sequence[float]
+) -> dict[str, Percentiles | None]:
+    """TTFT, ITL (every gap, pooled), TPOT and E2E of the successful requests."""
+    done = [lat for lat in latencies if lat is not None]
+    samples: dict[str, Sequence[float] | np.ndarray] = {
+        "ttft_s": [lat.ttft_s for lat in done],
+        "itl_s": np.concatenate([lat.itl_s for lat in done]) if done else np.array([]),
+        "tpot_s": [lat.tpot_s for lat in done if lat.tpot_s is not None],
+        "e2e_s": [lat.e2e_s for lat in done],
+    }
+    return {name: _percentiles(values, percentiles) for name, values in samples.items()}
+
+
+def _percentiles(
+    values: Sequence[float] | np.ndarray, percentiles: Sequence[float]
+) -> Percentiles | None:
+    array = np.asarray(values, dtype=float)
+    if array.size == 0:
+        return None
+    figures = np.percentile(array, list(percentiles))
+    return {f"p{q:g}": float(v) for q, v in zip(percentiles, figures, strict=True)}

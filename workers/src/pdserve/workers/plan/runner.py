@@ -1,0 +1,58 @@
+"""A runner that computes nothing: each step takes the time the profile predicts for
+it, on the worker's simulated clock, and every request that reaches the end of its
+tokens draws one token. The engine around it (scheduler, budget, KV cache, leases,
+fork and finish) is the real one."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.workers.engine.config import EngineConfig, ModelConfig
+from pdserve.workers.engine.request import Request
+from pdserve.workers.engine.runner import BlockTables, RunnerFactory, StepOutput
+from pdserve.workers.engine.sampler import Sampled
+from pdserve.workers.engine.scheduler import SchedulerOutput
+from pdserve.workers.engine.step_cost import StepFeatures
+from pdserve.workers.plan.costs import StepCost
+from pdserve.workers.plan.events import SimClock
+
+# What a simulated request draws: any token that ends nothing (requests replayed from
+# a trace ignore end-of-sequence, as `pdserve bench` asks).
+DRAWN_TOKEN = 3
+
+
+class SimulatedRunner:
+    """The `StepRunner` of a simulated worker."""
+
+    def __init__(self, clock: SimClock, cost: StepCost) -> None:
+        self.clock = clock
+        self.cost = cost
+        self.kv_cache = torch.empty(0)  # no KV is computed, so none is held
+
+    def execute(self, output: SchedulerOutput, block_tables: BlockTables) -> StepOutput:
+        """Advance the clock by the step's predicted time; one token for each chunk
+        that completes its request's tokens (n for a request that forks, none for one
+        that samples nothing)."""
+        self.clock.advance(self.cost.seconds(StepFeatures.of(output.chunks)))
+        sampled: list[tuple[Request, Sampled]] = []
+        for chunk in output.chunks:
+            if not chunk.samples:
+                continue
+            request = chunk.request
+            draws = (request.params.n if request.forks else 1) if request.samples else 0
+            sampled.append((request, Sampled([DRAWN_TOKEN] * draws)))
+        return StepOutput(sampled, [])
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Nothing to copy: no KV is held."""
+
+
+def runner_factory(clock: SimClock, cost: StepCost) -> RunnerFactory:
+    """The engine's `runner` argument for a worker on `clock`."""
+
+    def build(
+        config: EngineConfig, model: ModelConfig, num_blocks: int, block_size: int
+    ) -> SimulatedRunner:
+        return SimulatedRunner(clock, cost)
+
+    return build

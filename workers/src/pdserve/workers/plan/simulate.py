@@ -1,0 +1,41 @@
+"""One simulation: a scenario over a traffic on a profile, timed, with its figures."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pdserve.workers.bench.config import BenchConfig
+from pdserve.workers.bench.plan import build_plan
+from pdserve.workers.plan.costs import Profile
+from pdserve.workers.plan.pool import PoolSimulation, Traffic
+from pdserve.workers.plan.results import summarize_run
+from pdserve.workers.plan.scenario import Scenario
+
+
+def traffic_of(config: BenchConfig) -> Traffic:
+    """The requests `pdserve bench` would send with `config`, prompts made as it makes
+    them."""
+    return Traffic(
+        build_plan(config), config.seed, config.vocab_size, config.drain_timeout_s,
+        config.horizon_s,
+    )  # fmt: skip
+
+
+def simulate(scenario: Scenario, profile: Profile, traffic: Traffic) -> dict[str, Any]:
+    """The scenario's figures, with the simulation's own cost: wall-clock seconds,
+    simulated seconds and engine steps."""
+    started = time.perf_counter()
+    simulation = PoolSimulation(scenario, profile, traffic)
+    records = simulation.run()
+    wall_s = time.perf_counter() - started
+    summary = summarize_run(records, scenario.table.slo, scenario.percentiles, scenario.buckets)
+    return {
+        "name": scenario.name,
+        "workers": {role: len(scenario.urls(role)) for role in scenario.roles},
+        "wall_s": wall_s,
+        "simulated_s": simulation.events.now,
+        "steps": simulation.steps,
+        "handoff_failures": simulation.handoff_failures,
+        **summary,
+    }

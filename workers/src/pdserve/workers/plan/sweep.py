@@ -1,0 +1,157 @@
+"""The designed sweep of engine steps behind a profile's step-cost model.
+
+For each decode batch (a count of running decodes at a context length) the sweep
+measures steps that add a prefill chunk of each size starting at each offset, and
+decode-only steps: the grid spans decode tokens, prefill tokens and the keys each
+attends, so that every term of the model is excited on its own. Each point is
+measured a few times (its decodes a token further each time). The engine is the real
+one, under the worker's flags; only each step's budget is set by the sweep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdserve.workers.bench.config import FIRST_PROMPT_TOKEN_ID
+from pdserve.workers.engine.budget import StaticBudget
+from pdserve.workers.engine.engine import LLMEngine
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.workers.engine.step_cost import StepFeatures
+from pdserve.workers.plan.costs import StepSample
+
+WARM_UP_STEPS = 4
+
+
+@dataclass(frozen=True)
+class SweepDesign:
+    """The grid: decode contexts and counts, prefill chunk sizes and their offsets."""
+
+    contexts: tuple[int, ...]
+    decodes: tuple[int, ...]
+    prefills: tuple[int, ...]
+    starts: tuple[int, ...]
+    repeats: int
+
+
+DESIGNS = {
+    "quick": SweepDesign((32, 128), (0, 4), (0, 32), (0, 64), 2),
+    "full": SweepDesign((64, 256, 1024), (0, 1, 4, 16, 32), (0, 32, 128, 512), (0, 512), 3),
+}
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One point of the grid (a decode batch plus one prefill chunk, maybe none)."""
+
+    context: int
+    decodes: int
+    prefill: int
+    start: int
+
+
+def design_points(design: SweepDesign, engine: LLMEngine) -> Iterator[SweepPoint]:
+    """The grid's points that fit the engine: its context, its seats and its cache
+    (with room for the steps the batch decodes meanwhile)."""
+    capacity = engine.num_blocks * engine.block_size
+    steps = decode_steps(design)
+    seats = engine.config.scheduler.max_num_seqs - 1
+    for context in design.contexts:
+        for decodes in design.decodes:
+            used = decodes * (context + steps)
+            if decodes > seats or context + steps >= engine.max_model_len:
+                continue
+            for start in design.starts:
+                for prefill in design.prefills:
+                    fits = used + start + prefill + 1 <= capacity
+                    inside = start + prefill + 1 < engine.max_model_len
+                    # A decode-only step once per batch; prefill alone at one context.
+                    useful = prefill > 0 or (decodes > 0 and start == design.starts[0])
+                    once = decodes > 0 or context == design.contexts[0]
+                    if fits and inside and useful and once:
+                        yield SweepPoint(context, decodes, prefill, start)
+
+
+def decode_steps(design: SweepDesign) -> int:
+    """The most steps a decode batch runs for: two per measurement, and a margin."""
+    return 2 * len(design.prefills) * len(design.starts) * design.repeats + 16
+
+
+class Sweep:
+    """Runs the design on an engine and collects the measured steps."""
+
+    def __init__(self, engine: LLMEngine, seed: int = 0) -> None:
+        self.engine = engine
+        self.rng = np.random.default_rng(seed)
+        self.vocab = engine.model_config.vocab_size
+        self._ids = 0
+        self._decode_room = 16  # tokens each running decode may still draw
+
+    def run(
+        self, design: SweepDesign, progress: Callable[[str], None] = lambda line: None
+    ) -> list[tuple[SweepPoint, StepSample]]:
+        """Every point measured `repeats` times, batch by batch."""
+        points = list(design_points(design, self.engine))
+        self._decode_room = decode_steps(design)
+        self._warm_up()
+        samples: list[tuple[SweepPoint, StepSample]] = []
+        for batch in sorted({(p.context, p.decodes) for p in points}):
+            running = self._decoding(*batch)
+            for point in (p for p in points if (p.context, p.decodes) == batch):
+                samples += [(point, self._measure(point)) for _ in range(design.repeats)]
+            for request_id in running:
+                self.engine.abort(request_id)
+            progress(f"profile: {len(samples)} steps measured (context {batch[0]}, "
+                     f"{batch[1]} decodes)")  # fmt: skip
+        return samples
+
+    def _warm_up(self) -> None:
+        running = self._decoding(16, 2)
+        for _ in range(WARM_UP_STEPS):
+            self._step(8)
+        for request_id in running:
+            self.engine.abort(request_id)
+
+    def _decoding(self, context: int, count: int) -> list[str]:
+        """`count` requests of `context` prompt tokens, prefilled and decoding."""
+        ids = [self._add(context, self._decode_room) for _ in range(count)]
+        while any(r.is_prefilling for r in self.engine.scheduler.running) or (
+            self.engine.scheduler.waiting
+        ):
+            self._step(max(512, context))
+        return ids
+
+    def _measure(self, point: SweepPoint) -> StepSample:
+        """One step of the point: its decodes and (if any) a prefill chunk."""
+        if point.prefill == 0:
+            return self._step(point.decodes)
+        request_id = self._add(point.start + point.prefill + 1, 1)
+        if point.start:
+            self._step(point.decodes + point.start)
+        sample = self._step(point.decodes + point.prefill)
+        self.engine.abort(request_id)
+        return sample
+
+    def _add(self, prompt_tokens: int, max_tokens: int) -> str:
+        self._ids += 1
+        request_id = f"sweep-{self._ids}"
+        prompt = self.rng.integers(FIRST_PROMPT_TOKEN_ID, self.vocab, prompt_tokens).tolist()
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.engine.add_request(request_id, prompt, params)
+        return request_id
+
+    def _step(self, budget: int) -> StepSample:
+        """Run one step under `budget` tokens; what it computed and how long it took
+        (the engine's own measure, the one its cost model learns from)."""
+        self.engine.scheduler.policy = StaticBudget(budget)
+        result = self.engine.step()
+        features = StepFeatures.of(result.chunks)
+        return StepSample(
+            decode_tokens=features.decode_tokens,
+            prefill_tokens=features.prefill_tokens,
+            decode_keys=features.decode_keys,
+            prefill_keys=features.prefill_keys,
+            seconds=max(result.stats.duration_s, 1e-9),
+        )

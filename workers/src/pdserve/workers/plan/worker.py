@@ -1,0 +1,122 @@
+"""One simulated worker: the real engine on a simulated clock, driven as the async
+engine's thread drives it. Commands that arrive while a step runs wait for its end;
+between steps they are applied in arrival order, leases and queued requests past
+their deadlines expire, and the next step runs if any request waits or runs. A
+step's outputs reach the pool when the step ends, at the time its profile gives."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from pdserve.workers.engine.config import EngineConfig, ModelConfig
+from pdserve.workers.engine.engine import LLMEngine, StepResult
+from pdserve.workers.engine.isolation import RequestFailedError
+from pdserve.workers.engine.runner import resolve_kv_dtype
+from pdserve.workers.engine.stats import RequestOutput
+from pdserve.workers.plan.costs import StepCost
+from pdserve.workers.plan.events import EventQueue, SimClock
+from pdserve.workers.plan.runner import runner_factory
+from pdserve.workers.server.load import LoadTracker
+
+# Something the worker does to its engine between steps (admit, reserve, adopt,
+# release), with the outputs it produced at once.
+Command = Callable[[LLMEngine], list[RequestOutput]]
+
+
+class SimWorker:
+    """A worker of the simulated pool."""
+
+    def __init__(
+        self,
+        url: str,
+        role: str,
+        config: EngineConfig,
+        model: ModelConfig,
+        cost: StepCost,
+        events: EventQueue,
+        queue_timeout_s: float | None,
+        on_step: Callable[[SimWorker, StepResult, float], None],
+    ) -> None:
+        self.url = url
+        self.role = role
+        self.clock = SimClock()
+        self.engine = LLMEngine(config, model, runner_factory(self.clock, cost), self.clock)
+        self.load = LoadTracker(self.engine, role)
+        self.events = events
+        self.queue_timeout_s = queue_timeout_s
+        self.on_step = on_step
+        self.num_steps = 0
+        itemsize = resolve_kv_dtype(config, model).itemsize
+        # Bytes of KV one block holds across all layers: what a hand-off sends per block.
+        self.block_bytes = (
+            2 * model.num_layers * model.num_kv_heads * model.head_dim * itemsize
+        ) * self.engine.block_size
+        self._commands: list[Command] = []
+        self._stepping = False  # a step is under way; its end is an event
+        self._woken = False  # a pass of the loop is due
+
+    def post(self, command: Command) -> None:
+        """Hand the engine a command; it runs before the next step."""
+        self._commands.append(command)
+        if not self._stepping and not self._woken:
+            self._woken = True
+            self.events.at(self.events.now, self._loop)
+
+    def published_load(self) -> dict[str, Any]:
+        """The body of the worker's GET /load now."""
+        return asdict(self.load.snapshot(len(self._commands)))
+
+    def _loop(self, now: float) -> None:
+        """One pass of the engine thread's loop, at `now`."""
+        self._woken = False
+        self.clock.now = max(self.clock.now, now)
+        outputs: list[RequestOutput] = []
+        for command in self._drain():
+            outputs += command(self.engine)
+        self.engine.expire_leases()
+        failed = [
+            RequestFailedError(request_id, TimeoutError("waited too long in the queue"))
+            for request_id in self._expire_queued()
+        ]
+        if outputs or failed:
+            snapshot = self.engine.snapshot().stats
+            self.on_step(self, StepResult(outputs, snapshot, failed=failed), self.clock.now)
+        if not self.engine.has_unfinished():
+            return
+        result = self.engine.step()
+        if not result.chunks:
+            # Nothing could run (no blocks, no seat): only a command or a lease running
+            # out changes that, and a real engine spins meanwhile. Wait for either.
+            self._wake_at(self.engine.leases.next_deadline())
+            return
+        self.num_steps += 1
+        self._stepping = True
+        self.events.at(self.clock.now, lambda at: self._step_ended(result, at))
+
+    def _wake_at(self, when: float | None) -> None:
+        """A pass of the loop just past `when` (a lease expires then), unless a command
+        brought one earlier."""
+        if when is not None:
+            self.events.at(when + 1e-6, self._lease_due)
+
+    def _lease_due(self, now: float) -> None:
+        if not self._stepping and not self._woken:
+            self._loop(now)
+
+    def _expire_queued(self) -> list[str]:
+        """The requests that waited past the queue's deadline (the worker's 503)."""
+        if self.queue_timeout_s is None:
+            return []
+        return self.engine.expire_queued(self.queue_timeout_s)
+
+    def _drain(self) -> list[Command]:
+        commands, self._commands = self._commands, []
+        return commands
+
+    def _step_ended(self, result: StepResult, now: float) -> None:
+        self._stepping = False
+        self.load.on_step(result)
+        self.on_step(self, result, now)
+        self._loop(now)
