@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.bench.plan import PlannedRequest, prompt_tokens
 from pdserve.workers.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.workers.engine.engine import LLMEngine
-from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.plan.pool import PoolSimulation, Traffic
 from pdserve.workers.plan.scenario import parse_scenario
 from support.plan import constant_profile, scenario_line

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pdserve.cli.main import pdserve_command
+from pdserve.base.process import pdserve_command
 from pdserve.operator import api, render
 from pdserve.operator.planning.candidates import Candidate
 

@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.base.credentials import write_new_credential
+from pdserve.protocol.headers import PREFILL_URL_HEADER
+from pdserve.protocol.internal import bearer
 from pdserve.workers.bench.config import FIRST_PROMPT_TOKEN_ID
 from pdserve.workers.engine.step_cost import StepFeatures
-from pdserve.protocol.headers import PREFILL_URL_HEADER
 from pdserve.workers.plan.costs import HandoffCost, StepCost
-from pdserve.protocol.internal import bearer
 from pdserve.workers.server.process import ServerProcess, start_worker
 
 REQUEST_TIMEOUT_S = 120.0

@@ -20,13 +20,14 @@ import random
 from dataclasses import dataclass, field
 from dataclasses import replace as replaced
 
+from pdserve.protocol.routing import ROLES, Mode, Role
+from pdserve.protocol.sampling import InvalidRequestError, SamplingParams
 from pdserve.workers.bench.plan import PlannedRequest, prompt_tokens
 from pdserve.workers.bench.records import RequestRecord
 from pdserve.workers.engine.config import ModelConfig
 from pdserve.workers.engine.engine import LLMEngine, StepResult
 from pdserve.workers.engine.leases import LeaseError, Reservation
 from pdserve.workers.engine.sampler import Sampled
-from pdserve.protocol.sampling import InvalidRequestError, SamplingParams
 from pdserve.workers.engine.stats import RequestOutput
 from pdserve.workers.handoff.decode import release_margin
 from pdserve.workers.plan.costs import Profile
@@ -34,7 +35,6 @@ from pdserve.workers.plan.events import EventQueue
 from pdserve.workers.plan.scenario import Scenario
 from pdserve.workers.plan.worker import SimWorker
 from pdserve.workers.router.load import POLL_INTERVAL_S
-from pdserve.protocol.routing import ROLES, Mode, Role
 from pdserve.workers.router.workers import Worker, WorkerSet
 
 NO_WORKER = "HTTP 503: no worker could serve the request"

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.protocol.routing import Slo
 from pdserve.workers.bench.metrics import (
     SLO,
     RequestLatency,
@@ -18,7 +19,6 @@ from pdserve.workers.bench.metrics import (
     request_latency,
 )
 from pdserve.workers.bench.records import RequestRecord
-from pdserve.protocol.routing import Slo
 
 Percentiles = dict[str, float]
 

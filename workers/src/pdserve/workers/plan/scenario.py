@@ -14,8 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdserve.base.options import OptionError, options_from
 from pdserve.protocol.api_errors import validation_message
-from pdserve.workers.bench.metrics import DEFAULT_BUCKETS
-from pdserve.workers.engine.config import ConfigError, EngineConfig
 from pdserve.protocol.routing import (
     Role,
     RoutingFileError,
@@ -23,6 +21,8 @@ from pdserve.protocol.routing import (
     StaticDiscovery,
     parse_table,
 )
+from pdserve.workers.bench.metrics import DEFAULT_BUCKETS
+from pdserve.workers.engine.config import ConfigError, EngineConfig
 from pdserve.workers.server import cli as worker_cli
 from pdserve.workers.server.options import WorkerOptions
 from pdserve.workers.server.worker import engine_config

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.bench.config import FIRST_PROMPT_TOKEN_ID
 from pdserve.workers.engine.budget import StaticBudget
 from pdserve.workers.engine.engine import LLMEngine
-from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.engine.step_cost import StepFeatures
 from pdserve.workers.plan.costs import StepSample
 
