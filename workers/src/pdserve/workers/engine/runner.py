@@ -99,10 +99,13 @@ class ModelRunner:
         self.dtype = resolve_dtype(config, model_config)
         self.block_size = block_size
         self.model: CausalLM = load_model(config.model_dir, model_config, self.dtype, self.device)
+        # Indexed [layer, block, 2, block_size, kv_heads, head_dim], stored blocks
+        # outermost: every layer of a run of blocks is one range of memory, which a
+        # P/D hand-off moves as one copy rather than one per layer.
         self.kv_cache = torch.zeros(
             (
-                model_config.num_layers,
                 num_blocks,
+                model_config.num_layers,
                 2,
                 block_size,
                 model_config.num_kv_heads,
@@ -110,7 +113,7 @@ class ModelRunner:
             ),
             dtype=resolve_kv_dtype(config, model_config),
             device=self.device,
-        )
+        ).transpose(0, 1)
         self.sampler = Sampler(
             self.device,
             config.seed,
