@@ -186,7 +186,7 @@ def measure(model_dir: Path, logs: Path, shape: Shape, budget: str) -> Run:
     with running_worker(model_dir, log_dir, *budget_args(budget)) as worker:
         config = bench_config(worker.url, vocab, **shape.traffic(log_dir))
         result = run_benchmark(config)
-        return Run(
+        run = Run(
             shape.name,
             budget,
             result.metrics.overall,
@@ -195,6 +195,8 @@ def measure(model_dir: Path, logs: Path, shape: Shape, budget: str) -> Run:
             metric(worker, PREEMPTIONS),
             longest_gap_s(result),
         )
+    print(run.row(), flush=True)  # a long sweep shows its progress
+    return run
 
 
 def longest_gap_s(result: BenchResult) -> float:
