@@ -21,24 +21,29 @@ class ServerError(RuntimeError):
 
 
 class CompletionsClient:
-    """Sends token-id prompts to `{base_url}/v1/completions` and streams the answers."""
+    """Sends prompts (token ids, or text) to `{base_url}/v1/completions` and streams
+    the answers."""
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, model: str) -> None:
+    def __init__(
+        self, session: aiohttp.ClientSession, base_url: str, model: str, ignore_eos: bool = True
+    ) -> None:
         self._session = session
         self._url = base_url.rstrip("/") + "/v1/completions"
         self._model = model
+        self._ignore_eos = ignore_eos
 
-    async def send(self, record: RequestRecord, prompt: list[int]) -> None:
+    async def send(self, record: RequestRecord, prompt: list[int] | str) -> None:
         """Send one request and fill `record` as the response streams in."""
-        payload = {
+        payload: dict[str, Any] = {
             "model": self._model,
             "prompt": prompt,
             "max_tokens": record.requested_output_tokens,
             "temperature": 0,
-            "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if self._ignore_eos:
+            payload["ignore_eos"] = True
         record.sent_at = time.perf_counter()
         try:
             async with self._session.post(self._url, json=payload) as response:
