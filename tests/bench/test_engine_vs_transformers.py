@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import csv
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -31,8 +30,9 @@ import aiohttp
 import pytest
 
 from pdserve.workers.bench.config import BenchConfig
-from pdserve.workers.bench.metrics import SLO, GroupMetrics
-from pdserve.workers.bench.runner import run_benchmark
+from pdserve.workers.bench.metrics import SLO
+from pdserve.workers.bench.runner import BenchResult, run_benchmark
+from support.network import free_port
 from support.results import publish
 from support.worker import running_worker
 
@@ -61,13 +61,6 @@ def trace_window(path: Path) -> tuple[Path, int]:
     with path.open("w", newline="") as handle:
         csv.writer(handle).writerows([header, *kept])
     return path, len(kept)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @contextmanager
@@ -104,7 +97,7 @@ async def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: fl
             await asyncio.sleep(1.0)
 
 
-def replay(url: str, model: str, trace: Path, scale: float, model_dir: Path) -> GroupMetrics:
+def replay(url: str, model: str, trace: Path, scale: float, model_dir: Path) -> BenchResult:
     config = BenchConfig(
         url=url,
         model=model,
@@ -118,10 +111,13 @@ def replay(url: str, model: str, trace: Path, scale: float, model_dir: Path) -> 
         text_prompts=model_dir,
         ignore_eos=False,
     )
-    return run_benchmark(config).metrics.overall
+    return run_benchmark(config)
 
 
-def row(server: str, rate: float, metrics: GroupMetrics) -> dict[str, Any]:
+def row(server: str, rate: float, result: BenchResult) -> dict[str, Any]:
+    metrics = result.metrics.overall
+    errors = [record.error for record in result.records if record.error]
+
     def ms(distribution: Any, quantile: str) -> float | None:
         return None if distribution is None else 1e3 * getattr(distribution, quantile)
 
@@ -136,6 +132,7 @@ def row(server: str, rate: float, metrics: GroupMetrics) -> dict[str, Any]:
         "itl_p50_ms": ms(metrics.itl, "p50"),
         "itl_p99_ms": ms(metrics.itl, "p99"),
         "output_tok_per_s": metrics.output_throughput,
+        "first_error": errors[0][:120] if errors else "",
     }
 
 
@@ -155,8 +152,8 @@ def test_engine_against_transformers_serve(tiny_model_dir: Path, tmp_path: Path)
             order = list(servers) if turn % 2 == 0 else list(servers)[::-1]
             for name in order:
                 url, model = servers[name]
-                metrics = replay(url, model, trace, scale, tiny_model_dir)
-                rows.append(row(name, count / (span * scale), metrics))
+                result = replay(url, model, trace, scale, tiny_model_dir)
+                rows.append(row(name, count / (span * scale), result))
                 print(rows[-1], flush=True)
     publish("engine_vs_transformers", rows, {"verdict": verdict(rows), "requests": count})
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import pytest
 
 from pdserve.operator import api, render
 from support.fake_server import fake_server
+from support.network import free_port
 from support.results import publish
 from support.router import local_pool, running_router
 
@@ -105,14 +105,6 @@ def measure(upstream: str, urls: dict[str, str]) -> list[dict[str, Any]]:
         row["req_per_s_vs_direct"] = row["max_req_per_s"] / direct_row["max_req_per_s"]
     assert all(row["req_per_s_vs_direct"] > 0 for row in rows)
     return rows
-
-
-def free_port() -> int:
-    """A port free now (vllm-router takes no port 0)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @contextmanager
