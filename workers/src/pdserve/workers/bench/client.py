@@ -71,7 +71,13 @@ async def _read_stream(response: aiohttp.ClientResponse, record: RequestRecord) 
         for line in lines:
             if _take_line(record, line, now):
                 return
-    if not (pending.strip() and _take_line(record, pending, time.perf_counter())):
+    if pending.strip() and _take_line(record, pending, time.perf_counter()):
+        return
+    if record.finish_reason is not None:
+        # Ended without [DONE] after the choice finished: some servers (transformers
+        # serve) close the stream there, and the answer is whole.
+        _finish(record, time.perf_counter())
+    else:
         record.fail("stream ended before [DONE]", time.perf_counter())
 
 
@@ -100,6 +106,9 @@ def _take_event(record: RequestRecord, event: dict[str, Any], now: float) -> Non
     if usage:
         record.usage_prompt_tokens = usage.get("prompt_tokens")
         record.usage_completion_tokens = usage.get("completion_tokens")
+    choices = event.get("choices") or []
+    if choices and choices[0].get("finish_reason") is not None:
+        record.finish_reason = str(choices[0]["finish_reason"])
     tokens = chunk_token_count(event)
     if tokens:
         record.chunk_times.append(now)
