@@ -1,13 +1,21 @@
 """What the router adds: latency per request (P50, P99) and the most requests/s, through
 the router against straight to the upstream, in the same run. Two upstreams: a worker
 on the tiny model (what a user sees), and the scripted fake server, which answers at
-once (the router's own ceiling). Requests to both paths alternate, so drifts in the
-machine's load hit both alike. Run with `make bench`."""
+once (the router's own ceiling); in front of the fake server vllm-router (Rust, round
+robin) runs beside pdserve's router as the peer. Requests to all paths alternate, and
+the load runs in alternating rounds, so drifts in the machine's load hit all alike.
+Run with `make bench`."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +25,7 @@ import pytest
 
 from pdserve.operator import api, render
 from support.fake_server import fake_server
+from support.network import free_port
 from support.results import publish
 from support.router import local_pool, running_router
 
@@ -24,7 +33,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 SEQUENTIAL = 300  # requests per path, one at a time
 CONCURRENCY = 16
-LOAD_SECONDS = 15.0
+LOAD_SECONDS = 15.0  # per path, in LOAD_ROUNDS alternating rounds
+LOAD_ROUNDS = 3
+PEER_GOAL_P50 = 1.5  # pdserve's added P50 at most this times vllm-router's
 BODY = {"prompt": list(range(10, 26)), "max_tokens": 4, "ignore_eos": True, "stream": True}
 
 
@@ -51,10 +62,10 @@ async def latencies(urls: dict[str, str]) -> dict[str, list[float]]:
     return seen
 
 
-async def most_requests_per_second(url: str) -> float:
-    """Completed requests/s with CONCURRENCY clients sending back to back."""
+async def completed_in(url: str, seconds: float) -> int:
+    """Requests completed with CONCURRENCY clients sending back to back for `seconds`."""
     done = 0
-    deadline = time.perf_counter() + LOAD_SECONDS
+    deadline = time.perf_counter() + seconds
 
     async def client(session: aiohttp.ClientSession) -> None:
         nonlocal done
@@ -64,27 +75,73 @@ async def most_requests_per_second(url: str) -> float:
 
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
-        started = time.perf_counter()
         await asyncio.gather(*(client(session) for _ in range(CONCURRENCY)))
-        return done / (time.perf_counter() - started)
+    return done
 
 
-def measure(upstream: str, direct: str, routed: str) -> list[dict[str, Any]]:
-    seen = asyncio.run(latencies({"direct": direct, "router": routed}))
-    rates = {"direct": asyncio.run(most_requests_per_second(direct))}
-    rates["router"] = asyncio.run(most_requests_per_second(routed))
+def most_requests_per_second(urls: dict[str, str]) -> dict[str, float]:
+    """Completed requests/s of each path, its load split into alternating rounds."""
+    done = dict.fromkeys(urls, 0)
+    seconds = LOAD_SECONDS / LOAD_ROUNDS
+    for _ in range(LOAD_ROUNDS):
+        for name, url in urls.items():
+            done[name] += asyncio.run(completed_in(url, seconds))
+    return {name: count / LOAD_SECONDS for name, count in done.items()}
+
+
+def measure(upstream: str, urls: dict[str, str]) -> list[dict[str, Any]]:
+    """Rows of each path in `urls` ("direct" first: the baseline)."""
+    seen = asyncio.run(latencies(urls))
+    rates = most_requests_per_second(urls)
     rows = []
-    for path in ("direct", "router"):
+    for path in urls:
         p50, p99 = np.percentile(seen[path], [50, 99]) * 1000
         rows.append({"upstream": upstream, "path": path, "p50_ms": p50, "p99_ms": p99,
                      "max_req_per_s": rates[path]})  # fmt: skip
-    direct_row, router_row = rows
+    direct_row = rows[0]
     for row in rows:
         row["added_p50_ms"] = row["p50_ms"] - direct_row["p50_ms"]
         row["added_p99_ms"] = row["p99_ms"] - direct_row["p99_ms"]
         row["req_per_s_vs_direct"] = row["max_req_per_s"] / direct_row["max_req_per_s"]
-    assert router_row["req_per_s_vs_direct"] > 0
+    assert all(row["req_per_s_vs_direct"] > 0 for row in rows)
     return rows
+
+
+@contextmanager
+def vllm_router(upstream: str, log_path: Path) -> Iterator[str | None]:
+    """vllm-router (round robin) in front of `upstream`, once it answers; None where
+    it is not installed."""
+    # Installed beside the interpreter (the checkout's environment), on PATH or not.
+    search = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    binary = shutil.which("vllm-router", path=search)
+    if binary is None:
+        yield None
+        return
+    port = free_port()
+    command = [binary, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", upstream,
+               "--policy", "round_robin"]  # fmt: skip
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        asyncio.run(wait_answering(url))
+        yield url
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+async def wait_answering(url: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while True:
+            try:
+                await one(session, url)
+                return
+            except (aiohttp.ClientError, AssertionError):
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
 
 
 def colocated_pool(model_dir: Path) -> api.ServingPool:
@@ -105,17 +162,38 @@ def test_router_overhead(tiny_model_dir: Path, tmp_path: Path) -> None:
     rows = []
     pool = colocated_pool(tiny_model_dir)
     with local_pool(pool, tmp_path / "pool") as local:
-        rows += measure("tiny worker", local.workers["decode"][0].url, local.url)
+        urls = {"direct": local.workers["decode"][0].url, "pdserve": local.url}
+        rows += measure("tiny worker", urls)
     with fake_server() as upstream:
         discovery = {"kind": "static", "decode": [upstream]}
         routing = tmp_path / "routing.json"
         table = render.routing_table("o", "local", pool.spec, discovery)
         routing.write_text(render.routing_json(table))
-        with running_router(routing, tmp_path / "router.log") as router:
+        with (
+            running_router(routing, tmp_path / "router.log") as router,
+            vllm_router(upstream, tmp_path / "vllm-router.log") as peer,
+        ):
             router.wait_ready()
-            rows += measure("fake server", upstream, router.url)
+            urls = {"direct": upstream, "pdserve": router.url}
+            rows += measure("fake server", {**urls, **({"vllm-router": peer} if peer else {})})
     publish(
         "router_overhead", rows,
         {"sequential_requests_per_path": SEQUENTIAL, "concurrency": CONCURRENCY,
-         "load_seconds": LOAD_SECONDS, "request": "16-token prompt, 4 tokens streamed"},
+         "load_seconds_per_path": LOAD_SECONDS, "load_rounds": LOAD_ROUNDS,
+         "request": "16-token prompt, 4 tokens streamed",
+         "pdserve_router": "tokenizes the prompt and scores workers (KV-aware) as served",
+         "goal": f"added P50 <= {PEER_GOAL_P50}x vllm-router's, req/s >= vllm-router's",
+         "goal_met": goal_met(rows)},
     )  # fmt: skip
+
+
+def goal_met(rows: list[dict[str, Any]]) -> bool | None:
+    """Whether pdserve's router kept up with vllm-router (None: no peer ran)."""
+    fake = {row["path"]: row for row in rows if row["upstream"] == "fake server"}
+    if "vllm-router" not in fake:
+        return None
+    ours, peer = fake["pdserve"], fake["vllm-router"]
+    return bool(
+        ours["added_p50_ms"] <= PEER_GOAL_P50 * max(peer["added_p50_ms"], 0.0)
+        and ours["max_req_per_s"] >= peer["max_req_per_s"]
+    )

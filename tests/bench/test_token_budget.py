@@ -1,7 +1,9 @@
 """The adaptive token budget against every static budget of a sweep, under one ITL
 target, on the three workload shapes (short in/short out, long in/short out, long
-in/long out) and the mixed one, in one run; then a load step (the request rate
-doubled mid-run) and how many engine steps the ITL takes to come back under target.
+in/long out), the mixed one and a burst (the first requests of the Azure conversation
+trace, arriving within seconds, prompts up to 3,000 tokens), in one run; then a load
+step (the request rate doubled mid-run) and how many engine steps the ITL takes to come
+back under target.
 Run with `make bench`. PDSERVE_BENCH_RATE_SCALE multiplies every request rate (default
 1): the rates below suit a shared two-core machine, where an idle one needs more traffic
 before the budget matters.
@@ -13,6 +15,7 @@ with the lowest median TTFT among those whose P99 ITL meets the target.
 from __future__ import annotations
 
 import csv
+import math
 import os
 import threading
 import time
@@ -51,28 +54,66 @@ SLO_TTFT_MS = 5000.0
 TTFT_TOLERANCE = 1.05  # "within 5% of the best static budget"
 STEPS = "pdserve_engine_step_duration_seconds_count"
 OVER_TARGET = "pdserve_engine_steps_over_target_total"
+PREEMPTIONS = "pdserve_preemptions_total"
+
+
+# The burst: the trace's first requests, their arrivals squeezed into BURST_S.
+TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "azure_llm_2023_conv.csv"
+BURST_REQUESTS = 60
+BURST_S = 10.0
+BURST_MAX_INPUT = 3000
+BURST_MAX_OUTPUT = 256
 
 
 @dataclass(frozen=True)
 class Shape:
-    """A workload shape and a request rate the tiny model on two cores keeps up with."""
+    """A workload shape and a request rate the tiny model on two cores keeps up with,
+    or (workload "burst") the trace's burst."""
 
     name: str
     workload: str
-    base_rate: float
+    base_rate: float = 0.0
 
     @property
     def rate(self) -> float:
         """Requests per second in this run."""
         return self.base_rate * RATE_SCALE
 
+    def traffic(self, logs: Path) -> dict[str, Any]:
+        """The bench configuration's traffic fields."""
+        if self.workload != "burst":
+            return {"workload": self.workload, "rate": self.rate, "duration_s": DURATION_S}
+        trace, span_s = write_burst_trace(logs / "burst.csv")
+        return {
+            "trace": trace,
+            "trace_time_scale": BURST_S / span_s,
+            "max_input_tokens": BURST_MAX_INPUT,
+            "max_output_tokens": BURST_MAX_OUTPUT,
+        }
 
-SHAPES = (
+
+ALL_SHAPES = (
     Shape("short-in/short-out", "chat", 1.0),
     Shape("long-in/short-out", "rag", 0.25),
     Shape("long-in/long-out", "long", 0.12),
     Shape("mixed", "mixed", 0.75),
+    *((Shape("burst", "burst"),) if TRACE.exists() else ()),
 )
+# PDSERVE_BENCH_SHAPES=mixed,burst runs those workloads only (the load step needs mixed).
+_CHOSEN = os.environ.get("PDSERVE_BENCH_SHAPES")
+SHAPES = tuple(s for s in ALL_SHAPES if not _CHOSEN or s.workload in _CHOSEN.split(","))
+
+
+def write_burst_trace(path: Path) -> tuple[Path, float]:
+    """The trace's first BURST_REQUESTS rows, and the seconds their arrivals span."""
+    with TRACE.open(newline="") as source:
+        rows = list(csv.reader(source))[: BURST_REQUESTS + 1]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as handle:
+        csv.writer(handle).writerows(rows)
+    first, last = (datetime.fromisoformat(row[0][:26]) for row in (rows[1], rows[-1]))
+    return path, (last - first).total_seconds()
+
 
 # The load step: the mixed shape at LOAD_RATE, then twice that from LOAD_STEP_AT_S on.
 LOAD_RATE = 0.5 * RATE_SCALE
@@ -91,17 +132,21 @@ class Run:
     metrics: GroupMetrics
     steps: float
     steps_over_target: float
+    preemptions: float = 0.0
+    longest_gap_s: float = 0.0  # the longest gap between two tokens of one stream
 
     @property
     def p99_itl_ms(self) -> float:
-        assert self.metrics.itl is not None
-        return self.metrics.itl.p99 * 1e3
+        """P99 ITL; infinite when no request streamed two tokens (a run that failed
+        meets nothing)."""
+        itl = self.metrics.itl
+        return math.inf if itl is None else itl.p99 * 1e3
 
     @property
     def ttft_ms(self) -> tuple[float, float]:
-        """TTFT P50 and P99."""
-        assert self.metrics.ttft is not None
-        return self.metrics.ttft.p50 * 1e3, self.metrics.ttft.p99 * 1e3
+        """TTFT P50 and P99 (infinite when no request got a token)."""
+        ttft = self.metrics.ttft
+        return (math.inf, math.inf) if ttft is None else (ttft.p50 * 1e3, ttft.p99 * 1e3)
 
     @property
     def meets_target(self) -> bool:
@@ -120,12 +165,15 @@ class Run:
             "ttft_p99_ms": ttft_p99,
             "goodput_rps": self.metrics.goodput,
             "steps_over_target": self.steps_over_target / max(self.steps, 1.0),
+            "preemptions": self.preemptions,
+            "longest_gap_s": self.longest_gap_s,
         }
 
 
 def budget_args(budget: str) -> list[str]:
     """Worker flags of a configuration; both kinds count the steps over the target."""
-    target = ["--target-itl-ms", f"{TARGET_ITL_MS:g}"]
+    # A burst queues requests for longer than the default queue timeout.
+    target = ["--target-itl-ms", f"{TARGET_ITL_MS:g}", "--queue-timeout", f"{DRAIN_S:g}"]
     if budget == ADAPTIVE:
         return [*target, "--token-budget", ADAPTIVE, "--max-num-batched-tokens", str(CEILING)]
     return [*target, "--max-num-batched-tokens", budget]
@@ -142,11 +190,30 @@ def measure(model_dir: Path, logs: Path, shape: Shape, budget: str) -> Run:
     vocab = ModelConfig.from_dir(model_dir).vocab_size
     log_dir = logs / shape.workload / budget
     with running_worker(model_dir, log_dir, *budget_args(budget)) as worker:
-        config = bench_config(
-            worker.url, vocab, workload=shape.workload, rate=shape.rate, duration_s=DURATION_S
+        config = bench_config(worker.url, vocab, **shape.traffic(log_dir))
+        result = run_benchmark(config)
+        run = Run(
+            shape.name,
+            budget,
+            result.metrics.overall,
+            metric(worker, STEPS),
+            metric(worker, OVER_TARGET),
+            metric(worker, PREEMPTIONS),
+            longest_gap_s(result),
         )
-        overall = run_benchmark(config).metrics.overall
-        return Run(shape.name, budget, overall, metric(worker, STEPS), metric(worker, OVER_TARGET))
+    print(run.row(), flush=True)  # a long sweep shows its progress
+    return run
+
+
+def longest_gap_s(result: BenchResult) -> float:
+    """The longest gap between two tokens of any stream of a run."""
+    gaps = [
+        later - earlier
+        for record in result.records
+        if record.ok
+        for earlier, later in pairwise(token_times(record))
+    ]
+    return max(gaps, default=0.0)
 
 
 def best_static(runs: Sequence[Run]) -> Run | None:
@@ -202,14 +269,16 @@ def test_adaptive_budget_against_the_best_static_one(tiny_model_dir: Path, tmp_p
         {
             "target_itl_ms": TARGET_ITL_MS,
             "duration_s": DURATION_S,
-            "rates": {shape.name: shape.rate for shape in SHAPES},
+            "rates": {shape.name: shape.rate for shape in SHAPES if shape.workload != "burst"},
+            "burst": f"first {BURST_REQUESTS} requests of {TRACE.name} within {BURST_S:g} s, "
+            f"prompts <= {BURST_MAX_INPUT}, outputs <= {BURST_MAX_OUTPUT} tokens",
             "verdicts": judged,
             **across,
         },
     )
     publish("token_budget_verdicts", judged, across)
     assert all(run.metrics.failed == 0 for run in runs)
-    mixed = best_static(by_shape["mixed"])
+    mixed = best_static(by_shape.get("mixed", []))
     load_step(tiny_model_dir, tmp_path, mixed.budget if mixed else str(SWEEP[0]))
 
 

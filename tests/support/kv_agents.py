@@ -37,6 +37,7 @@ class CacheSpec:
     model: str = "test-model"
     weights: str = "0123456789abcdef"
     max_peers: int = 128  # connections the agent keeps
+    block_major: bool = False  # stored blocks outermost, as the engine's cache
 
 
 class AgentCallError(Exception):
@@ -134,9 +135,13 @@ def serve(
     from pdserve.workers.kv_transfer.layout import KVLayout
 
     torch.set_num_threads(1)
-    shape = (spec.num_layers, spec.num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    shape = [spec.num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim]
+    if not spec.block_major:
+        shape[:2] = shape[1::-1]
     generator = torch.Generator().manual_seed(seed)
     cache = torch.rand(shape, generator=generator).to(getattr(torch, spec.dtype))
+    if spec.block_major:
+        cache = cache.transpose(0, 1)  # indexed [layer, block, ...] either way
     layout = KVLayout.of(cache, model=spec.model, weights=spec.weights)
     agent = create_agent(backend, name, cache, layout, max_peers=spec.max_peers)
     commands = _commands(agent, cache)
@@ -175,6 +180,22 @@ def _commands(agent: Any, cache: Any) -> dict[str, Callable[..., Any]]:
             "finished": time.monotonic(),
         }
 
+    def raw_write(pid: int, base: int, local: list[int], remote: list[int]) -> float:
+        """Seconds of process_vm_writev copying the blocks into process `pid`'s cache
+        at `base`, with the descriptors NIXL is given (computed beforehand: this is
+        the copy alone, the best two processes can do)."""
+        from pdserve.workers.kv_transfer.layout import segments
+        from pdserve.workers.kv_transfer.nixl import descriptors
+        from support.vm_copy import write_into
+
+        merged = segments(local, remote)
+        ours = descriptors(merged, agent.layout, cache.data_ptr(), 0, "src")
+        theirs = descriptors(merged, agent.layout, base, 0, "dst")
+        pieces = [(a, b, n) for (a, n, _), (b, _, _) in zip(ours, theirs, strict=True)]
+        started = time.perf_counter()
+        write_into(pid, pieces)
+        return time.perf_counter() - started
+
     def checksum(blocks: list[int]) -> float:
         return float(cache[:, blocks].double().sum())
 
@@ -194,6 +215,8 @@ def _commands(agent: Any, cache: Any) -> dict[str, Callable[..., Any]]:
         "peers": agent.num_peers,
         "cache": lambda: cache.clone(),
         "checksum": checksum,
+        "raw_write": raw_write,
+        "pid": os.getpid,
         "memcpy": memcpy_seconds,
         "exit": close,
     }

@@ -18,6 +18,15 @@ def refusing_url() -> Iterator[str]:
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
+def free_port() -> int:
+    """A loopback port free now, for servers that cannot be told port 0 (a peer's
+    binary); another process may take it before they bind, which a benchmark risks."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
 @asynccontextmanager
 async def serving(app: web.Application) -> AsyncIterator[str]:
     """The http:// URL of `app` served on loopback, on a port the system picks at

@@ -40,7 +40,15 @@ ODD_BUT_VALID = [
 ERROR_MID_STREAM = [event(text("a")), event({"error": {"message": "worker gone"}})]
 NO_DONE = [event(text("a")), event(text("b"))]
 NOT_JSON = [event(text("a")), b"data: {oops\n\n"]
-SCRIPTS = {"odd": ODD_BUT_VALID, "error": ERROR_MID_STREAM, "nodone": NO_DONE, "bad": NOT_JSON}
+# transformers serve: the stream closes after the choice's finish reason, no [DONE].
+CLOSED_AFTER_FINISH = [
+    event(text("a")),
+    event({"choices": [{"index": 0, "text": "b", "finish_reason": "length"}]}),
+]
+SCRIPTS = {
+    "odd": ODD_BUT_VALID, "error": ERROR_MID_STREAM, "nodone": NO_DONE, "bad": NOT_JSON,
+    "closed": CLOSED_AFTER_FINISH,
+}  # fmt: skip
 
 
 @pytest.fixture
@@ -75,6 +83,12 @@ async def test_odd_but_valid_stream(base_url: str) -> None:
     assert record.chunk_tokens == [1, 1, 1]
     assert record.usage_completion_tokens == 3
     assert record.usage_prompt_tokens == 5
+
+
+async def test_a_stream_closed_after_its_finish_reason_is_whole(base_url: str) -> None:
+    record = await send(base_url, "closed")
+    assert record.ok
+    assert record.chunk_tokens == [1, 1]
 
 
 @pytest.mark.parametrize(

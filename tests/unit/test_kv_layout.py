@@ -8,6 +8,8 @@ import torch
 
 from pdserve.workers.kv_transfer.blocks import Run, check_blocks, runs
 from pdserve.workers.kv_transfer.layout import (
+    BLOCK_MAJOR,
+    LAYER_MAJOR,
     KVLayout,
     LayoutMismatchError,
     Segment,
@@ -19,6 +21,11 @@ def cache(
     layers: int = 3, blocks: int = 10, block_size: int = 4, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     return torch.zeros((layers, blocks, 2, block_size, 2, 8), dtype=dtype)
+
+
+def block_major(layers: int = 3, blocks: int = 10) -> torch.Tensor:
+    """Indexed like `cache()`, stored blocks outermost (as the engine's)."""
+    return torch.zeros((blocks, layers, 2, 4, 2, 8)).transpose(0, 1)
 
 
 def layout_of(tensor: torch.Tensor, model: str = "m") -> KVLayout:
@@ -47,16 +54,40 @@ def test_segments_refuse_lists_of_different_lengths() -> None:
         segments([1, 2, 3], [1, 2])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_offsets_and_sizes_match_the_cache_tensor_in_memory(dtype: torch.dtype) -> None:
-    kv = cache(dtype=dtype)
+@pytest.mark.parametrize(
+    "kv", [cache(), cache(dtype=torch.bfloat16), block_major()], ids=["f32", "bf16", "block"]
+)
+def test_offsets_and_sizes_match_the_cache_tensor_in_memory(kv: torch.Tensor) -> None:
     layout = layout_of(kv)
     assert layout.block_bytes == kv[0, 0].numel() * kv.element_size()
-    assert layout.layer_bytes == kv[0].numel() * kv.element_size()
     for layer, block in [(0, 0), (1, 3), (2, 9)]:
         assert kv[layer, block].data_ptr() - kv.data_ptr() == layout.offset(layer, block)
     # A run of consecutive blocks of one layer is one contiguous range.
-    assert kv[1, 3:7].is_contiguous()
+    assert kv[1, 3:7].is_contiguous() == (layout.order == LAYER_MAJOR)
+
+
+def test_a_block_major_run_holds_every_layer_in_one_range() -> None:
+    kv = block_major()
+    layout = layout_of(kv)
+    assert layout.order == BLOCK_MAJOR
+    assert kv.transpose(0, 1)[3:7].is_contiguous()
+    assert layout.offset(0, 7) - layout.offset(0, 3) == 4 * 3 * layout.block_bytes
+
+
+def test_a_cache_dense_in_neither_order_is_refused() -> None:
+    with pytest.raises(ValueError, match="must be dense"):
+        layout_of(cache()[:, ::2])
+
+
+def test_layouts_of_different_memory_orders_do_not_meet() -> None:
+    with pytest.raises(LayoutMismatchError, match="order: a has layer_major, b has block_major"):
+        layout_of(cache()).check_compatible(layout_of(block_major()), local="a", remote="b")
+
+
+def test_a_peer_that_names_no_order_is_layer_major() -> None:
+    raw = layout_of(cache()).to_json()
+    del raw["order"]
+    assert KVLayout.from_json(raw).order == LAYER_MAJOR
 
 
 def test_compatible_layouts_may_differ_in_block_count() -> None:
@@ -128,11 +159,27 @@ def test_nixl_descriptors_are_the_segments_layer_by_layer() -> None:
     assert far[1] == ((1 << 40) + layout.offset(0, 7), layout.block_bytes, 2)
 
 
+def test_nixl_descriptors_of_a_block_major_cache_are_one_per_segment() -> None:
+    nixl = pytest.importorskip("pdserve.workers.kv_transfer.nixl")
+    kv = block_major()
+    layout = layout_of(kv)
+    merged = segments([3, 4, 5, 9], [0, 1, 2, 7])
+
+    rows = nixl.descriptors(merged, layout, kv.data_ptr(), 0, "src")
+
+    whole_block = 3 * layout.block_bytes  # every layer of one block
+    assert rows == [
+        (kv[0, 3].data_ptr(), 3 * whole_block, 0),
+        (kv[0, 9].data_ptr(), whole_block, 0),
+    ]
+
+
 def test_a_peers_layout_is_checked_field_by_field() -> None:
     good = layout_of(cache()).to_json()
     for field, bad in [
         ("num_layers", "3"), ("num_blocks", True), ("block_size", 0), ("head_dim", -8),
         ("dtype", "complex128"), ("model", ""), ("weights", 7), ("num_kv_heads", 2**50),
+        ("order", "diagonal"),
     ]:  # fmt: skip
         with pytest.raises(ValueError, match=f"malformed KV layout: bad .*{field}"):
             KVLayout.from_json({**good, field: bad})

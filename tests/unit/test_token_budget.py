@@ -164,3 +164,38 @@ def test_prompts_that_need_little_leave_the_rest_unused(cost: StepCostModel) -> 
 def test_static_budget_ignores_the_batch() -> None:
     static = StaticBudget(512)
     assert static.budget(shape(0)) == static.budget(shape(300)) == 512
+
+
+def test_the_floor_never_takes_a_step_the_decodes_keep_under_the_target_over_it(
+    cost: StepCostModel,
+) -> None:
+    # Decodes alone end just under the target: the floor's 32 tokens would take the step
+    # over, so the prompt waits (it gets what fits, here nothing) and the streams keep
+    # their target.
+    decodes = next(d for d in range(1, 200) if cost.predict(shape(d + 1).features(0)) > TARGET_S)
+    near = shape(decodes)
+    assert cost.predict(near.features(0)) <= TARGET_S < cost.predict(near.features(FLOOR))
+    prefill = adaptive(cost).budget(near) - decodes
+    assert prefill < FLOOR
+    assert cost.predict(near.features(prefill)) <= TARGET_S
+
+
+def test_gaps_over_the_target_raise_the_margin_and_gaps_under_it_lower_it(
+    cost: StepCostModel,
+) -> None:
+    clock = Clock()
+    policy = adaptive(cost, clock)
+
+    def step(gap_s: float) -> int:
+        granted = policy.budget(shape(8)) - 8
+        clock.now += gap_s
+        policy.step_ended(clock.now)
+        return granted
+
+    first = step(TARGET_S * 1.5)  # the model was wrong: this step's gap ran over
+    assert policy.margin_s > cost.margin_s
+    assert step(TARGET_S * 0.5) < first  # the next step is sized more cautiously
+    for _ in range(2000):  # a long run of gaps under the target gives the time back
+        step(TARGET_S * 0.9)
+    assert policy.margin_s < cost.margin_s
+    assert step(TARGET_S * 0.9) > first

@@ -321,8 +321,9 @@ class TokenBudgetSpec(ApiModel):
         ge=1,
         le=1 << 20,
         alias="min",
-        description="Adaptive: prefill tokens every step gives while a prompt waits, "
-        "whatever the target (no prompt starves).",
+        description="Adaptive: prefill tokens a step gives while a prompt waits when the "
+        "decodes alone already miss the target (prompts progress however many decodes "
+        "run); a step the decodes keep under the target never goes over it for the floor.",
     )
     max_budget: int | None = Field(
         default=None,

@@ -22,24 +22,29 @@ class ServerError(RuntimeError):
 
 
 class CompletionsClient:
-    """Sends token-id prompts to `{base_url}/v1/completions` and streams the answers."""
+    """Sends prompts (token ids, or text) to `{base_url}/v1/completions` and streams
+    the answers."""
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, model: str) -> None:
+    def __init__(
+        self, session: aiohttp.ClientSession, base_url: str, model: str, ignore_eos: bool = True
+    ) -> None:
         self._session = session
         self._url = base_url.rstrip("/") + "/v1/completions"
         self._model = model
+        self._ignore_eos = ignore_eos
 
-    async def send(self, record: RequestRecord, prompt: list[int]) -> None:
+    async def send(self, record: RequestRecord, prompt: list[int] | str) -> None:
         """Send one request and fill `record` as the response streams in."""
-        payload = {
+        payload: dict[str, Any] = {
             "model": self._model,
             "prompt": prompt,
             "max_tokens": record.requested_output_tokens,
             "temperature": 0,
-            "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if self._ignore_eos:
+            payload["ignore_eos"] = True
         record.sent_at = time.perf_counter()
         try:
             async with self._session.post(self._url, json=payload) as response:
@@ -67,7 +72,13 @@ async def _read_stream(response: aiohttp.ClientResponse, record: RequestRecord) 
         for line in lines:
             if _take_line(record, line, now):
                 return
-    if not (pending.strip() and _take_line(record, pending, time.perf_counter())):
+    if pending.strip() and _take_line(record, pending, time.perf_counter()):
+        return
+    if record.finish_reason is not None:
+        # Ended without [DONE] after the choice finished: some servers (transformers
+        # serve) close the stream there, and the answer is whole.
+        _finish(record, time.perf_counter())
+    else:
         record.fail("stream ended before [DONE]", time.perf_counter())
 
 
@@ -96,6 +107,9 @@ def _take_event(record: RequestRecord, event: dict[str, Any], now: float) -> Non
     if usage:
         record.usage_prompt_tokens = usage.get("prompt_tokens")
         record.usage_completion_tokens = usage.get("completion_tokens")
+    choices = event.get("choices") or []
+    if choices and choices[0].get("finish_reason") is not None:
+        record.finish_reason = str(choices[0]["finish_reason"])
     tokens = chunk_token_count(event)
     if tokens:
         record.chunk_times.append(now)

@@ -51,6 +51,11 @@ class BenchConfig:
     concurrency_limit: int | None = None
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    # Prompts sent as text, decoded with this tokenizer (a checkpoint directory), for
+    # servers that take no token ids; and whether requests ask to ignore EOS (servers
+    # that do not know the field refuse it).
+    text_prompts: Path | None = None
+    ignore_eos: bool = True
 
     def __post_init__(self) -> None:
         for problem in self._problems():

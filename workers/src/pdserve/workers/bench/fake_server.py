@@ -37,7 +37,8 @@ class FakeServerSpec:
 
 
 def make_app(spec: FakeServerSpec) -> web.Application:
-    """The aiohttp application serving `/v1/models` and `/v1/completions`."""
+    """The aiohttp application serving `/v1/models`, `/v1/completions` and `/health`
+    (which routers poll before they send a worker traffic)."""
     app = web.Application()
 
     async def models(_: web.Request) -> web.Response:
@@ -46,8 +47,12 @@ def make_app(spec: FakeServerSpec) -> web.Application:
     async def completions(request: web.Request) -> web.StreamResponse:
         return await _complete(spec, request)
 
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/health", health)
     return app
 
 

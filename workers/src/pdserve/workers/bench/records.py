@@ -29,6 +29,7 @@ class RequestRecord:
     error: str | None = None
     finished: bool = False
     ended_at: float | None = None
+    finish_reason: str | None = None  # of the first choice, once a chunk gave one
 
     @property
     def ok(self) -> bool:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 
 import aiohttp
 
@@ -21,6 +23,7 @@ from pdserve.workers.bench.config import BenchConfig
 from pdserve.workers.bench.metrics import BenchMetrics, compute_metrics
 from pdserve.workers.bench.plan import PlannedRequest, build_plan, prompt_tokens
 from pdserve.workers.bench.records import RequestRecord
+from pdserve.workers.model.tokenizer import Tokenizer
 
 # Time between building the session and the first arrival, so the first request is
 # not late because of set-up work.
@@ -59,7 +62,7 @@ async def arun_benchmark(config: BenchConfig) -> BenchResult:
     timeout = aiohttp.ClientTimeout(total=None)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         model = config.model or await fetch_model_id(session, config.url)
-        client = CompletionsClient(session, config.url, model)
+        client = CompletionsClient(session, config.url, model, config.ignore_eos)
         started_at = time.perf_counter() + _START_DELAY_S
         wall_start = datetime.now(UTC)
         records = await _drive(config, plan, client, started_at)
@@ -96,12 +99,20 @@ async def _send(
     record: RequestRecord,
     slots: asyncio.Semaphore | None,
 ) -> None:
-    prompt = prompt_tokens(config.seed, record.index, record.input_tokens, config.vocab_size)
+    ids = prompt_tokens(config.seed, record.index, record.input_tokens, config.vocab_size)
+    prompt: list[int] | str = ids
+    if config.text_prompts is not None:
+        prompt = _tokenizer(config.text_prompts).decode(ids)
     if slots is None:
         await client.send(record, prompt)
         return
     async with slots:
         await client.send(record, prompt)
+
+
+@functools.cache
+def _tokenizer(directory: Path) -> Tokenizer:
+    return Tokenizer.from_dir(directory)
 
 
 async def _drain(

@@ -76,18 +76,26 @@ def _gather(
 def _decode_attention(
     query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    keys, values = _gather(kv_layer, meta.decode_block_tables)  # [D, kvh, L, dim]
-    positions = torch.arange(keys.shape[-2], device=query.device)
+    """All decodes in one call, grouped by KV head: each KV head's query heads attend
+    to it together, so K and V are gathered once (whole rows of blocks, one copy
+    each) and never repeated for the heads that share them."""
+    decodes, heads, dim = query.shape
+    kv_heads = kv_layer.shape[-2]
+    rows = meta.decode_block_tables.flatten()
+    keys, values = (
+        kv_layer[:, part].flatten(1).index_select(0, rows).view(decodes, -1, kv_heads, dim)
+        for part in (0, 1)
+    )  # [D, L, kvh, dim]
+    positions = torch.arange(keys.shape[1], device=query.device)
     mask = positions[None, :] < meta.decode_context_lens[:, None]  # [D, L]
     attended = F.scaled_dot_product_attention(
-        query.unsqueeze(2),  # [D, heads, 1, dim]
-        keys.to(query.dtype),
-        values.to(query.dtype),
+        query.reshape(decodes, kv_heads, heads // kv_heads, dim),  # [D, kvh, group, dim]
+        keys.transpose(1, 2).to(query.dtype),
+        values.transpose(1, 2).to(query.dtype),
         attn_mask=mask[:, None, None, :],
         scale=scale,
-        enable_gqa=True,
     )
-    return attended.squeeze(2)
+    return attended.reshape(decodes, heads, dim)
 
 
 def _prefill_attention(

@@ -9,10 +9,21 @@ many prefill tokens join them.
 The adaptive policy keeps the running decodes' inter-token latency under the target.
 Their last tokens came out when the previous step ended, so this step must end within
 the target of that moment: it gets the largest number of prefill tokens whose
-predicted duration (the step-cost model's, plus its learned margin) fits in what is
-left. It never goes above the ceiling, and while a prompt waits it always gives at
-least the floor, so a long prompt progresses however many decodes run. With no decode
-running there is no stream to protect and prefill takes the ceiling.
+predicted duration (the step-cost model's, plus a margin) fits in what is left. It
+never goes above the ceiling. The floor is for steps the decodes alone already make
+miss the target: there the target is lost whatever the budget, and a waiting prompt
+still progresses by the floor, however many decodes run; a step the decodes alone
+keep under the target never goes over it for the floor's sake (under a burst, the
+prompts wait for room rather than stall every stream). With no decode running there
+is no stream to protect and prefill takes the ceiling.
+
+The margin is learned from the gaps themselves. It starts at the cost model's (a high
+quantile of its recent errors) and a correction follows what the decodes saw on the
+steps the target sized: each gap over the target raises it, each one under lowers it
+by a small fraction of that, so it settles where OVER_TARGET_SHARE of those gaps run
+over (stochastic quantile tracking). A model that errs more than its margin allows
+(a burst of long prompts it has not seen yet) is corrected within a few steps; one
+whose error quantile is too cautious gives the time back, step by step.
 
 Nor does it go above the chunk the model predicts computes prompts fastest (tokens per
 second of step). Where a step's fixed cost dominates, as on an accelerator, that is the
@@ -30,6 +41,16 @@ from typing import Protocol
 from pdserve.workers.engine.clock import Clock
 from pdserve.workers.engine.config import SchedulerConfig
 from pdserve.workers.engine.step_cost import StepCostModel, StepFeatures
+
+# The share of target-sized steps whose gap may run over the target: half the 1% a P99
+# allows, since the streams also see steps the budget does not size.
+OVER_TARGET_SHARE = 0.005
+# A gap over the target raises the margin by this share of the target; one under it
+# lowers it by OVER_TARGET_SHARE / (1 - OVER_TARGET_SHARE) as much.
+MARGIN_STEP = 0.05
+# Bounds of the margin, as shares of the target: a model that overestimates may have
+# its predictions run a little over the target.
+MARGIN_BOUNDS = (-0.25, 1.0)
 
 
 @dataclass(frozen=True)
@@ -103,23 +124,51 @@ class AdaptiveBudget:
         self.ceiling = ceiling
         self.cost = cost
         self.clock = clock
+        self.correction_s = 0.0  # added to the cost model's margin, from the gaps seen
         self._last_tokens_at: float | None = None
+        self._sized = False  # whether the target sized the step running now
+
+    @property
+    def margin_s(self) -> float:
+        """Seconds kept free of predicted work in a step: the cost model's error
+        quantile, corrected by the gaps seen."""
+        low, high = MARGIN_BOUNDS
+        margin = self.cost.margin_s + self.correction_s
+        return min(max(margin, low * self.target_s), high * self.target_s)
 
     def budget(self, shape: BatchShape) -> int:
-        """Decodes plus the prefill tokens the target leaves room for (at least the
-        floor, at most the ceiling in all)."""
+        """Decodes plus the prefill tokens the target leaves room for (at most the
+        ceiling in all; the floor where the decodes alone miss the target)."""
+        self._sized = False
         room = self.ceiling - shape.num_decodes
         if not shape.prefills or room <= 0:
             return self.ceiling
         fastest = self._fastest(shape, room)
         if shape.num_decodes == 0:
             return max(fastest, min(self.floor, room))
-        allowed_s = self.target_s - self._elapsed() - self.cost.margin_s
-        fitting = min(self._largest_fit(shape, room, allowed_s), fastest)
-        return shape.num_decodes + max(fitting, min(self.floor, room))
+        left_s = self.target_s - self._elapsed()
+        if self.cost.predict(shape.features(0)) > left_s:
+            return shape.num_decodes + min(self.floor, room)  # the target is lost anyway
+        fitting = self._largest_fit(shape, room, left_s - self.margin_s)
+        self._sized = fitting < min(fastest, room)
+        return shape.num_decodes + min(fitting, fastest)
 
     def step_ended(self, at: float | None) -> None:
-        """Remember when the running decodes last got a token."""
+        """Remember when the running decodes last got a token; if the target sized
+        the step, move the margin's correction by whether its gap ran over."""
+        if self._sized and at is not None and self._last_tokens_at is not None:
+            over = at - self._last_tokens_at > self.target_s
+            step = MARGIN_STEP * self.target_s
+            if over:
+                self.correction_s += step
+            else:
+                self.correction_s -= step * OVER_TARGET_SHARE / (1 - OVER_TARGET_SHARE)
+            low, high = MARGIN_BOUNDS  # no further than the margin's own bounds
+            base = self.cost.margin_s
+            self.correction_s = min(
+                max(self.correction_s, low * self.target_s - base), high * self.target_s - base
+            )
+        self._sized = False
         self._last_tokens_at = at
 
     def _elapsed(self) -> float:

@@ -156,8 +156,9 @@ class TokenBudgetConfig:
 
     static: every step may compute `max_num_batched_tokens` tokens. adaptive: each
     step gets the most prefill tokens whose predicted time keeps the running decodes'
-    inter-token latency under `target_itl_s`, at least `min_budget` prefill tokens
-    while a prompt waits (no prompt starves) and at most `max_budget` tokens in all
+    inter-token latency under `target_itl_s`; `min_budget` prefill tokens while a
+    prompt waits where the decodes alone already miss the target (never taking a step
+    they keep under it over), and at most `max_budget` tokens in all
     (None: `max_num_batched_tokens`). A target given in static mode only counts the
     steps that overran it.
     """

@@ -176,6 +176,11 @@ class KVCacheManager:
         table.extend(blocks)
         return True
 
+    def has_new_full_blocks(self, request_id: str, num_computed: int) -> bool:
+        """Whether blocks became full that `cache_full_blocks` has not registered yet
+        (most decode steps fill none: their caller need not gather the tokens)."""
+        return num_computed // self.block_size > len(self._hashes.get(request_id, ()))
+
     def cache_full_blocks(
         self, request_id: str, token_ids: Sequence[int], num_computed: int
     ) -> None:

@@ -90,6 +90,17 @@ class Request:
         """Prompt then generated tokens."""
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of `all_token_ids`, without building the whole list (a
+        decode step asks for one token of a long sequence)."""
+        prompt = self.prompt_token_ids
+        split = len(prompt)
+        if start >= split:
+            return self.output_token_ids[start - split : end - split]
+        if end <= split:
+            return prompt[start:end]
+        return prompt[start:] + self.output_token_ids[: end - split]
+
     @property
     def num_tokens(self) -> int:
         """Prompt and generated tokens."""

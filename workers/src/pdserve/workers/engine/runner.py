@@ -118,10 +118,13 @@ class ModelRunner:
         self.dtype = resolve_dtype(config, model_config)
         self.block_size = block_size
         self.model: CausalLM = load_model(config.model_dir, model_config, self.dtype, self.device)
+        # Indexed [layer, block, 2, block_size, kv_heads, head_dim], stored blocks
+        # outermost: every layer of a run of blocks is one range of memory, which a
+        # P/D hand-off moves as one copy rather than one per layer.
         self.kv_cache = torch.zeros(
             (
-                model_config.num_layers,
                 num_blocks,
+                model_config.num_layers,
                 2,
                 block_size,
                 model_config.num_kv_heads,
@@ -129,7 +132,7 @@ class ModelRunner:
             ),
             dtype=resolve_kv_dtype(config, model_config),
             device=self.device,
-        )
+        ).transpose(0, 1)
         self.sampler = Sampler(
             self.device,
             config.seed,
@@ -217,7 +220,7 @@ class _BatchBuilder:
         faults.blocking_point("engine.prepare", labels=(chunk.request.label,))
         start, end = chunk.start, chunk.start + chunk.num_tokens
         row = len(self.token_ids)
-        self.token_ids.extend(chunk.request.all_token_ids[start:end])
+        self.token_ids.extend(chunk.request.token_ids_between(start, end))
         span = range(start, end)
         self.positions.extend(span)
         self.slot_blocks.extend(table[p // self.block_size] for p in span)
@@ -251,12 +254,13 @@ class _BatchBuilder:
         """The batch's tensors."""
         long = self._long
         width = max((len(t) for t in self.decode_tables), default=0)
-        padded = [t + [0] * (width - len(t)) for t in self.decode_tables]
+        # One flat list to one tensor: torch builds a nested list's tensor slowly.
+        padded = [block for t in self.decode_tables for block in (*t, *[0] * (width - len(t)))]
         meta = AttentionMetadata(
             slot_blocks=long(self.slot_blocks),
             slot_offsets=long(self.slot_offsets),
             num_decode_tokens=len(self.decode_tables),
-            decode_block_tables=long(padded),
+            decode_block_tables=long(padded).view(len(self.decode_tables), width),
             decode_context_lens=long(self.decode_lens),
             prefills=tuple(self.prefills),
         )

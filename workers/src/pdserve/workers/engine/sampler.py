@@ -54,7 +54,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[Sampled | Exception]:
         """What each request draws from its row of float32 logits [N, vocab], or the
         error its row raised: one request's failure to draw is its own."""
-        greedy = logits.argmax(dim=-1).tolist()
+        greedy = _argmax_rows(logits)
         raw = self._raw_logprobs(logits, requests)
         drawn: list[Sampled | Exception] = []
         for row, request in enumerate(requests):
@@ -127,6 +127,16 @@ class Sampler:
         mask = torch.zeros_like(row, dtype=torch.bool)
         mask[torch.tensor(banned, device=row.device)] = True
         return row.masked_fill(mask, float("-inf"))
+
+
+def _argmax_rows(logits: torch.Tensor) -> list[int]:
+    """The most likely token of each row (the first of ties, as torch's). On the CPU
+    through numpy: torch's argmax over a batch of vocabulary rows costs several times
+    as much, and it runs every step for every sequence."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        found: list[int] = logits.numpy().argmax(axis=-1).tolist()
+        return found
+    return [int(token) for token in logits.argmax(dim=-1).tolist()]
 
 
 def _draws(request: Request) -> list[SamplingParams]:

@@ -222,9 +222,10 @@ class Scheduler:
         blocks."""
         request = chunk.request
         request.num_computed_tokens = chunk.start + chunk.num_tokens
-        self.kv_cache.cache_full_blocks(
-            request.request_id, request.all_token_ids, request.num_computed_tokens
-        )
+        if self.kv_cache.has_new_full_blocks(request.request_id, request.num_computed_tokens):
+            self.kv_cache.cache_full_blocks(
+                request.request_id, request.all_token_ids, request.num_computed_tokens
+            )
 
     def fork(self, parent: Request, running: list[Request], waiting: list[Request]) -> None:
         """Replace a running request by its choices: those holding blocks run from the

@@ -1,20 +1,26 @@
 """The KV cache layout both ends of a transfer must share, and how a list of blocks
 becomes a few large contiguous copies.
 
-The cache is one tensor [num_layers, num_blocks, 2, block_size, kv_heads, head_dim]
-(see engine/attention.py): for each layer, a run of consecutive block ids is one
-contiguous range of memory. A transfer pairs the sender's blocks with the
-receiver's, position by position; wherever both sides' ids run consecutively, the
-pairs merge into one segment, and each segment moves as one copy per layer.
+The cache is indexed [num_layers, num_blocks, 2, block_size, kv_heads, head_dim]
+(see engine/attention.py), in one of two memory orders. Block-major (the engine's:
+the blocks outermost) keeps every layer of a block together, so a run of consecutive
+block ids is one contiguous range of memory; layer-major has one such range per
+layer. A transfer pairs the sender's blocks with the receiver's, position by
+position; wherever both sides' ids run consecutively, the pairs merge into one
+segment, and each segment moves as one copy (block-major) or one per layer.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+
+LAYER_MAJOR = "layer_major"
+BLOCK_MAJOR = "block_major"
 
 
 class LayoutMismatchError(ValueError):
@@ -35,35 +41,48 @@ class KVLayout:
     # A digest of the weights (see workers/model/identity.py): KV computed by other weights,
     # say during a rolling update, must not be adopted however alike the shapes.
     weights: str
+    # Memory order: LAYER_MAJOR or BLOCK_MAJOR; a peer that names none is layer-major.
+    order: str = LAYER_MAJOR
 
     @classmethod
     def of(cls, kv_cache: torch.Tensor, model: str, weights: str) -> KVLayout:
-        """The layout of a cache tensor."""
+        """The layout of a cache tensor (ValueError unless it is dense in one of the
+        two orders)."""
         num_layers, num_blocks, two, block_size, kv_heads, head_dim = kv_cache.shape
         assert two == 2, "the cache holds K and V side by side"
         dtype = str(kv_cache.dtype).removeprefix("torch.")
-        return cls(num_layers, num_blocks, block_size, kv_heads, head_dim, dtype, model, weights)
+        return cls(
+            num_layers, num_blocks, block_size, kv_heads, head_dim, dtype, model, weights,
+            memory_order(kv_cache),
+        )  # fmt: skip
 
-    @property
+    @functools.cached_property
     def block_bytes(self) -> int:
-        """Bytes of one block in one layer (its K and V)."""
+        """Bytes of one block in one layer (its K and V); read on every transfer, and
+        asking torch for the item size costs microseconds: computed once."""
         itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).itemsize
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
     @property
-    def layer_bytes(self) -> int:
-        """Bytes of one layer's cache."""
-        return self.num_blocks * self.block_bytes
+    def block_stride(self) -> int:
+        """Bytes from one block of a layer to the next block of that layer."""
+        return self.block_bytes * (self.num_layers if self.order == BLOCK_MAJOR else 1)
+
+    @property
+    def layer_stride(self) -> int:
+        """Bytes from a block of one layer to the same block of the next layer."""
+        return self.block_bytes * (1 if self.order == BLOCK_MAJOR else self.num_blocks)
 
     def offset(self, layer: int, block: int) -> int:
         """Byte offset of `block` of `layer` from the start of the cache."""
-        return layer * self.layer_bytes + block * self.block_bytes
+        return layer * self.layer_stride + block * self.block_stride
 
     def check_compatible(self, peer: KVLayout, *, local: str, remote: str) -> None:
         """Raise LayoutMismatchError naming each setting where the two differ, with
         both values (the block count may differ: each side has its own cache)."""
         fields = (
-            "model", "weights", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype"
+            "model", "weights", "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype",
+            "order",
         )  # fmt: skip
         problems = [
             f"{name}: {local} has {getattr(self, name)}, {remote} has {getattr(peer, name)}"
@@ -83,10 +102,10 @@ class KVLayout:
         is there with a value of its kind (counts positive, a known dtype)."""
         if not isinstance(raw, dict):
             raise ValueError(f"malformed KV layout: not an object but {type(raw).__name__}")
-        missing = [name for name in cls.__dataclass_fields__ if name not in raw]
+        missing = [name for name in _REQUIRED if name not in raw]
         if missing:
             raise ValueError(f"malformed KV layout: missing {missing}")
-        values = {name: raw[name] for name in cls.__dataclass_fields__}
+        values = {name: raw.get(name, LAYER_MAJOR) for name in cls.__dataclass_fields__}
         bad = [
             name
             for name, value in values.items()
@@ -98,6 +117,8 @@ class KVLayout:
         ]
         if values["dtype"] not in _DTYPES:
             bad.append("dtype")
+        if values["order"] not in _ORDERS:
+            bad.append("order")
         if bad:
             raise ValueError(f"malformed KV layout: bad {sorted(set(bad))}")
         return cls(**values)
@@ -105,7 +126,19 @@ class KVLayout:
 
 _COUNTS = frozenset({"num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim"})
 _DTYPES = frozenset({"float32", "float16", "bfloat16"})
+_ORDERS = frozenset({LAYER_MAJOR, BLOCK_MAJOR})
+_REQUIRED = tuple(name for name in KVLayout.__dataclass_fields__ if name != "order")
 _MAX_TEXT = 256
+
+
+def memory_order(kv_cache: torch.Tensor) -> str:
+    """LAYER_MAJOR or BLOCK_MAJOR: how a [layers, blocks, ...] cache lies in memory
+    (ValueError when it is neither: it must be registered as one dense region)."""
+    if kv_cache.is_contiguous():
+        return LAYER_MAJOR
+    if kv_cache.transpose(0, 1).is_contiguous():
+        return BLOCK_MAJOR
+    raise ValueError("the KV cache must be dense, its blocks or its layers outermost")
 
 
 def _is_count(value: object) -> bool:

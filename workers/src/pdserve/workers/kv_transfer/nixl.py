@@ -1,9 +1,10 @@
 """KV transfer over NIXL with its UCX backend: the prefill worker WRITEs one-sidedly
 into the decode worker's cache, which was registered with UCX once, at start.
 
-A transfer is one NIXL request holding one descriptor per segment per layer (see
-layout.py): each a contiguous range on both sides, so a sequence whose blocks mostly
-run consecutively moves as a few large copies. The decode side takes no part in the
+A transfer is one NIXL request holding one descriptor per segment (block-major
+caches, the engine's) or per segment per layer (see layout.py): each a contiguous
+range on both sides, so a sequence whose blocks mostly run consecutively moves as a
+few large copies. The decode side takes no part in the
 copy: its `PendingReceive.wait` returns at once, and the prefill worker's answer to
 the hand-off request (sent after `write` returned) says the bytes have landed.
 
@@ -51,7 +52,13 @@ from pdserve.workers.kv_transfer.base import (
     seconds_left,
 )
 from pdserve.workers.kv_transfer.blocks import check_blocks
-from pdserve.workers.kv_transfer.layout import KVLayout, Segment, segments
+from pdserve.workers.kv_transfer.layout import (
+    BLOCK_MAJOR,
+    KVLayout,
+    Segment,
+    memory_order,
+    segments,
+)
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +119,7 @@ class NixlAgent(KVTransferAgent):
     ) -> None:
         super().__init__(name, kv_cache, layout)
         self.max_peers = max_peers
-        if not kv_cache.is_contiguous():
-            raise ValueError("the KV cache must be one contiguous tensor to be registered")
+        memory_order(kv_cache)  # ValueError unless the cache is one dense region
         self.memory, self.device_id = memory_kind(kv_cache)
         self.base_address = kv_cache.data_ptr()
         # NIXL's own progress thread polls without pause (its Python API fixes the
@@ -360,14 +366,17 @@ def memory_kind(kv_cache: torch.Tensor) -> tuple[str, int]:
 def descriptors(
     merged: Sequence[Segment], layout: KVLayout, base: int, device_id: int, side: str
 ) -> list[tuple[int, int, int]]:
-    """(address, length, device id) for each segment of each layer, layers outer, on
-    the `side` ("src" or "dst") of each segment. Plain Python: for the tens of
-    segments of a sequence it is faster than numpy's per-call costs."""
-    block_bytes = layout.block_bytes  # a computed property: read it once
-    layer_bytes = layout.num_blocks * block_bytes
-    pieces = [(getattr(s, side) * block_bytes, s.count * block_bytes) for s in merged]
+    """(address, length, device id) on the `side` ("src" or "dst") of each segment:
+    one per segment in a block-major cache (all its layers lie together), else one per
+    segment of each layer, layers outer. Plain Python: for the tens of segments of a
+    sequence it is faster than numpy's per-call costs."""
+    stride = layout.block_stride  # computed properties: read them once
+    if layout.order == BLOCK_MAJOR:
+        return [(base + getattr(s, side) * stride, s.count * stride, device_id) for s in merged]
+    block_bytes, layer_stride = layout.block_bytes, layout.layer_stride
+    pieces = [(getattr(s, side) * stride, s.count * block_bytes) for s in merged]
     return [
-        (base + layer * layer_bytes + offset, length, device_id)
+        (base + layer * layer_stride + offset, length, device_id)
         for layer in range(layout.num_layers)
         for offset, length in pieces
     ]

@@ -7,7 +7,8 @@ as rank 1. Both sides must name the pair with the same `peer` string (the hand-o
 pair id): it keys the group in the store, so a reconnection under a new id meets in
 a fresh group.
 
-A transfer is one message per run of consecutive destination blocks per layer. The
+A transfer is one message per run of consecutive destination blocks (per layer
+where the cache is layer-major: a block-major one holds a run's layers together). The
 decode side posts its receives straight into those runs of its cache (`expect`), the
 prefill side posts the matching sends (`write`), both in the same order (layers
 outer, runs inner) and under a tag derived from the transfer id, so transfers running
@@ -55,7 +56,7 @@ from pdserve.workers.kv_transfer.base import (
     seconds_left,
 )
 from pdserve.workers.kv_transfer.blocks import check_blocks, runs
-from pdserve.workers.kv_transfer.layout import KVLayout, LayoutMismatchError
+from pdserve.workers.kv_transfer.layout import BLOCK_MAJOR, KVLayout, LayoutMismatchError
 from pdserve.workers.kv_transfer.torch_pair import (
     DECODE_RANK,
     PREFILL_RANK,
@@ -191,12 +192,13 @@ class TorchDistAgent(KVTransferAgent):
         self._join(peer, store, PREFILL_RANK, timeout_s, client=(remote.host, remote.port))
 
     def expect(self, peer: str, blocks: list[int], transfer_id: str) -> PendingReceive:
-        """Post receives straight into the runs of `blocks`, layer by layer."""
+        """Post receives straight into the runs of `blocks` (layer by layer where the
+        cache is layer-major)."""
         pair = self._pair(peer)
         check_blocks(blocks, self.layout.num_blocks, "destination")
         views = [
-            self.kv_cache[layer, run.start : run.start + run.count]
-            for layer in range(self.layout.num_layers)
+            cache[run.start : run.start + run.count]
+            for cache in self._by_block()
             for run in runs(blocks)
         ]
         try:
@@ -239,8 +241,9 @@ class TorchDistAgent(KVTransferAgent):
         pieces = runs(remote_blocks)
         if not pieces:
             return
-        filler = torch.zeros_like(self.kv_cache[0, : max(run.count for run in pieces)])
-        messages = [filler[: run.count] for _ in range(self.layout.num_layers) for run in pieces]
+        caches = self._by_block()
+        filler = torch.zeros_like(caches[0][: max(run.count for run in pieces)])
+        messages = [filler[: run.count] for _ in caches for run in pieces]
         self._send(peer, messages, transfer_id, time.monotonic() + timeout_s)
 
     def disconnect(self, peer: str) -> None:
@@ -301,8 +304,7 @@ class TorchDistAgent(KVTransferAgent):
         local blocks of a destination run are consecutive too, else a gathered copy."""
         messages: list[torch.Tensor] = []
         pieces = [(run, local[run.position : run.position + run.count]) for run in runs(remote)]
-        for layer in range(self.layout.num_layers):
-            cache = self.kv_cache[layer]
+        for cache in self._by_block():
             for run, sources in pieces:
                 first = sources[0]
                 if sources == list(range(first, first + run.count)):
@@ -311,6 +313,13 @@ class TorchDistAgent(KVTransferAgent):
                     index = torch.tensor(sources, device=cache.device)
                     messages.append(cache.index_select(0, index))
         return messages
+
+    def _by_block(self) -> list[torch.Tensor]:
+        """The cache as dense tensors indexed by block first, one message per run of
+        blocks in each: all layers at once in a block-major cache, else each layer."""
+        if self.layout.order == BLOCK_MAJOR:
+            return [self.kv_cache.transpose(0, 1)]
+        return [self.kv_cache[layer] for layer in range(self.layout.num_layers)]
 
     def _join(
         self, peer: str, store: Store, rank: int, timeout_s: float, client: _Address | None

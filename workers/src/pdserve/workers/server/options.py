@@ -77,8 +77,9 @@ class WorkerOptions:
     )  # fmt: skip
     min_budget: int = option(
         DEFAULT_MIN_BUDGET, parse=positive_int, metavar="N", group=_BUDGET,
-        help="adaptive: prefill tokens every step gives while a prompt waits, whatever the "
-        "target (no prompt starves)",
+        help="adaptive: prefill tokens a step gives while a prompt waits when the decodes "
+        "alone already miss the target (a step they keep under it never goes over it for "
+        "the floor)",
     )  # fmt: skip
     max_budget: int | None = option(
         None, parse=positive_int, metavar="N", group=_BUDGET,

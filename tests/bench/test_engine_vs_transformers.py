@@ -1,0 +1,184 @@
+"""A pdserve worker against `transformers serve --continuous-batching` (Hugging Face's
+own OpenAI-compatible server), on the same checkpoint, one torch thread each, the same
+replay of the Azure conversation trace at three rates, side by side in one run: the
+two servers take turns at each rate (in alternating order), both started once and
+warm. Goodput, TTFT and ITL percentiles and output tokens/s of each. Run with
+`make bench`.
+
+transformers' server takes no token-id prompts and refuses `ignore_eos`: both get the
+same prompts as text (the benchmark's token ids decoded with the checkpoint's
+tokenizer) and stop at EOS as they will. The checkpoint is the project's generated
+tiny Llama (4 layers, hidden 256, its own byte-level BPE tokenizer): no real small
+Llama checkpoint can be fetched from a package registry here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from pdserve.workers.bench.config import BenchConfig
+from pdserve.workers.bench.metrics import SLO
+from pdserve.workers.bench.runner import BenchResult, run_benchmark
+from support.network import free_port
+from support.results import publish
+from support.worker import running_worker
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
+
+TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "azure_llm_2023_conv.csv"
+WINDOW = (600.0, 608.0)  # seconds of the trace replayed (about 40 requests)
+TIME_SCALES = (8.0, 4.0, 2.0)  # the window stretched: three arrival rates
+MAX_INPUT, MAX_OUTPUT = 2048, 256
+SLO_TTFT_MS, SLO_TPOT_MS = 5000.0, 200.0
+DRAIN_S = 300.0
+GOODPUT_GOAL = 1.5  # at the highest rate where the peer still meets the SLO
+
+
+def trace_window(path: Path) -> tuple[Path, int]:
+    """The WINDOW of the trace as a trace of its own; its request count."""
+    with TRACE.open(newline="") as source:
+        rows = list(csv.reader(source))
+    header, body = rows[0], rows[1:]
+    start = datetime.fromisoformat(body[0][0][:26])
+    kept = [
+        row
+        for row in body
+        if WINDOW[0] <= (datetime.fromisoformat(row[0][:26]) - start).total_seconds() < WINDOW[1]
+    ]
+    with path.open("w", newline="") as handle:
+        csv.writer(handle).writerows([header, *kept])
+    return path, len(kept)
+
+
+@contextmanager
+def transformers_server(model_dir: Path, log_path: Path) -> Iterator[str]:
+    """`transformers serve --continuous-batching` on the checkpoint, one torch thread."""
+    port = free_port()
+    binary = Path(sys.executable).parent / "transformers"
+    command = [str(binary), "serve", "--continuous-batching", "--host", "127.0.0.1",
+               "--port", str(port), str(model_dir)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        asyncio.run(wait_healthy(url, process))
+        yield url
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+async def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while True:
+            assert process.poll() is None, "transformers serve exited: see its log"
+            try:
+                async with session.get(f"{url}/health") as answer:
+                    if answer.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            assert time.monotonic() < deadline, "transformers serve did not start"
+            await asyncio.sleep(1.0)
+
+
+def replay(url: str, model: str, trace: Path, scale: float, model_dir: Path) -> BenchResult:
+    config = BenchConfig(
+        url=url,
+        model=model,
+        trace=trace,
+        trace_time_scale=scale,
+        max_input_tokens=MAX_INPUT,
+        max_output_tokens=MAX_OUTPUT,
+        seed=5,
+        slo=SLO(ttft_ms=SLO_TTFT_MS, tpot_ms=SLO_TPOT_MS),
+        drain_timeout_s=DRAIN_S,
+        text_prompts=model_dir,
+        ignore_eos=False,
+    )
+    return run_benchmark(config)
+
+
+def row(server: str, rate: float, result: BenchResult) -> dict[str, Any]:
+    metrics = result.metrics.overall
+    errors = [record.error for record in result.records if record.error]
+
+    def ms(distribution: Any, quantile: str) -> float | None:
+        return None if distribution is None else 1e3 * getattr(distribution, quantile)
+
+    return {
+        "rate_rps": rate,
+        "server": server,
+        "requests": metrics.requests,
+        "failed": metrics.failed,
+        "goodput_rps": metrics.goodput,
+        "ttft_p50_ms": ms(metrics.ttft, "p50"),
+        "ttft_p99_ms": ms(metrics.ttft, "p99"),
+        "itl_p50_ms": ms(metrics.itl, "p50"),
+        "itl_p99_ms": ms(metrics.itl, "p99"),
+        "output_tok_per_s": metrics.output_throughput,
+        "first_error": errors[0][:120] if errors else "",
+    }
+
+
+def test_engine_against_transformers_serve(tiny_model_dir: Path, tmp_path: Path) -> None:
+    trace, count = trace_window(tmp_path / "window.csv")
+    span = WINDOW[1] - WINDOW[0]
+    rows = []
+    with (
+        running_worker(tiny_model_dir, tmp_path / "pdserve") as worker,
+        transformers_server(tiny_model_dir, tmp_path / "transformers.log") as peer,
+    ):
+        servers = {
+            "pdserve": (worker.url, "tiny-llama"),
+            "transformers": (peer, str(tiny_model_dir)),
+        }
+        for turn, scale in enumerate(TIME_SCALES):
+            order = list(servers) if turn % 2 == 0 else list(servers)[::-1]
+            for name in order:
+                url, model = servers[name]
+                result = replay(url, model, trace, scale, tiny_model_dir)
+                rows.append(row(name, count / (span * scale), result))
+                print(rows[-1], flush=True)
+    publish("engine_vs_transformers", rows, {"verdict": verdict(rows), "requests": count})
+
+
+def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Ahead on TTFT, ITL and goodput at every rate; goodput at least GOODPUT_GOAL x
+    at the highest rate where the peer still meets the SLO (most of its requests)."""
+    by_rate: dict[float, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        by_rate.setdefault(r["rate_rps"], {})[r["server"]] = r
+    ahead = {}
+    ratio = None
+    for rate, pair in sorted(by_rate.items()):
+        ours, peer = pair["pdserve"], pair["transformers"]
+        ahead[rate] = {
+            "ttft_p50_ratio": _ratio(ours["ttft_p50_ms"], peer["ttft_p50_ms"]),
+            "itl_p50_ratio": _ratio(ours["itl_p50_ms"], peer["itl_p50_ms"]),
+            "goodput_ratio": _ratio(ours["goodput_rps"], peer["goodput_rps"]),
+        }
+        if peer["requests"] and peer["goodput_rps"] >= 0.5 * rate:
+            ratio = ahead[rate]["goodput_ratio"]
+    return {"by_rate": ahead, "goodput_ratio_where_peer_meets_slo": ratio}
+
+
+def _ratio(ours: float | None, theirs: float | None) -> float | None:
+    if ours is None or not theirs:
+        return None
+    return ours / theirs
