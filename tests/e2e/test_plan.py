@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from pdserve.cli.main import pdserve_command
+from pdserve.base.process import pdserve_command
 from pdserve.devcluster import DevCluster
 from pdserve.workers.plan.costs import HandoffCost, write_profile
 from support.plan import CPU_LIKE, azure_trace, profile_with

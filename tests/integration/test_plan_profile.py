@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pdserve.cli.main import pdserve_command
+from pdserve.base.process import pdserve_command
 from pdserve.workers.bench.config import BenchConfig
 from pdserve.workers.plan.costs import load_profile
 from pdserve.workers.plan.fit import relative_errors

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.devcluster.node import NodeCluster
 from pdserve.workers.model.checkpoint import TinyModelSpec, write_tiny_checkpoint
-from support.chart import CHART, run_helm, value_flags
+from render_deploy import CHART, run_helm, value_flags
 from support.router import BOUNDARY
 from support.waiting import wait_until
 
