@@ -80,15 +80,15 @@ class KVScorer:
         policy = prompt.table.routing_policy
         held = self.feeds.indexes[workers.role].cached_blocks(prompt.keys)
         now = self._clock()
-        cached = {
-            w.url: min(held.get(w.url, 0) * policy.block_size, prompt.tokens - 1)
-            for w in candidates
-        }
+        # The engine leaves a prompt's last token to compute (the step that computes
+        # it samples): at most the full blocks before it are found.
+        usable = (prompt.tokens - 1) // policy.block_size
+        cached = {w.url: min(held.get(w.url, 0), usable) * policy.block_size for w in candidates}
         best = min(candidates, key=lambda w: self._cost(w, prompt, cached[w.url], now))
         most = max(cached.values())
         reason = "none" if most <= 0 else "cache" if cached[best.url] == most else "load"
-        self.metrics.chose(workers.role, reason, prompt.tokens, max(0, cached[best.url]))
-        return KVChoice(best, max(0, cached[best.url]), reason)
+        self.metrics.chose(workers.role, reason, prompt.tokens, cached[best.url])
+        return KVChoice(best, cached[best.url], reason)
 
     def _cost(self, worker: Worker, prompt: KVPrompt, cached: int, now: float) -> tuple[float, ...]:
         weight = prompt.table.routing_policy.load_weight_tokens
