@@ -29,6 +29,8 @@ routing.json (the router's `--config`):
   {"pool": str, "model": {"name": str, "path": str, "maxModelLen": int | null},
    "buckets": [{"maxInputTokens": int | null, "mode": "colocated" | "disaggregated"}],
    "kvTransfer": {"failurePolicy": "recompute" | "fail"},
+   "routingPolicy": {"type": "kv-aware" | "load", "blockSize": int (the workers'),
+                     "loadWeightTokens": int},
    "slo": {"ttftSeconds": float (optional), "itlSeconds": float (optional)},
    "discovery": {"kind": "kubernetes", "namespace": str, "port": int,
                  "services": {"decode": str, "prefill": str (only with a prefill pool)}}
@@ -255,6 +257,11 @@ def routing_table(
             {"maxInputTokens": b.max_input_tokens, "mode": b.mode} for b in spec.routing.buckets
         ],
         "kvTransfer": {"failurePolicy": spec.kv_transfer.failure_policy},
+        "routingPolicy": {
+            "type": spec.routing.policy,
+            "blockSize": spec.kv_cache.block_size,
+            "loadWeightTokens": spec.routing.load_weight_tokens,
+        },
         "slo": _slo(spec.slo),
         "discovery": dict(discovery),
     }
