@@ -28,7 +28,7 @@ class CompletionsClient:
         self._url = base_url.rstrip("/") + "/v1/completions"
         self._model = model
 
-    async def send(self, record: RequestRecord, prompt: list[int]) -> None:
+    async def send(self, record: RequestRecord, prompt: list[int] | str) -> None:
         """Send one request and fill `record` as the response streams in."""
         payload = {
             "model": self._model,
@@ -95,6 +95,9 @@ def _take_event(record: RequestRecord, event: dict[str, Any], now: float) -> Non
     if usage:
         record.usage_prompt_tokens = usage.get("prompt_tokens")
         record.usage_completion_tokens = usage.get("completion_tokens")
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            record.usage_cached_tokens = details["cached_tokens"]
     tokens = chunk_token_count(event)
     if tokens:
         record.chunk_times.append(now)

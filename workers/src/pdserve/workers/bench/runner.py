@@ -19,7 +19,7 @@ import aiohttp
 from pdserve.workers.bench.client import CompletionsClient, fetch_model_id
 from pdserve.workers.bench.config import BenchConfig
 from pdserve.workers.bench.metrics import BenchMetrics, compute_metrics
-from pdserve.workers.bench.plan import PlannedRequest, build_plan, prompt_tokens
+from pdserve.workers.bench.plan import PlannedRequest, build_plan, planned_prompt
 from pdserve.workers.bench.records import RequestRecord
 
 # Time between building the session and the first arrival, so the first request is
@@ -85,18 +85,18 @@ async def _drive(
             planned.index, planned.kind, planned.input_tokens, planned.output_tokens, due
         )
         records.append(record)
-        tasks.append(asyncio.create_task(_send(config, client, record, slots)))
+        prompt = planned_prompt(config, planned)
+        tasks.append(asyncio.create_task(_send(client, record, prompt, slots)))
     await _drain(tasks, records, deadline)
     return records
 
 
 async def _send(
-    config: BenchConfig,
     client: CompletionsClient,
     record: RequestRecord,
+    prompt: list[int] | str,
     slots: asyncio.Semaphore | None,
 ) -> None:
-    prompt = prompt_tokens(config.seed, record.index, record.input_tokens, config.vocab_size)
     if slots is None:
         await client.send(record, prompt)
         return
