@@ -93,14 +93,15 @@ class KVScorer:
     def _cost(self, worker: Worker, prompt: KVPrompt, cached: int, now: float) -> tuple[float, ...]:
         weight = prompt.table.routing_policy.load_weight_tokens
         requests = worker.requests(now)
+        uncached = prompt.tokens - cached
+        # The last keys break ties: the less loaded, then chance (equal workers share
+        # the traffic).
         if worker.role == "prefill":
-            load = worker.waiting_prefill_tokens(now) + weight * requests
-            return (prompt.tokens - cached + load, load, random.random())
+            waiting = worker.waiting_prefill_tokens(now)
+            return (uncached + waiting + weight * requests, waiting, requests, random.random())
         usage = worker.kv_cache_usage(now)
-        load = weight * requests
         full = float(usage >= KV_NEARLY_FULL)
-        # The last key, chance: equal workers share the traffic.
-        return (full, prompt.tokens - cached + load, load, usage, random.random())
+        return (full, uncached + weight * requests, requests, usage, random.random())
 
     def mode(self, prompt: KVPrompt, by_length: Mode, cached_tokens: int) -> Mode:
         """The mode of a request whose chosen decode worker holds `cached_tokens`
