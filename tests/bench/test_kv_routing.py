@@ -50,18 +50,21 @@ ENGINE = ["--max-num-batched-tokens", "512", "--max-num-seqs", "16", "--num-kv-b
 WORKER_ARGS = ["--allow-direct-clients", "--block-size", str(BLOCK), *ENGINE]
 SLO_TARGETS = SLO(ttft_ms=2000.0, tpot_ms=200.0)
 ROUTERS = ("load", "kv-aware", "vllm-router cache_aware")
+REQUESTS = 120  # per run: about a minute of arrivals
 
 
 def workloads(url: str) -> dict[str, BenchConfig]:
     common: dict[str, Any] = {"url": url, "slo": SLO_TARGETS, "drain_timeout_s": 240.0}
     return {
         "mooncake": BenchConfig(
-            trace=TRACE, num_requests=160, trace_time_scale=1.0, trace_length_scale=1 / 16,
-            max_output_tokens=32, **common,
+            trace=TRACE, num_requests=REQUESTS, trace_time_scale=2.0,
+            trace_length_scale=1 / 16, max_output_tokens=32, **common,
         ),
-        "multi-turn": BenchConfig(workload="multi-turn", rate=0.8, num_requests=160, **common),
+        "multi-turn": BenchConfig(
+            workload="multi-turn", rate=0.4, num_requests=REQUESTS, **common
+        ),
         "no-sharing": BenchConfig(
-            workload="chat", rate=3.0, num_requests=160, vocab_size=4000, **common
+            workload="chat", rate=1.5, num_requests=REQUESTS, vocab_size=4000, **common
         ),
     }  # fmt: skip
 

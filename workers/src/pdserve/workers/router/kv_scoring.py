@@ -2,8 +2,9 @@
 
 A worker's expected work for a request is the prompt tokens it would compute (those
 not in its prefix cache, from the router's index; at least one, the step that
-samples) plus its load in tokens: `loadWeightTokens` per request it holds, and for
-a prefill worker the prompt tokens waiting in it too. The cheapest worker wins; ties
+samples) plus its load in tokens: the prompt tokens waiting to be prefilled in it
+(the router's own count of what it sent, and what the worker published beyond it)
+and `loadWeightTokens` per request it holds. The cheapest worker wins; ties
 go to the less loaded, then to chance. A decode worker whose KV cache is nearly full
 is passed over while another is not, as by load alone. A worker whose feed is not
 synced (starting, refused by the handshake, unreachable) holds nothing in the index:
@@ -99,9 +100,12 @@ class KVScorer:
         if worker.role == "prefill":
             waiting = worker.waiting_prefill_tokens(now)
             return (uncached + waiting + weight * requests, waiting, requests, random.random())
+        # A decode worker prefills colocated requests itself: their backlog is work too.
+        waiting = worker.waiting_prefill_tokens(now)
         usage = worker.kv_cache_usage(now)
         full = float(usage >= KV_NEARLY_FULL)
-        return (full, uncached + weight * requests, requests, usage, random.random())
+        work = uncached + waiting + weight * requests
+        return (full, work, requests, usage, random.random())
 
     def mode(self, prompt: KVPrompt, by_length: Mode, cached_tokens: int) -> Mode:
         """The mode of a request whose chosen decode worker holds `cached_tokens`

@@ -248,9 +248,11 @@ class Forwarder:
         until the decode worker answers (its first token is ready then) or it ends."""
         decode.breaker.dispatched()
         decode.in_flight += 1
+        # Whoever prefills the prompt has it waiting until the first token.
+        prefills = decode if prefill is None else prefill
+        prefills.prefill_tokens += routed.prompt_tokens
         if prefill is not None:
             prefill.breaker.dispatched()
-            prefill.prefill_tokens += routed.prompt_tokens
         self.awaiting_first_token += 1
         waiting = True
 
@@ -259,8 +261,7 @@ class Forwarder:
             if waiting:
                 waiting = False
                 self.awaiting_first_token -= 1
-                if prefill is not None:
-                    prefill.prefill_tokens -= routed.prompt_tokens
+                prefills.prefill_tokens -= routed.prompt_tokens
 
         try:
             yield answered

@@ -97,7 +97,7 @@ class Worker:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     published: PublishedLoad | None = None
     in_flight: int = 0  # requests the router has sent and not seen end
-    prefill_tokens: int = 0  # prompt tokens the router sent and not seen prefilled
+    prefill_tokens: int = 0  # prompt tokens the router sent it to prefill, not yet done
 
     def fresh(self, now: float) -> PublishedLoad | None:
         """The published load, if recent enough to go by."""
