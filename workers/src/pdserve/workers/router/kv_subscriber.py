@@ -12,9 +12,10 @@ more blocks than its cache holds (overflow).
 The handshake fails loudly: a worker whose block size, hash function or seed differ
 from the router's, that serves another model, or whose weights are not the pool's
 (those most of the accepted workers hold), is refused for KV scoring: logged at
-ERROR, counted (`pdserve_router_kv_handshake_failures_total`), shown in `/workers`,
-left out of the index, and asked again every `REFUSED_RETRY_S`. It still serves,
-chosen by load alone among the workers that hold nothing the request needs.
+ERROR (at WARNING when it has no usable feed at all), counted
+(`pdserve_router_kv_handshake_failures_total`), shown in `/workers`, left out of the
+index, and asked again every `REFUSED_RETRY_S`. It still serves, competing on load
+alone (it holds nothing in the index).
 """
 
 from __future__ import annotations
@@ -242,8 +243,11 @@ class Subscription:
         first = self.status.state != "refused" or self.status.reason != str(refused)
         self.status = KVFeedStatus(state="refused", reason=str(refused))
         if first:
-            log.error(
-                "%s worker %s refused for KV-aware routing (it serves by load only): %s",
+            # A worker that differs is a misconfigured pool: an error. One without a
+            # usable feed (another version, another server) is only a warning.
+            level = logging.WARNING if refused.reason == "feed" else logging.ERROR
+            log.log(
+                level, "%s worker %s refused for KV-aware routing (it serves by load only): %s",
                 self.role, self.url, refused,
             )  # fmt: skip
             self.feeds.metrics.refused(self.role, refused.reason)
