@@ -97,16 +97,25 @@ def vllm_router(decodes: list[str], log: Path) -> Iterator[str]:
     """vllm-router with its cache_aware policy over the decode workers."""
     port = free_port()
     program = Path(sys.executable).parent / "vllm-router"
-    args = [str(program), "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware"]
+    args = [
+        str(program), "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+    ]  # fmt: skip
     with log.open("wb") as out:
-        process = subprocess.Popen([*args, "--worker-urls", *decodes], stdout=out, stderr=out)
+        process = subprocess.Popen(
+            [*args, "--worker-urls", *decodes], stdout=out, stderr=out, start_new_session=True
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: answers(f"{url}/v1/models"), 120, "vllm-router to answer")
         yield url
     finally:
         process.terminate()
-        process.wait(timeout=30)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def free_port() -> int:
