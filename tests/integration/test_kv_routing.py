@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,16 +159,12 @@ def run_conversation(router: ServerProcess, workers: PDPair, seed: int, count: i
 def test_a_restarted_router_rebuilds_its_index_and_routes_as_before(
     workers: PDPair, small_model_dir: Path, tmp_path: Path
 ) -> None:
-    decodes = [w.url for w in workers.decode]
-    table = routing_file(tmp_path, small_model_dir, decodes)
+    table = routing_file(tmp_path, small_model_dir, [w.url for w in workers.decode])
     prompts = conversation(seed=21, turns=4)
-    prompt = next(prompts)
-    with kv_router(table, credential(workers), tmp_path / "router-1.log") as router:
-        wait_synced(router.url, decodes)
-        first = send(router, workers, prompt)
+    with synced_router(workers, table, tmp_path / "router-1.log") as router:
+        first = send(router, workers, next(prompts))
         prompt = prompts.send(first.tokens)
-    with kv_router(table, credential(workers), tmp_path / "router-2.log") as router:
-        wait_synced(router.url, decodes)
+    with synced_router(workers, table, tmp_path / "router-2.log") as router:
         # The new router's index holds what the workers hold: the history is found.
         after = send(router, workers, prompt)
     assert after.served_by == first.served_by
@@ -180,10 +177,8 @@ def test_a_restarted_worker_is_read_again_and_its_lost_cache_is_not_predicted(
     decodes = [w.url for w in workers.decode]
     table = routing_file(tmp_path, small_model_dir, decodes)
     prompts = conversation(seed=31, turns=4)
-    prompt = next(prompts)
-    with kv_router(table, credential(workers), tmp_path / "router.log") as router:
-        wait_synced(router.url, decodes)
-        first = send(router, workers, prompt)
+    with synced_router(workers, table, tmp_path / "router.log") as router:
+        first = send(router, workers, next(prompts))
         prompt = prompts.send(first.tokens)
         epoch = feeds(router.url)[first.served_by]["epoch"]
         index = decodes.index(first.served_by)
@@ -201,6 +196,14 @@ def test_a_restarted_worker_is_read_again_and_its_lost_cache_is_not_predicted(
         third = send(router, workers, prompts.send(second.tokens))
     assert third.served_by == second.served_by
     assert third.reason == "cache" and third.predicted == third.hits > 0
+
+
+@contextmanager
+def synced_router(workers: PDPair, table: Path, log: Path) -> Iterator[ServerProcess]:
+    """A router over the decode workers, once its index holds their feeds."""
+    with kv_router(table, credential(workers), log) as router:
+        wait_synced(router.url, [w.url for w in workers.decode])
+        yield router
 
 
 def restart(workers: PDPair, index: int, log_dir: Path) -> None:

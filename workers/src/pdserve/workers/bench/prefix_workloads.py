@@ -94,9 +94,7 @@ def scale_rows(rows: Sequence[PrefixRow], scaling: TraceScaling) -> list[PrefixR
     scaled: list[PrefixRow] = []
     for row in rows:
         offset = row.offset_s * scaling.time_scale
-        if scaling.duration_s is not None and offset >= scaling.duration_s:
-            break
-        if scaling.num_requests is not None and len(scaled) >= scaling.num_requests:
+        if scaling.past_end(offset, len(scaled)):
             break
         output = clip_length(
             round(row.output_tokens * scaling.length_scale), scaling.max_output_tokens

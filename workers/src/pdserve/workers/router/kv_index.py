@@ -82,13 +82,8 @@ class KVIndex:
         """Set `worker`'s blocks to `keys` (a snapshot). IndexFullError, with the worker
         left out of the index, when they exceed its capacity or the index's bound."""
         self.drop(worker)
-        slot = self._slots[worker] = _Slot(self._free_bit(), capacity)
-        try:
-            for key in keys:
-                self._add(slot, key)
-        except IndexFullError:
-            self.drop(worker)
-            raise
+        self._slots[worker] = _Slot(self._free_bit(), capacity)
+        self.store(worker, keys)
 
     def store(self, worker: str, keys: Iterable[BlockKey]) -> None:
         """`worker` registered these blocks. IndexFullError past a bound (the worker's
