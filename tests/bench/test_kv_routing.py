@@ -10,16 +10,19 @@ Workloads: the Mooncake synthetic trace (prefix block hashes; blocks of 512 toke
 scaled to 32), a multi-turn chat over four shared system prompts, and a workload
 with no sharing at all (where KV-aware routing must not be worse than load-only).
 vllm-router balances over the decode workers only (it does not decide P/D here).
-Then the router's index memory at 10k and 100k blocks per worker and 8 workers.
+Apart: the router's index memory at 10k and 100k blocks per worker and 8 workers,
+and the time to rebuild a worker's part of it from a snapshot.
 Run with `make bench`; results in out/bench/kv_routing.json."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import socket
 import subprocess
 import sys
+import time
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,7 +38,8 @@ from pdserve.workers.bench.plan import build_plan, planned_prompt
 from pdserve.workers.bench.prefix_workloads import prefix_figures, reusable_tokens
 from pdserve.workers.bench.runner import BenchResult, run_benchmark
 from pdserve.workers.engine.tokenizer import Tokenizer
-from pdserve.workers.router.kv_index import KVIndex
+from pdserve.workers.kv_wire import KVSnapshotBody
+from pdserve.workers.router.kv_index import KVIndex, block_key
 from support.kv_pool import kv_router, metric, routing_file
 from support.pd import PDPair, pd_workers
 from support.results import publish
@@ -203,7 +207,7 @@ def test_kv_aware_routing_against_load_only_and_vllm_router(
                 config = workloads(url)[workload]
                 result = run_benchmark(config)
                 rows.append(row(workload, router, result, workers, bound(config, tokenizer)))
-    publish("kv_routing", rows, {"index_memory": index_memory(), **goals(rows)})
+    publish("kv_routing", rows, goals(rows))
     assert all(r["failed"] == 0 for r in rows)
 
 
@@ -230,10 +234,12 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if not a or not b else a / b
 
 
-def index_memory() -> dict[str, float]:
+def test_kv_index_memory_and_rebuild_time() -> None:
     """MiB the router's index holds with 8 workers of 10k and 100k blocks each (all
-    blocks distinct: the worst case), measured with tracemalloc, and its own estimate."""
-    out: dict[str, float] = {}
+    blocks distinct: the worst case), measured with tracemalloc against the index's own
+    estimate, and the time to rebuild one worker's part from its snapshot's body (parse,
+    validate, load)."""
+    rows = []
     rng = np.random.default_rng(0)
     for blocks in (10_000, 100_000):
         gc.collect()
@@ -245,7 +251,33 @@ def index_memory() -> dict[str, float]:
             del drawn
         measured = tracemalloc.get_traced_memory()[0]
         tracemalloc.stop()
-        out[f"{blocks} blocks x 8 workers, MiB"] = measured / 2**20
-        out[f"{blocks} blocks x 8 workers, estimate MiB"] = index.memory_bytes() / 2**20
-        del index
-    return out
+        rows.append(
+            {
+                "blocks_per_worker": blocks,
+                "workers": 8,
+                "measured_mib": measured / 2**20,
+                "estimate_mib": index.memory_bytes() / 2**20,
+                "bytes_per_block_and_worker": measured / (8 * blocks),
+                "rebuild_one_worker_s": rebuild_seconds(index, blocks, rng),
+            }
+        )
+    publish("kv_index", rows)
+    assert all(row["estimate_mib"] <= row["measured_mib"] * 1.5 for row in rows)
+
+
+def rebuild_seconds(index: KVIndex, blocks: int, rng: np.random.Generator) -> float:
+    """Seconds to turn a snapshot body of `blocks` hashes into one worker's index part."""
+    hashes = [rng.bytes(16).hex() for _ in range(blocks)]
+    body = json.dumps(
+        {"identity": IDENTITY | {"num_blocks": blocks}, "epoch": "e", "seq": 1, "hashes": hashes}
+    )
+    started = time.perf_counter()
+    snapshot = KVSnapshotBody.model_validate_json(body)
+    index.replace("w0", (block_key(bytes.fromhex(h)) for h in snapshot.hashes), blocks)
+    return time.perf_counter() - started
+
+
+IDENTITY = {
+    "block_size": BLOCK, "hash_function": "blake2b-128-chained-int64", "hash_seed": "",
+    "model": "small", "weights": "w",
+}  # fmt: skip
