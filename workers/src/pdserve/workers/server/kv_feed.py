@@ -56,6 +56,10 @@ class KVFeed:
         changed = self._changed = asyncio.Event()
 
         def signal() -> None:
+            # Once per wake-up, not per block: a prompt stores dozens at once. (Read
+            # from the engine's thread: a stale answer costs one extra call at most.)
+            if changed.is_set():
+                return
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
                 loop.call_soon_threadsafe(changed.set)
 
