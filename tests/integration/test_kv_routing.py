@@ -7,19 +7,24 @@ disaggregated request whose first half the decode worker holds moves only the re
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
+import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from pdserve.cli.process import ServerProcess, spawn
 from pdserve.workers.engine.sampling import SamplingParams
-from pdserve.workers.server.process import running_worker
+from pdserve.workers.server.process import running_worker, start_worker
 from support.engine import make_engine, run_to_completion
 from support.kv_pool import feeds, kv_router, metric, routing_file, wait_synced
 from support.pd import PDPair, pd_workers
@@ -285,3 +290,34 @@ def test_a_handoff_moves_only_the_blocks_the_decode_worker_lacks(
     assert not_sent == half_bytes > 0
     assert follow.mode == "colocated" and follow.served_by == half.served_by
     assert by_cache == 1
+
+
+def test_a_router_reading_the_kv_feed_does_not_hold_a_stopping_worker(
+    workers: PDPair, small_model_dir: Path, tmp_path: Path
+) -> None:
+    own = credential(workers)
+    args = ["--threads", "1", "--internal-token-file", str(own), "--drain-timeout", "60"]
+    worker = start_worker(small_model_dir, tmp_path / "worker.log", args)
+    try:
+        worker.wait_ready()
+        snapshot = feed_get(worker.url, "/pd/kv/snapshot", own)
+        query = f"?epoch={snapshot['epoch']}&after={snapshot['seq']}&wait_ms=10000"
+        with ThreadPoolExecutor(1) as reader:
+            waiting = reader.submit(feed_get, worker.url, "/pd/kv/events" + query, own)
+            time.sleep(0.5)  # the read is under way (if not, the test proves less, never fails)
+            worker.process.send_signal(signal.SIGTERM)
+            assert worker.process.wait(timeout=60) == 0
+            with contextlib.suppress(OSError):
+                waiting.result()
+        assert "request(s) in flight" not in worker.log()
+    finally:
+        worker.stop()
+
+
+def feed_get(url: str, path: str, credential_file: Path) -> dict[str, Any]:
+    request = urllib.request.Request(
+        url + path, headers={"Authorization": f"Bearer {credential_file.read_text().strip()}"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        body: dict[str, Any] = json.load(answer)
+    return body

@@ -15,8 +15,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-SNAPSHOT_PATH = "/pd/kv/snapshot"
-EVENTS_PATH = "/pd/kv/events"
+FEED_PREFIX = "/pd/kv/"
+SNAPSHOT_PATH = FEED_PREFIX + "snapshot"
+EVENTS_PATH = FEED_PREFIX + "events"
 # The longest a worker holds an events request open waiting for an event.
 MAX_WAIT_MS = 10_000
 # Most hashes one answer may carry (a worker's whole cache, in a snapshot).
