@@ -17,6 +17,7 @@ Run with `make bench`; results in out/bench/kv_routing.json."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import socket
@@ -65,7 +66,8 @@ def workloads(url: str) -> dict[str, BenchConfig]:
             trace_length_scale=1 / 16, max_output_tokens=32, **common,
         ),
         "multi-turn": BenchConfig(
-            workload="multi-turn", rate=0.4, num_requests=REQUESTS, **common
+            workload="multi-turn", rate=0.4, num_requests=REQUESTS,
+            trace_length_scale=1 / 16, **common,
         ),
         "no-sharing": BenchConfig(
             workload="chat", rate=1.5, num_requests=REQUESTS, vocab_size=4000, **common
@@ -74,7 +76,9 @@ def workloads(url: str) -> dict[str, BenchConfig]:
 
 
 @contextlib.contextmanager
-def front(kind: str, workers: PDPair, model_dir: Path, folder: Path) -> Iterator[str]:
+def front(
+    kind: str, workers: PDPair, model_dir: Path, folder: Path, boundary: int | None = BOUNDARY
+) -> Iterator[str]:
     """The router under test in front of the workers: its URL."""
     decodes = [w.url for w in workers.decode]
     if kind == "vllm-router cache_aware":
@@ -82,7 +86,7 @@ def front(kind: str, workers: PDPair, model_dir: Path, folder: Path) -> Iterator
             yield url
         return
     prefills = [w.url for w in workers.prefill]
-    table = routing_file(folder, model_dir, decodes, prefills, policy=kind, boundary=BOUNDARY)
+    table = routing_file(folder, model_dir, decodes, prefills, policy=kind, boundary=boundary)
     assert workers.peers is not None
     credential = workers.peers.parent / "nixl-pool.credential"
     with kv_router(table, credential, folder / f"router-{kind}.log") as router:
@@ -187,11 +191,30 @@ def _ms(seconds: float | None) -> float | None:
 def test_kv_aware_routing_against_load_only_and_vllm_router(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
+    rows = compare(tiny_model_dir, tmp_path, BOUNDARY, list(workloads("http://unused")))
+    publish("kv_routing", rows, goals(rows))
+    assert all(r["failed"] == 0 for r in rows)
+
+
+def test_kv_aware_routing_colocated_only(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The same comparison with every request colocated, as vllm-router serves them."""
+    rows = compare(tiny_model_dir, tmp_path, None, ["mooncake"], requests=60)
+    publish("kv_routing_colocated", rows)
+
+
+def compare(
+    model_dir: Path,
+    tmp_path: Path,
+    boundary: int | None,
+    names: list[str],
+    requests: int = REQUESTS,
+) -> list[dict[str, Any]]:
+    """One run per workload and router, each on fresh workers."""
     if not TRACE.is_file():
         pytest.skip(f"no trace at {TRACE}")
-    tokenizer = Tokenizer.from_dir(tiny_model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir)
     rows: list[dict[str, Any]] = []
-    for workload in workloads("http://unused"):
+    for workload in names:
         for router in ROUTERS:
             if workload == "no-sharing" and router.startswith("vllm-router"):
                 continue
@@ -199,16 +222,15 @@ def test_kv_aware_routing_against_load_only_and_vllm_router(
             folder.mkdir()
             with (
                 pd_workers(
-                    tiny_model_dir, folder, "nixl", prefills=1, decodes=2,
+                    model_dir, folder, "nixl", prefills=1, decodes=2,
                     prefill_args=WORKER_ARGS, decode_args=WORKER_ARGS,
                 ) as workers,
-                front(router, workers, tiny_model_dir, folder) as url,
+                front(router, workers, model_dir, folder, boundary) as url,
             ):  # fmt: skip
-                config = workloads(url)[workload]
+                config = dataclasses.replace(workloads(url)[workload], num_requests=requests)
                 result = run_benchmark(config)
                 rows.append(row(workload, router, result, workers, bound(config, tokenizer)))
-    publish("kv_routing", rows, goals(rows))
-    assert all(r["failed"] == 0 for r in rows)
+    return rows
 
 
 def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
