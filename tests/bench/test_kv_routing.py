@@ -198,7 +198,7 @@ def test_kv_aware_routing_against_load_only_and_vllm_router(
 
 def test_kv_aware_routing_colocated_only(tiny_model_dir: Path, tmp_path: Path) -> None:
     """The same comparison with every request colocated, as vllm-router serves them."""
-    rows = compare(tiny_model_dir, tmp_path, None, ["mooncake"], requests=60)
+    rows = compare(tiny_model_dir, tmp_path, None, ["mooncake", "multi-turn"], requests=60)
     publish("kv_routing_colocated", rows)
 
 
