@@ -27,7 +27,7 @@ class HasUrl(Protocol):
 
 
 # A small CPU pool for the tests' small model: prompts of up to BOUNDARY tokens are
-# served colocated, longer ones disaggregated.
+# served colocated, longer ones disaggregated (routing by load, not by cached prefix).
 BOUNDARY = 64
 
 
@@ -41,10 +41,13 @@ def pool_manifest(name: str, model_dir: Path, **spec: Any) -> api.ServingPool:
         "decode": {"replicas": 1, "engine": engine},
         "kvTransfer": {"backend": "nixl", "failurePolicy": "recompute"},
         "routing": {
+            # By length and load: these pools test the buckets, which KV-aware routing
+            # would bend for prompts a worker holds (see test_kv_routing).
+            "policy": "load",
             "buckets": [
                 {"maxInputTokens": BOUNDARY, "mode": "colocated"},
                 {"mode": "disaggregated"},
-            ]
+            ],
         },
         "slo": {"ttft": {"seconds": 5.0}, "itl": {"seconds": 1.0}},
     }

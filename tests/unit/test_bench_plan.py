@@ -10,6 +10,7 @@ import pytest
 from pdserve.workers.bench import cli
 from pdserve.workers.bench.config import BenchConfig, ConfigError
 from pdserve.workers.bench.plan import build_plan, prompt_tokens
+from pdserve.workers.bench.prefix_workloads import MULTI_TURN
 from pdserve.workers.bench.workloads import WORKLOADS
 
 URL = "http://127.0.0.1:1"
@@ -97,4 +98,4 @@ def test_bad_configurations_are_refused(kwargs: dict[str, object], message: str)
 
 
 def test_cli_offers_every_workload() -> None:
-    assert set(cli.WORKLOAD_NAMES) == set(WORKLOADS)
+    assert set(cli.WORKLOAD_NAMES) == {*WORKLOADS, MULTI_TURN}

@@ -387,6 +387,27 @@ def test_the_rendered_routing_table_is_one_the_router_reads() -> None:
     assert table.bucket_label(table.bucket_of(1025)) == "gt1024"
 
 
+def test_the_routing_policy_reaches_the_router_with_the_workers_block_size() -> None:
+    from pdserve.protocol.routing import parse_table
+
+    p = pool("disaggregated")
+    default = parse_table(render.routing_json(render.routing_table("a", "s", p.spec)).encode())
+    assert default.routing_policy.type == "kv-aware"
+    assert default.routing_policy.block_size == p.spec.kv_cache.block_size
+    changed = p.spec.model_copy(
+        update={
+            "routing": p.spec.routing.model_copy(update={"policy": "load"}),
+            "kv_cache": p.spec.kv_cache.model_copy(update={"block_size": 32}),
+        }
+    )
+    table = parse_table(render.routing_json(render.routing_table("a", "s", changed)).encode())
+    assert (table.routing_policy.type, table.routing_policy.block_size) == ("load", 32)
+    args = parsed_command(
+        render.worker_args("a", changed, "decode", render.cluster_wiring("a", "s", changed))
+    )
+    assert args.block_size == table.routing_policy.block_size
+
+
 MEMBERS = {
     "podSelector": {
         "matchLabels": {

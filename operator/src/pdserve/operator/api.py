@@ -60,6 +60,7 @@ TransferBackend = Literal["nixl", "torch"]
 FailurePolicy = Literal["recompute", "fail"]
 BudgetMode = Literal["static", "adaptive"]
 RoutingMode = Literal["colocated", "disaggregated"]
+RoutingPolicy = Literal["kv-aware", "load"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer"]
 Phase = Literal["Pending", "Progressing", "Ready", "Degraded", "Failed"]
@@ -511,7 +512,23 @@ class Bucket(ApiModel):
 
 
 class RoutingSpec(ApiModel):
-    """Length buckets: a prompt takes the first bucket that holds it."""
+    """How the router picks workers, and length buckets: a prompt takes the first
+    bucket that holds it."""
+
+    policy: RoutingPolicy = Field(
+        default="kv-aware",
+        description="kv-aware: the worker with the least expected work, its prompt tokens "
+        "not in its prefix cache (the router follows every worker's KV events) plus "
+        "loadWeightTokens per request it holds; the bucket is chosen on the tokens the "
+        "chosen decode worker lacks. load: the least loaded worker, the bucket on the "
+        "prompt's length.",
+    )
+    load_weight_tokens: int = Field(
+        default=128,
+        ge=0,
+        le=1 << 20,
+        description="kv-aware: the prompt tokens one request a worker holds counts as.",
+    )
 
     buckets: tuple[Bucket, ...] = Field(
         default=(Bucket(mode="colocated"),),

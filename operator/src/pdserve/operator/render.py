@@ -252,6 +252,11 @@ def routing_table(
             {"maxInputTokens": b.max_input_tokens, "mode": b.mode} for b in spec.routing.buckets
         ],
         "kvTransfer": {"failurePolicy": spec.kv_transfer.failure_policy},
+        "routingPolicy": {
+            "type": spec.routing.policy,
+            "blockSize": spec.kv_cache.block_size,
+            "loadWeightTokens": spec.routing.load_weight_tokens,
+        },
         "slo": _slo(spec.slo),
         "discovery": dict(discovery),
     }

@@ -58,6 +58,19 @@ class KvTransfer(_Model):
     failure_policy: Literal["recompute", "fail"] = "recompute"
 
 
+class RoutingPolicy(_Model):
+    """How the router picks a worker. `load`: the least loaded. `kv-aware`: the one
+    with the least expected work, its prompt tokens not in its prefix cache (from the
+    router's index of the workers' KV events, hashed in blocks of `block_size`) plus
+    `load_weight_tokens` per request it holds (a prefill worker: plus the prompt
+    tokens waiting in it); ties go to the less loaded. A KV-aware router also
+    decides colocated or disaggregated on the tokens the chosen decode worker lacks."""
+
+    type: Literal["kv-aware", "load"] = "kv-aware"
+    block_size: int = Field(default=16, ge=1, le=1024)
+    load_weight_tokens: int = Field(default=128, ge=0, le=1 << 20)
+
+
 class Slo(_Model):
     """The pool's latency targets: goodput counts the requests that meet them."""
 
@@ -112,6 +125,7 @@ class RoutingTable(_Model):
     model: ModelRef
     buckets: tuple[Bucket, ...] = Field(min_length=1)
     kv_transfer: KvTransfer = KvTransfer()
+    routing_policy: RoutingPolicy = RoutingPolicy()
     discovery: Discovery
     slo: Slo = Slo()
 

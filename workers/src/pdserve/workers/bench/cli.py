@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pdserve.workers.bench.config import BenchConfig
 
-# Kept in step with workloads.WORKLOADS by a test; importing it here would pull
-# numpy into every `pdserve --help`.
-WORKLOAD_NAMES = ("chat", "rag", "long", "mixed")
+# Kept in step with workloads.WORKLOADS (and prefix_workloads.MULTI_TURN) by a test;
+# importing them here would pull numpy into every `pdserve --help`.
+WORKLOAD_NAMES = ("chat", "rag", "long", "mixed", "multi-turn")
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -33,12 +33,21 @@ def add_traffic_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags that say what traffic a run sends (a workload or a trace, arrivals,
     lengths): the bench's, and the simulator's, which replays the same traffic."""
     traffic = parser.add_mutually_exclusive_group(required=True)
-    traffic.add_argument("--workload", choices=WORKLOAD_NAMES, help="synthetic workload class")
+    traffic.add_argument(
+        "--workload", choices=WORKLOAD_NAMES,
+        help="synthetic workload class (multi-turn: conversations over shared system "
+        "prompts; --rate is conversations per second)",
+    )  # fmt: skip
     parser.add_argument(
         "--long-share", type=float, metavar="F",
         help="mixed workload: share of long (rag) prompts (default 0.15)",
     )  # fmt: skip
-    traffic.add_argument("--trace", type=Path, metavar="FILE", help="replay a trace CSV (Azure)")
+    traffic.add_argument(
+        "--trace",
+        type=Path,
+        metavar="FILE",
+        help="replay a trace: CSV (Azure), or JSON lines with prefix block hashes (Mooncake)",
+    )
     _add_run_arguments(parser)
     _add_length_arguments(parser)
 

@@ -107,6 +107,9 @@ def _take_event(record: RequestRecord, event: dict[str, Any], now: float) -> Non
     if usage:
         record.usage_prompt_tokens = usage.get("prompt_tokens")
         record.usage_completion_tokens = usage.get("completion_tokens")
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            record.usage_cached_tokens = details["cached_tokens"]
     choices = event.get("choices") or []
     if choices and choices[0].get("finish_reason") is not None:
         record.finish_reason = str(choices[0]["finish_reason"])

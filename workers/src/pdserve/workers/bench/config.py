@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pdserve.workers.bench.arrivals import ARRIVAL_PROCESSES, ArrivalProcess
 from pdserve.workers.bench.metrics import DEFAULT_BUCKETS, SLO
+from pdserve.workers.bench.prefix_workloads import MULTI_TURN
 from pdserve.workers.bench.workloads import WORKLOADS
 
 DEFAULT_RATE = 2.0
@@ -69,7 +70,7 @@ class BenchConfig:
             problems.append("long-share applies to the mixed workload and must be in [0, 1]")
         if (self.workload is None) == (self.trace is None):
             problems.append("give exactly one of a workload and a trace")
-        if self.workload is not None and self.workload not in WORKLOADS:
+        if self.workload is not None and self.workload not in (*WORKLOADS, MULTI_TURN):
             problems.append(f"unknown workload {self.workload!r}; known: {', '.join(WORKLOADS)}")
         if self.arrival not in ARRIVAL_PROCESSES:
             problems.append(f"unknown arrival process {self.arrival!r}")

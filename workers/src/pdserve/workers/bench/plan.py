@@ -14,6 +14,16 @@ import numpy as np
 
 from pdserve.workers.bench.arrivals import arrival_offsets
 from pdserve.workers.bench.config import FIRST_PROMPT_TOKEN_ID, BenchConfig
+from pdserve.workers.bench.prefix_workloads import (
+    MULTI_TURN,
+    MultiTurnShape,
+    PrefixRow,
+    is_prefix_trace,
+    load_prefix_trace,
+    multi_turn_rows,
+    prompt_text,
+    scale_rows,
+)
 from pdserve.workers.bench.trace import TraceScaling, load_trace, scale_trace
 from pdserve.workers.bench.workloads import workload_named
 
@@ -31,13 +41,40 @@ class PlannedRequest:
     input_tokens: int
     output_tokens: int
     kind: str
+    prefix: PrefixRow | None = None  # the blocks its prompt text is made of (see prefix_workloads)
 
 
 def build_plan(config: BenchConfig) -> list[PlannedRequest]:
     """The requests of the run, in arrival order."""
+    if config.trace is not None and is_prefix_trace(config.trace):
+        rows = scale_rows(load_prefix_trace(config.trace), _trace_scaling(config))
+        return _prefix_plan(rows, "trace")
     if config.trace is not None:
         return _trace_plan(config)
+    if config.workload == MULTI_TURN:
+        shape = MultiTurnShape()
+        horizon = config.horizon_s or 60.0
+        count = config.num_requests or max(1, round(config.rate * horizon * shape.turns))
+        return _prefix_plan(multi_turn_rows(config.seed, config.rate, count, shape), MULTI_TURN)
     return _workload_plan(config)
+
+
+def _prefix_plan(rows: list[PrefixRow], kind: str) -> list[PlannedRequest]:
+    return [
+        PlannedRequest(i, row.offset_s, row.input_tokens, row.output_tokens, kind, row)
+        for i, row in enumerate(rows)
+    ]
+
+
+def _trace_scaling(config: BenchConfig) -> TraceScaling:
+    return TraceScaling(
+        time_scale=config.trace_time_scale,
+        length_scale=config.trace_length_scale,
+        max_input_tokens=config.max_input_tokens,
+        max_output_tokens=config.max_output_tokens,
+        duration_s=config.horizon_s,
+        num_requests=config.num_requests,
+    )
 
 
 def _workload_plan(config: BenchConfig) -> list[PlannedRequest]:
@@ -63,19 +100,18 @@ def _workload_plan(config: BenchConfig) -> list[PlannedRequest]:
 
 def _trace_plan(config: BenchConfig) -> list[PlannedRequest]:
     assert config.trace is not None
-    scaling = TraceScaling(
-        time_scale=config.trace_time_scale,
-        length_scale=config.trace_length_scale,
-        max_input_tokens=config.max_input_tokens,
-        max_output_tokens=config.max_output_tokens,
-        duration_s=config.horizon_s,
-        num_requests=config.num_requests,
-    )
-    rows = scale_trace(load_trace(config.trace), scaling)
+    rows = scale_trace(load_trace(config.trace), _trace_scaling(config))
     return [
         PlannedRequest(i, row.offset_s, row.context_tokens, row.generated_tokens, "trace")
         for i, row in enumerate(rows)
     ]
+
+
+def planned_prompt(config: BenchConfig, planned: PlannedRequest) -> list[int] | str:
+    """The prompt a planned request sends: text made of its blocks, or token ids."""
+    if planned.prefix is not None:
+        return prompt_text(config.seed, planned.prefix, config.trace_length_scale)
+    return prompt_tokens(config.seed, planned.index, planned.input_tokens, config.vocab_size)
 
 
 def prompt_tokens(seed: int, index: int, length: int, vocab_size: int) -> list[int]:

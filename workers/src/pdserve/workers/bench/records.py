@@ -24,6 +24,7 @@ class RequestRecord:
     chunk_tokens: list[int] = field(default_factory=list)
     usage_prompt_tokens: int | None = None
     usage_completion_tokens: int | None = None
+    usage_cached_tokens: int | None = None  # prompt tokens the server found cached
     status: int | None = None
     mode: str | None = None  # how the server says it served it (a router's X-Pdserve-Mode)
     error: str | None = None

@@ -22,6 +22,7 @@ from pdserve.workers.bench.metrics import (
     request_latency,
     token_times,
 )
+from pdserve.workers.bench.prefix_workloads import prefix_figures
 from pdserve.workers.bench.records import RequestRecord
 from pdserve.workers.bench.runner import BenchResult
 
@@ -45,6 +46,7 @@ def format_report(result: BenchResult) -> str:
         f"throughput: {overall.request_throughput:.2f} req/s, "
         f"{overall.output_throughput:.1f} output tok/s, {overall.total_throughput:.1f} total tok/s",
         _goodput_line(overall, config.slo.describe()),
+        *_prefix_lines(result),
         "",
         *_latency_table(overall),
         "",
@@ -65,6 +67,16 @@ def _traffic_line(result: BenchResult) -> str:
     shape = config.arrival if config.arrival == "poisson" else f"gamma CV {config.burstiness:g}"
     limit = f", at most {config.concurrency_limit} in flight" if config.concurrency_limit else ""
     return f"traffic: {shape} arrivals at {config.rate:g} req/s, seed {config.seed}{limit}"
+
+
+def _prefix_lines(result: BenchResult) -> list[str]:
+    figures = prefix_figures(result.records)
+    if figures is None:
+        return []
+    return [
+        f"prefix cache: {figures.cached_tokens} of {figures.prompt_tokens} prompt tokens "
+        f"found cached ({figures.hit_rate:.1%}, the servers' own count)"
+    ]
 
 
 def _goodput_line(group: GroupMetrics, slo_text: str) -> str:
@@ -170,6 +182,7 @@ def _generator_lines(result: BenchResult) -> list[str]:
 def result_json(result: BenchResult) -> dict[str, Any]:
     """Every figure of the run, its configuration and one summary row per request."""
     metrics = result.metrics
+    figures = prefix_figures(result.records)
     return {
         "config": _jsonable(dataclasses.asdict(result.config)),
         "model": result.model,
@@ -186,6 +199,7 @@ def result_json(result: BenchResult) -> dict[str, Any]:
             "send_lag_s": dataclasses.asdict(metrics.send_lag) if metrics.send_lag else None,
         },
         "errors": metrics.errors,
+        "prefix": _jsonable(dataclasses.asdict(figures)) if figures else None,
         "requests": [_request_row(result, record) for record in result.records],
     }
 
@@ -204,6 +218,8 @@ def _request_row(result: BenchResult, record: RequestRecord) -> dict[str, Any]:
         "mode": record.mode,
         "error": record.error,
         "chunks": len(record.chunk_times),
+        "prompt_tokens": record.usage_prompt_tokens,
+        "cached_tokens": record.usage_cached_tokens,
     }
     row.update(_latency_row(latency, result))
     return row

@@ -21,7 +21,7 @@ import aiohttp
 from pdserve.workers.bench.client import CompletionsClient, fetch_model_id
 from pdserve.workers.bench.config import BenchConfig
 from pdserve.workers.bench.metrics import BenchMetrics, compute_metrics
-from pdserve.workers.bench.plan import PlannedRequest, build_plan, prompt_tokens
+from pdserve.workers.bench.plan import PlannedRequest, build_plan, planned_prompt
 from pdserve.workers.bench.records import RequestRecord
 from pdserve.workers.model.tokenizer import Tokenizer
 
@@ -88,26 +88,30 @@ async def _drive(
             planned.index, planned.kind, planned.input_tokens, planned.output_tokens, due
         )
         records.append(record)
-        tasks.append(asyncio.create_task(_send(config, client, record, slots)))
+        prompt = _as_sent(config, planned_prompt(config, planned))
+        tasks.append(asyncio.create_task(_send(client, record, prompt, slots)))
     await _drain(tasks, records, deadline)
     return records
 
 
 async def _send(
-    config: BenchConfig,
     client: CompletionsClient,
     record: RequestRecord,
+    prompt: list[int] | str,
     slots: asyncio.Semaphore | None,
 ) -> None:
-    ids = prompt_tokens(config.seed, record.index, record.input_tokens, config.vocab_size)
-    prompt: list[int] | str = ids
-    if config.text_prompts is not None:
-        prompt = _tokenizer(config.text_prompts).decode(ids)
     if slots is None:
         await client.send(record, prompt)
         return
     async with slots:
         await client.send(record, prompt)
+
+
+def _as_sent(config: BenchConfig, prompt: list[int] | str) -> list[int] | str:
+    """Token ids as text where the server takes no token-id prompts (`text_prompts`)."""
+    if config.text_prompts is not None and isinstance(prompt, list):
+        return _tokenizer(config.text_prompts).decode(prompt)
+    return prompt
 
 
 @functools.cache

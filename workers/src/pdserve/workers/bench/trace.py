@@ -69,6 +69,12 @@ class TraceScaling:
     duration_s: float | None = None
     num_requests: int | None = None
 
+    def past_end(self, offset_s: float, taken: int) -> bool:
+        """Whether a request at `offset_s` (scaled), after `taken` others, is cut off."""
+        if self.duration_s is not None and offset_s >= self.duration_s:
+            return True
+        return self.num_requests is not None and taken >= self.num_requests
+
 
 def scale_trace(rows: list[TraceRow], scaling: TraceScaling) -> list[TraceRow]:
     """The rows as they will be replayed: rescaled, clipped and cut to duration/count."""
@@ -77,9 +83,7 @@ def scale_trace(rows: list[TraceRow], scaling: TraceScaling) -> list[TraceRow]:
     scaled: list[TraceRow] = []
     for row in rows:
         offset = row.offset_s * scaling.time_scale
-        if scaling.duration_s is not None and offset >= scaling.duration_s:
-            break
-        if scaling.num_requests is not None and len(scaled) >= scaling.num_requests:
+        if scaling.past_end(offset, len(scaled)):
             break
         scaled.append(
             TraceRow(

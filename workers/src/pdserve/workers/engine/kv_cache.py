@@ -29,6 +29,19 @@ class BlockWatcher(Protocol):
         """Free blocks were handed out again."""
 
 
+class PrefixWatcher(Protocol):
+    """Told what the prefix cache gains and loses (the KV event log, see kv_events.py)."""
+
+    def stored(self, block_hash: BlockHash) -> None:
+        """A full block was registered under `block_hash`."""
+
+    def removed(self, block_hash: BlockHash) -> None:
+        """The block registered under `block_hash` was evicted."""
+
+    def cleared(self) -> None:
+        """Every registered block was dropped."""
+
+
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
     """The hash of a full block: its tokens, chained to the hash of the block before."""
     digest = hashlib.blake2b(parent or b"", digest_size=16)
@@ -57,6 +70,7 @@ class BlockPool:
         self._cached: dict[BlockHash, int] = {}
         # Blocks handed out by `allocate`, since start (shared blocks count once).
         self.num_allocated_total = 0
+        self.prefix_watcher: PrefixWatcher | None = None
 
     @property
     def num_free(self) -> int:
@@ -115,12 +129,31 @@ class BlockPool:
         if block_hash not in self._cached:  # the first copy wins; duplicates stay private
             self._cached[block_hash] = block
             self._hashes[block] = block_hash
+            if self.prefix_watcher is not None:
+                self.prefix_watcher.stored(block_hash)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; only when no request holds a block (False
+        otherwise: a block in use must keep its hash for the requests sharing it)."""
+        if len(self._free) != self.num_blocks:
+            return False
+        dropped = list(self._cached.values())
+        for block in dropped:
+            self._hashes[block] = None
+        self._cached.clear()
+        if self.watcher is not None:
+            self.watcher.freed(dropped)
+        if self.prefix_watcher is not None:
+            self.prefix_watcher.cleared()
+        return True
 
     def _evict(self, block: int) -> None:
         block_hash = self._hashes[block]
         if block_hash is not None:
             del self._cached[block_hash]
             self._hashes[block] = None
+            if self.prefix_watcher is not None:
+                self.prefix_watcher.removed(block_hash)
 
 
 class KVCacheManager:

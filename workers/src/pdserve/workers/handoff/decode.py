@@ -220,6 +220,8 @@ class DecodeHandoff:
             raise failure from error
         self.peers.let_go(url)
         self.metrics.observe_peers(self.agent.num_peers())
+        layout, reused = self.agent.layout, reservation.first_block
+        self.metrics.observe_kv_reused(reused, reused * layout.num_layers * layout.block_bytes)
         return drawn
 
     async def _expect(

@@ -17,6 +17,10 @@ class HandoffObserver(Protocol):
     def observe_transfer_failure(self, reason: str) -> None:
         """A hand-off failed; `reason` is one of the codes in `handoff.errors`."""
 
+    def observe_kv_reused(self, blocks: int, num_bytes: int) -> None:
+        """Decode side: blocks of a handed-off prompt already in this worker's prefix
+        cache, which the hand-off did not move."""
+
     def observe_kv_wait(self, seconds: float) -> None:
         """Decode side: how long a request waited for its KV."""
 

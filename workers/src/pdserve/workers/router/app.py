@@ -37,6 +37,8 @@ from pdserve.workers.model.tokenizer import Tokenizer
 from pdserve.workers.network.guard import NetworkGuard
 from pdserve.workers.router.auth import ApiKeys
 from pdserve.workers.router.discovery import DiscoverySource, source_for
+from pdserve.workers.router.kv_scoring import KVPrompt
+from pdserve.workers.router.kv_subscriber import KVFeeds
 from pdserve.workers.router.metrics import RouterMetrics
 from pdserve.workers.router.openapi import router_openapi
 from pdserve.workers.router.proxy import Forwarder, Routed
@@ -61,8 +63,10 @@ class RouterServer:
         admission: Admission,
         api_keys: ApiKeys,
         kubeconfig: Path | None = None,
+        kv_feeds: KVFeeds | None = None,
     ) -> None:
         self.table = table
+        self.kv_feeds = kv_feeds
         self._table_bytes = table_bytes
         self.tokenizer = tokenizer
         self.forwarder = forwarder
@@ -105,22 +109,23 @@ class RouterServer:
         parsed = await read_body(request, CompletionRequest)
         self.model.check(parsed.model)
         tokens = await completion_prompt(self.tokenizer, parsed)
-        return await self._route(request, parsed, len(tokens))
+        return await self._route(request, parsed, tokens)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/chat/completions."""
         parsed = await read_body(request, ChatCompletionRequest)
         self.model.check(parsed.model)
         tokens = await chat_prompt(self.tokenizer, parsed)
-        return await self._route(request, parsed, len(tokens))
+        return await self._route(request, parsed, tokens)
 
     async def _route(
         self,
         request: web.Request,
         parsed: CompletionRequest | ChatCompletionRequest,
-        prompt_tokens: int,
+        tokens: list[int],
     ) -> web.StreamResponse:
         arrival = time.monotonic()
+        prompt_tokens = len(tokens)
         try:
             params = parsed.sampling_params(default_max_tokens=None)
         except InvalidRequestError as error:
@@ -149,6 +154,7 @@ class RouterServer:
             if isinstance(parsed, CompletionRequest) and parsed.echo
             else 0,
             generates=params.max_tokens != 0,
+            kv=KVPrompt.of(tokens, table) if self.kv_feeds is not None else None,
         )
         return await self.forwarder.serve(request, routed)
 
@@ -181,6 +187,7 @@ class RouterServer:
                     state=worker.breaker.state,
                     in_flight=worker.in_flight,
                     published=worker.published,
+                    kv=None if self.kv_feeds is None else self.kv_feeds.status(role, worker.url),
                 )
                 for worker in workers
             ]
@@ -193,6 +200,8 @@ class RouterServer:
         for role, workers in self.sets.items():
             available = len(workers.available())
             self.metrics.set_workers(role, available, len(workers) - available)
+        if self.kv_feeds is not None:
+            self.kv_feeds.report()
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -210,6 +219,8 @@ class RouterServer:
 
     def _discovered(self, role: Role, urls: list[str]) -> None:
         self.sets[role].update(urls)
+        if self.kv_feeds is not None:
+            self.kv_feeds.track(role, urls)
 
     async def stop_discovery(self) -> None:
         """Stop the discovery task."""

@@ -13,7 +13,7 @@ import aiohttp
 from aiohttp import web
 
 from pdserve.base.ports import PortInUseError, announce_port, binding, check_port_free
-from pdserve.protocol.internal import CredentialError, read_credential
+from pdserve.protocol.internal import CredentialError, bearer, read_credential
 from pdserve.protocol.limits import Admission, RequestLimits
 from pdserve.protocol.routing import (
     KubernetesDiscovery,
@@ -28,6 +28,9 @@ from pdserve.workers.network.metrics import NetworkMetrics
 from pdserve.workers.network.site import listen
 from pdserve.workers.router.app import RouterServer
 from pdserve.workers.router.auth import ApiKeyError, ApiKeys
+from pdserve.workers.router.kv_metrics import KVRoutingMetrics
+from pdserve.workers.router.kv_scoring import KVScorer
+from pdserve.workers.router.kv_subscriber import Expected, KVFeeds
 from pdserve.workers.router.load import LoadPoller
 from pdserve.workers.router.metrics import ROLE, RouterMetrics
 from pdserve.workers.router.options import RouterOptions
@@ -77,16 +80,31 @@ async def run_router(
     async with aiohttp.ClientSession(connector=connector) as session:
         metrics = RouterMetrics(startup.table.pool)
         guard = NetworkGuard(network, NetworkMetrics(metrics.registry, metrics.pool, ROLE))
+        feeds = kv_feeds(session, startup, KVRoutingMetrics(metrics.pool, metrics.registry))
         forwarder = Forwarder(
             session, WorkerSet("prefill"), WorkerSet("decode"), startup.credential, metrics,
-            options.max_attempts,
+            options.max_attempts, KVScorer(feeds, feeds.metrics),
         )  # fmt: skip
         admission = Admission(options.max_queued_requests, lambda: forwarder.awaiting_first_token)
         server = RouterServer(
             startup.table, startup.table_bytes, startup.tokenizer, forwarder, limits, admission,
-            startup.api_keys, options.kubeconfig,
+            startup.api_keys, options.kubeconfig, feeds,
         )  # fmt: skip
-        await _serve(server, options, guard, LoadPoller(session, server.sets.values()))
+        try:
+            await _serve(server, options, guard, LoadPoller(session, server.sets.values()))
+        finally:
+            await feeds.stop()
+
+
+def kv_feeds(
+    session: aiohttp.ClientSession, startup: Startup, metrics: KVRoutingMetrics
+) -> KVFeeds:
+    """The subscriptions to the workers' KV event feeds (followed whatever the
+    routing policy, so a table switched to KV-aware finds the index warm)."""
+    table = startup.table
+    expected = Expected(table.routing_policy.block_size, table.model.name)
+    headers = bearer(startup.credential) if startup.credential else {}
+    return KVFeeds(session, headers, expected, metrics)
 
 
 async def _serve(

@@ -39,6 +39,7 @@ from pdserve.protocol.headers import (
 from pdserve.protocol.internal import bearer
 from pdserve.protocol.routing import Mode, Slo
 from pdserve.workers.network.bodies import BUSY_CODES
+from pdserve.workers.router.kv_scoring import KVPrompt, KVScorer
 from pdserve.workers.router.metrics import RouterMetrics
 from pdserve.workers.router.outcome import RequestOutcome, counted
 from pdserve.workers.router.sse import TokenStream, error_event
@@ -68,6 +69,7 @@ class Routed:
     choices: int = 1  # n
     echo_tokens: int = 0  # the prompt's tokens, when the answer echoes them
     generates: bool = True  # False: max_tokens 0, the prompt scored, nothing generated
+    kv: KVPrompt | None = None  # its blocks, when the table routes KV-aware
 
     def token_stream(self) -> TokenStream:
         """A watcher of this request's relayed stream."""
@@ -99,6 +101,7 @@ class _Plan:
     tried_prefill: set[str] = field(default_factory=set)
     last: _Retry | None = None
     fallback: str = "no_prefill"
+    decided: bool = False  # the mode was decided on the decode worker's uncached tokens
 
 
 class Forwarder:
@@ -112,6 +115,7 @@ class Forwarder:
         credential: str | None,
         metrics: RouterMetrics,
         max_attempts: int = 3,
+        kv: KVScorer | None = None,
     ) -> None:
         self.session = session
         self.prefill = prefill
@@ -119,6 +123,7 @@ class Forwarder:
         self.credential = credential
         self.metrics = metrics
         self.max_attempts = max_attempts
+        self.kv = kv
         self.awaiting_first_token = 0  # the router's admission queue
 
     async def serve(self, request: web.Request, routed: Routed) -> web.StreamResponse:
@@ -151,13 +156,31 @@ class Forwarder:
         )  # fmt: skip
 
     def _choose(self, routed: Routed, plan: _Plan) -> tuple[Worker | None, Worker | None]:
+        decode = self._pick(self.decode, routed, plan.tried_decode)
+        if self.kv is not None and routed.kv is not None and decode and not plan.decided:
+            plan.decided = True  # once: a retry keeps the mode (or falls back)
+            plan.mode = self.kv.mode(routed.kv, plan.mode, decode[1])
         prefill = None
         if plan.mode == "disaggregated":
-            prefill = self.prefill.choose(exclude=plan.tried_prefill)
+            prefill = self._pick(self.prefill, routed, plan.tried_prefill)
             if prefill is None:
                 plan.mode = "colocated"
                 self.metrics.fell_back(routed.bucket, plan.fallback)
-        return self.decode.choose(exclude=plan.tried_decode), prefill
+        return (
+            None if decode is None else decode[0],
+            None if prefill is None else prefill[0],
+        )
+
+    def _pick(
+        self, workers: WorkerSet, routed: Routed, tried: set[str]
+    ) -> tuple[Worker, int] | None:
+        """A worker of `workers` not tried yet, and the prompt tokens it holds cached
+        (KV-aware, when the table says so; else by load, holding none known)."""
+        if self.kv is None or routed.kv is None:
+            worker = workers.choose(exclude=tried)
+            return None if worker is None else (worker, 0)
+        choice = self.kv.choose(workers, routed.kv, exclude=tried)
+        return None if choice is None else (choice.worker, choice.cached_tokens)
 
     def _note_failure(
         self,
@@ -225,9 +248,11 @@ class Forwarder:
         until the decode worker answers (its first token is ready then) or it ends."""
         decode.breaker.dispatched()
         decode.in_flight += 1
+        # Whoever prefills the prompt has it waiting until the first token.
+        prefills = decode if prefill is None else prefill
+        prefills.prefill_tokens += routed.prompt_tokens
         if prefill is not None:
             prefill.breaker.dispatched()
-            prefill.prefill_tokens += routed.prompt_tokens
         self.awaiting_first_token += 1
         waiting = True
 
@@ -236,8 +261,7 @@ class Forwarder:
             if waiting:
                 waiting = False
                 self.awaiting_first_token -= 1
-                if prefill is not None:
-                    prefill.prefill_tokens -= routed.prompt_tokens
+                prefills.prefill_tokens -= routed.prompt_tokens
 
         try:
             yield answered

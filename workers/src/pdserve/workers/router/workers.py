@@ -23,6 +23,7 @@ from pydantic import BaseModel
 
 from pdserve.protocol.routing import Role
 from pdserve.workers.router.breaker import CircuitBreaker
+from pdserve.workers.router.kv_subscriber import KVFeedStatus
 
 FRESH_S = 1.0
 # A decode worker whose KV cache is this full is passed over while others are not.
@@ -80,6 +81,7 @@ class WorkerState(BaseModel):
     state: str  # its circuit breaker's: closed, open or half_open
     in_flight: int  # requests the router sent it that have not ended
     published: PublishedLoad | None  # its /load, as last read
+    kv: KVFeedStatus | None = None  # its KV event feed (KV-aware routing only)
 
 
 # The body of GET /workers: the workers of each role.
@@ -95,7 +97,7 @@ class Worker:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     published: PublishedLoad | None = None
     in_flight: int = 0  # requests the router has sent and not seen end
-    prefill_tokens: int = 0  # prompt tokens the router sent and not seen prefilled
+    prefill_tokens: int = 0  # prompt tokens the router sent it to prefill, not yet done
 
     def fresh(self, now: float) -> PublishedLoad | None:
         """The published load, if recent enough to go by."""
@@ -106,13 +108,25 @@ class Worker:
         """Record a /load answer read at `at`, beside the router's own counts then."""
         self.published = PublishedLoad.of(body, at, self.in_flight, self.prefill_tokens)
 
+    def requests(self, now: float) -> int:
+        """Requests it holds: the router's own, and others it published lately."""
+        return self.in_flight + (self.fresh(now) or PublishedLoad(now)).other_in_flight
+
+    def waiting_prefill_tokens(self, now: float) -> int:
+        """Prompt tokens waiting to be prefilled in it."""
+        return self.prefill_tokens + (self.fresh(now) or PublishedLoad(now)).other_prefill_tokens
+
+    def kv_cache_usage(self, now: float) -> float:
+        """Its KV cache usage as lately published (0 when not fresh)."""
+        return (self.fresh(now) or PublishedLoad(now)).kv_cache_usage
+
     def score(self, now: float) -> tuple[float, ...]:
         """Lower is better."""
-        load = self.fresh(now) or PublishedLoad(now)
-        requests = self.in_flight + load.other_in_flight
+        requests = self.requests(now)
         if self.role == "prefill":
-            return (self.prefill_tokens + load.other_prefill_tokens, requests)
-        return (float(load.kv_cache_usage >= KV_NEARLY_FULL), requests, load.kv_cache_usage)
+            return (self.waiting_prefill_tokens(now), requests)
+        usage = self.kv_cache_usage(now)
+        return (float(usage >= KV_NEARLY_FULL), requests, usage)
 
 
 class WorkerSet:

@@ -26,6 +26,7 @@ from pdserve.protocol.tokenization import TokenizationServing
 from pdserve.workers.handoff.prefill import PrefillService
 from pdserve.workers.network.guard import NetworkGuard
 from pdserve.workers.server.drain import Drain
+from pdserve.workers.server.kv_feed import KVFeed
 from pdserve.workers.server.load import LoadTracker, WorkerLoad
 from pdserve.workers.server.serving import OpenAIServing
 
@@ -59,6 +60,7 @@ class WorkerServer:
         max_body_size: int,
         load: LoadTracker,
         prefill: PrefillService | None = None,
+        kv_feed: KVFeed | None = None,
     ) -> None:
         self.serving = serving
         self.engine = serving.engine
@@ -66,6 +68,7 @@ class WorkerServer:
         self.model = serving.model
         self.handoff = serving.handoff
         self.prefill = prefill
+        self.kv_feed = kv_feed
         self.load = load
         self.max_body_size = max_body_size
         self.ready = False
@@ -95,6 +98,8 @@ class WorkerServer:
         app.router.add_get("/metrics", self.prometheus)
         if self.prefill is not None:
             self.prefill.add_routes(app)
+        if self.kv_feed is not None:
+            self.kv_feed.add_routes(app)
         return app
 
     async def models(self, _: web.Request) -> web.Response:

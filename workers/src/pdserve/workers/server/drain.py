@@ -14,6 +14,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from pdserve.protocol.api_errors import APIError
+from pdserve.workers.kv_wire import FEED_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,8 @@ class Drain:
 
         @web.middleware
         async def count(request: web.Request, handler: Handler) -> web.StreamResponse:
-            if not request.path.startswith(WORK_PREFIXES):
+            # A router's read of the KV feed is no work to finish (it waits for events).
+            if not request.path.startswith(WORK_PREFIXES) or request.path.startswith(FEED_PREFIX):
                 return await handler(request)
             if self.draining:
                 raise APIError(

@@ -170,6 +170,18 @@ class WorkerMetrics:
             "decode agents loaded by a prefill worker).",
             names, registry=reg,
         )  # fmt: skip
+        self.kv_reused_blocks = Counter(
+            "pdserve_kv_transfer_saved_blocks_total",
+            "Decode side: blocks of handed-off prompts already in this worker's prefix "
+            "cache, which the hand-offs did not move.",
+            names, registry=reg,
+        )  # fmt: skip
+        self.kv_reused_bytes = Counter(
+            "pdserve_kv_transfer_saved_bytes_total",
+            "Decode side: the bytes of those blocks (what a whole-prompt transfer would "
+            "have moved on top of pdserve_kv_transfer_bytes_total).",
+            names, registry=reg,
+        )  # fmt: skip
         self.kv_wait = Histogram(
             "pdserve_kv_wait_seconds",
             "Decode side: request arrival to its KV in place (prefill and transfer).",
@@ -286,6 +298,11 @@ class WorkerMetrics:
     def observe_transfer_failure(self, reason: str) -> None:
         """Count a failed hand-off (`reason`: one of the hand-off's known codes)."""
         self.transfer_failures.labels(**self._labels, reason=known_code(reason)).inc()
+
+    def observe_kv_reused(self, blocks: int, num_bytes: int) -> None:
+        """Decode side: blocks a hand-off found cached here and did not move."""
+        self.kv_reused_blocks.labels(**self._labels).inc(blocks)
+        self.kv_reused_bytes.labels(**self._labels).inc(num_bytes)
 
     def observe_kv_wait(self, seconds: float) -> None:
         """Decode side: how long a request waited for its KV."""

@@ -31,6 +31,7 @@ from pdserve.workers.engine.config import (
     TokenBudgetConfig,
 )
 from pdserve.workers.engine.engine import LLMEngine
+from pdserve.workers.engine.kv_events import KVEventLog
 from pdserve.workers.handoff.decode import DecodeHandoff
 from pdserve.workers.handoff.prefill import PrefillService
 from pdserve.workers.kv_transfer.layout import KVLayout
@@ -41,6 +42,7 @@ from pdserve.workers.network.limits import NetworkLimits
 from pdserve.workers.network.metrics import NetworkMetrics
 from pdserve.workers.network.site import listen
 from pdserve.workers.server.app import WorkerServer
+from pdserve.workers.server.kv_feed import KVFeed, kv_identity
 from pdserve.workers.server.load import LoadTracker
 from pdserve.workers.server.metrics import WorkerMetrics
 from pdserve.workers.server.options import WorkerOptions
@@ -101,6 +103,7 @@ def build_server(options: WorkerOptions, limits: RequestLimits) -> WorkerServer:
     credential = read_credential(token_file) if token_file is not None else None
     prefill_peers = PrefillAllowList(options.prefill_peer, options.prefill_peers_file)
     engine = LLMEngine(engine_config(options))
+    weights = weights_digest(options.model)
     tokenizer = Tokenizer.from_dir(options.model)
     metrics = WorkerMetrics(options.pool, options.role)
     load = LoadTracker(engine, options.role)
@@ -115,14 +118,26 @@ def build_server(options: WorkerOptions, limits: RequestLimits) -> WorkerServer:
         max_model_len=engine.max_model_len,
         path=str(options.model),
     )
-    handoff, prefill = _handoff_sides(options, async_engine, metrics, model.name, credential)
+    handoff, prefill = _handoff_sides(
+        options, async_engine, metrics, model.name, weights, credential
+    )
     admission = Admission(options.max_queued_requests, lambda: async_engine.num_queued)
     serving = OpenAIServing(
         async_engine, tokenizer, metrics, model, limits, admission, handoff,
         InternalAuth(credential, allow_direct_clients=options.allow_direct_clients),
         prefill_peers,
     )  # fmt: skip
-    return WorkerServer(serving, limits.max_body_size, load, prefill)
+    return WorkerServer(
+        serving, limits.max_body_size, load, prefill, kv_feed(engine, model.name, weights)
+    )
+
+
+def kv_feed(engine: LLMEngine, model_name: str, weights: str) -> KVFeed:
+    """The feed of the engine's prefix-cache events, for KV-aware routers."""
+    events = KVEventLog()
+    engine.kv_cache.pool.prefix_watcher = events
+    identity = kv_identity(engine.block_size, model_name, weights, engine.num_blocks)
+    return KVFeed(events, identity)
 
 
 def _handoff_sides(
@@ -130,6 +145,7 @@ def _handoff_sides(
     engine: AsyncEngine,
     metrics: WorkerMetrics,
     model_name: str,
+    weights: str,
     credential: str | None,
 ) -> tuple[DecodeHandoff | None, PrefillService | None]:
     """The P/D hand-off side this worker's role plays, with its transfer agent."""
@@ -139,7 +155,7 @@ def _handoff_sides(
     from pdserve.workers.kv_transfer.factory import create_agent
 
     kv_cache = engine.engine.runner.kv_cache
-    layout = KVLayout.of(kv_cache, model=model_name, weights=weights_digest(options.model))
+    layout = KVLayout.of(kv_cache, model=model_name, weights=weights)
     agent = create_agent(
         options.kv_transfer,
         f"{options.role}-{uuid.uuid4().hex[:12]}",

@@ -1,0 +1,305 @@
+"""KV-aware routing against load-only routing and a peer, vllm-router's `cache_aware`
+policy, in one run: the same pool (two decode workers and a prefill worker on the
+demo's tiny model, started afresh for every comparison so no cache carries over), the
+same replays, and the figures users compare: TTFT P50/P99, ITL P99, throughput,
+goodput, the prompt tokens the engines found cached (their own count, from each
+answer's usage) against the tokens the workload says are reusable (the bound with
+unlimited cache and perfect routing), and the KV bytes hand-offs moved.
+
+Workloads: the Mooncake synthetic trace (prefix block hashes; blocks of 512 tokens
+scaled to 32), a multi-turn chat over four shared system prompts, and a workload
+with no sharing at all (where KV-aware routing must not be worse than load-only).
+vllm-router balances over the decode workers only (it does not decide P/D here).
+Apart: the router's index memory at 10k and 100k blocks per worker and 8 workers,
+and the time to rebuild a worker's part of it from a snapshot.
+Run with `make bench`; results in out/bench/kv_routing.json."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import json
+import socket
+import subprocess
+import sys
+import time
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pdserve.base.process import ServerProcess
+from pdserve.workers.bench.config import BenchConfig
+from pdserve.workers.bench.metrics import SLO
+from pdserve.workers.bench.plan import build_plan, planned_prompt
+from pdserve.workers.bench.prefix_workloads import prefix_figures, reusable_tokens
+from pdserve.workers.bench.runner import BenchResult, run_benchmark
+from pdserve.workers.kv_wire import KVSnapshotBody
+from pdserve.workers.model.tokenizer import Tokenizer
+from pdserve.workers.router.kv_index import KVIndex, block_key
+from support.kv_pool import kv_router, metric, routing_file
+from support.pd import PDPair, pd_workers
+from support.results import publish
+from support.waiting import wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400)]
+
+TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_synthetic.jsonl"
+BLOCK = 16
+BOUNDARY = 512  # uncached prompt tokens served colocated; more go through the prefill worker
+ENGINE = ["--max-num-batched-tokens", "512", "--max-num-seqs", "16", "--num-kv-blocks", "2048"]
+WORKER_ARGS = ["--allow-direct-clients", "--block-size", str(BLOCK), *ENGINE]
+SLO_TARGETS = SLO(ttft_ms=2000.0, tpot_ms=200.0)
+ROUTERS = ("load", "kv-aware", "vllm-router cache_aware")
+REQUESTS = 120  # per run: about a minute of arrivals
+
+
+def workloads(url: str) -> dict[str, BenchConfig]:
+    common: dict[str, Any] = {"url": url, "slo": SLO_TARGETS, "drain_timeout_s": 240.0}
+    return {
+        "mooncake": BenchConfig(
+            trace=TRACE, num_requests=REQUESTS, trace_time_scale=2.0,
+            trace_length_scale=1 / 16, max_output_tokens=32, **common,
+        ),
+        "multi-turn": BenchConfig(
+            workload="multi-turn", rate=0.4, num_requests=REQUESTS,
+            trace_length_scale=1 / 16, **common,
+        ),
+        "no-sharing": BenchConfig(
+            workload="chat", rate=1.5, num_requests=REQUESTS, vocab_size=4000, **common
+        ),
+    }  # fmt: skip
+
+
+@contextlib.contextmanager
+def front(
+    kind: str, workers: PDPair, model_dir: Path, folder: Path, boundary: int | None = BOUNDARY
+) -> Iterator[str]:
+    """The router under test in front of the workers: its URL."""
+    decodes = [w.url for w in workers.decode]
+    if kind == "vllm-router cache_aware":
+        with vllm_router(decodes, folder / "vllm-router.log") as url:
+            yield url
+        return
+    prefills = [w.url for w in workers.prefill]
+    table = routing_file(folder, model_dir, decodes, prefills, policy=kind, boundary=boundary)
+    assert workers.peers is not None
+    credential = workers.peers.parent / "nixl-pool.credential"
+    with kv_router(table, credential, folder / f"router-{kind}.log") as router:
+        if kind == "kv-aware":
+            wait_until(lambda: synced(router), 60, "the KV feeds")
+        yield router.url
+
+
+def synced(router: ServerProcess) -> bool:
+    states = metric(router.url, "pdserve_router_kv_workers", state="synced")
+    return states == 3
+
+
+@contextlib.contextmanager
+def vllm_router(decodes: list[str], log: Path) -> Iterator[str]:
+    """vllm-router with its cache_aware policy over the decode workers."""
+    port = free_port()
+    program = Path(sys.executable).parent / "vllm-router"
+    args = [
+        str(program), "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [*args, "--worker-urls", *decodes], stdout=out, stderr=out, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: answers(f"{url}/v1/models"), 120, "vllm-router to answer")
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def free_port() -> int:
+    # vllm-router cannot report a port the system chose: take one and hand it over.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def answers(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            return bool(answer.status == 200)
+    except OSError:
+        return False
+
+
+def bound(config: BenchConfig, tokenizer: Tokenizer) -> int | None:
+    """The prompt tokens an earlier prompt of the run already had (in full blocks)."""
+    plan = build_plan(config)
+    prompts = []
+    for planned in plan:
+        prompt = planned_prompt(config, planned)
+        prompts.append(tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
+    return reusable_tokens(prompts, BLOCK)
+
+
+def row(
+    workload: str, router: str, result: BenchResult, workers: PDPair, reusable: int | None
+) -> dict[str, Any]:
+    overall = result.metrics.overall
+    figures = prefix_figures(result.records)
+    moved = sum(metric(w.url, "pdserve_kv_transfer_bytes_total") for w in workers.prefill)
+    kept = sum(metric(w.url, "pdserve_kv_transfer_saved_bytes_total") for w in workers.decode)
+    cached = figures.cached_tokens if figures else 0
+    modes = [r.mode for r in result.records if r.ok]
+    return {
+        "workload": workload,
+        "router": router,
+        "ok": overall.succeeded,
+        "failed": overall.failed,
+        "ttft_p50_ms": _ms(overall.ttft.p50 if overall.ttft else None),
+        "ttft_p99_ms": _ms(overall.ttft.p99 if overall.ttft else None),
+        "itl_p99_ms": _ms(overall.itl.p99 if overall.itl else None),
+        "req_s": overall.request_throughput,
+        "out_tok_s": overall.output_throughput,
+        "goodput_req_s": overall.goodput,
+        "prompt_tokens": figures.prompt_tokens if figures else None,
+        "cached_tokens": cached,
+        "hit_rate": figures.hit_rate if figures else None,
+        "reusable_tokens": reusable,
+        "found_of_reusable": cached / reusable if reusable else None,
+        "disaggregated": modes.count("disaggregated"),
+        "handoff_bytes_moved": moved,
+        "handoff_bytes_not_moved": kept,
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
+def test_kv_aware_routing_against_load_only_and_vllm_router(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    rows = compare(tiny_model_dir, tmp_path, BOUNDARY, list(workloads("http://unused")))
+    publish("kv_routing", rows, goals(rows))
+    assert all(r["failed"] == 0 for r in rows)
+
+
+def test_kv_aware_routing_colocated_only(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The same comparison with every request colocated, as vllm-router serves them."""
+    rows = compare(tiny_model_dir, tmp_path, None, ["mooncake", "multi-turn"], requests=60)
+    publish("kv_routing_colocated", rows)
+
+
+def compare(
+    model_dir: Path,
+    tmp_path: Path,
+    boundary: int | None,
+    names: list[str],
+    requests: int = REQUESTS,
+) -> list[dict[str, Any]]:
+    """One run per workload and router, each on fresh workers."""
+    if not TRACE.is_file():
+        pytest.skip(f"no trace at {TRACE}")
+    tokenizer = Tokenizer.from_dir(model_dir)
+    rows: list[dict[str, Any]] = []
+    for workload in names:
+        for router in ROUTERS:
+            if workload == "no-sharing" and router.startswith("vllm-router"):
+                continue
+            folder = tmp_path / f"{workload}-{router.replace(' ', '-')}"
+            folder.mkdir()
+            with (
+                pd_workers(
+                    model_dir, folder, "nixl", prefills=1, decodes=2,
+                    prefill_args=WORKER_ARGS, decode_args=WORKER_ARGS,
+                ) as workers,
+                front(router, workers, model_dir, folder, boundary) as url,
+            ):  # fmt: skip
+                config = dataclasses.replace(workloads(url)[workload], num_requests=requests)
+                result = run_benchmark(config)
+                rows.append(row(workload, router, result, workers, bound(config, tokenizer)))
+    return rows
+
+
+def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The closing note's goals, as measured (met or missed)."""
+    by = {(r["workload"], r["router"]): r for r in rows}
+    found: dict[str, Any] = {}
+    for workload in ("mooncake", "multi-turn"):
+        load, kv = by[(workload, "load")], by[(workload, "kv-aware")]
+        peer = by[(workload, "vllm-router cache_aware")]
+        found[f"{workload}: ttft_p50 load / kv-aware"] = _ratio(
+            load["ttft_p50_ms"], kv["ttft_p50_ms"]
+        )
+        found[f"{workload}: kv-aware found of reusable"] = kv["found_of_reusable"]
+        found[f"{workload}: kv-aware cached / vllm-router cached"] = _ratio(
+            kv["cached_tokens"], peer["cached_tokens"]
+        )
+    load, kv = by[("no-sharing", "load")], by[("no-sharing", "kv-aware")]
+    found["no-sharing: ttft_p50 kv-aware / load"] = _ratio(kv["ttft_p50_ms"], load["ttft_p50_ms"])
+    return found
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if not a or not b else a / b
+
+
+def test_kv_index_memory_and_rebuild_time() -> None:
+    """MiB the router's index holds with 8 workers of 10k and 100k blocks each (all
+    blocks distinct: the worst case), measured with tracemalloc against the index's own
+    estimate, and the time to rebuild one worker's part from its snapshot's body (parse,
+    validate, load)."""
+    rows = []
+    rng = np.random.default_rng(0)
+    for blocks in (10_000, 100_000):
+        gc.collect()
+        tracemalloc.start()
+        index = KVIndex()
+        for worker in range(8):
+            drawn = rng.integers(0, 1 << 63, blocks, dtype=np.int64)
+            index.replace(f"w{worker}", (int(k) << 1 for k in drawn), capacity=blocks)
+            del drawn
+        measured = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        rows.append(
+            {
+                "blocks_per_worker": blocks,
+                "workers": 8,
+                "measured_mib": measured / 2**20,
+                "estimate_mib": index.memory_bytes() / 2**20,
+                "bytes_per_block_and_worker": measured / (8 * blocks),
+                "rebuild_one_worker_s": rebuild_seconds(index, blocks, rng),
+            }
+        )
+    publish("kv_index", rows)
+    assert all(row["estimate_mib"] <= row["measured_mib"] * 1.5 for row in rows)
+
+
+def rebuild_seconds(index: KVIndex, blocks: int, rng: np.random.Generator) -> float:
+    """Seconds to turn a snapshot body of `blocks` hashes into one worker's index part."""
+    hashes = [rng.bytes(16).hex() for _ in range(blocks)]
+    body = json.dumps(
+        {"identity": IDENTITY | {"num_blocks": blocks}, "epoch": "e", "seq": 1, "hashes": hashes}
+    )
+    started = time.perf_counter()
+    snapshot = KVSnapshotBody.model_validate_json(body)
+    index.replace("w0", (block_key(bytes.fromhex(h)) for h in snapshot.hashes), blocks)
+    return time.perf_counter() - started
+
+
+IDENTITY = {
+    "block_size": BLOCK, "hash_function": "blake2b-128-chained-int64", "hash_seed": "",
+    "model": "small", "weights": "w",
+}  # fmt: skip

@@ -1,0 +1,104 @@
+"""KV-aware choice of a worker: uncached prompt tokens plus load, ties by load, and
+the P/D decision on the tokens the chosen decode worker lacks."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+from prometheus_client import CollectorRegistry
+
+from pdserve.protocol.routing import RoutingTable, parse_table
+from pdserve.workers.engine.kv_events import prefix_hashes
+from pdserve.workers.router.kv_index import block_key
+from pdserve.workers.router.kv_metrics import KVRoutingMetrics
+from pdserve.workers.router.kv_scoring import KVPrompt, KVScorer
+from pdserve.workers.router.kv_subscriber import Expected, KVFeeds
+from pdserve.workers.router.workers import PublishedLoad, WorkerSet
+
+A, B = "http://a:1", "http://b:1"
+BLOCK = 16
+
+
+def table(weight: int = 128, policy: str = "kv-aware") -> RoutingTable:
+    raw = (
+        '{"pool": "p", "model": {"name": "m", "path": "/m"}, "buckets": ['
+        '{"maxInputTokens": 64, "mode": "colocated"}, {"mode": "disaggregated"}],'
+        f'"routingPolicy": {{"type": "{policy}", "blockSize": {BLOCK},'
+        f' "loadWeightTokens": {weight}}},'
+        '"discovery": {"kind": "static", "decode": ["http://a:1"], "prefill": ["http://p:1"]}}'
+    )
+    return parse_table(raw.encode())
+
+
+async def scorer_with(held: dict[str, list[int]], prompt: KVPrompt) -> tuple[KVScorer, WorkerSet]:
+    registry = CollectorRegistry()
+    metrics = KVRoutingMetrics("p", registry)
+    feeds = KVFeeds(aiohttp.ClientSession(), {}, Expected(BLOCK, "m"), metrics)
+    await feeds.session.close()
+    decode = WorkerSet("decode")
+    decode.update(held)
+    for url, count in held.items():
+        feeds.indexes["decode"].replace(url, prompt.keys[: len(count)], capacity=1000)
+    return KVScorer(feeds, metrics), decode
+
+
+def prompt_of(tokens: int, weight: int = 128) -> KVPrompt:
+    found = KVPrompt.of(list(range(3, 3 + tokens)), table(weight))
+    assert found is not None
+    return found
+
+
+async def test_the_worker_holding_the_prompt_wins_unless_its_load_costs_more() -> None:
+    prompt = prompt_of(20 * BLOCK)
+    scorer, decode = await scorer_with({A: [0] * 10, B: []}, prompt)
+    choice = scorer.choose(decode, prompt)
+    assert choice is not None and choice.worker.url == A
+    assert choice.cached_tokens == 10 * BLOCK and choice.reason == "cache"
+    # A holds 160 tokens; two requests in flight there cost 2 x 128 = 256 tokens more.
+    worker_a = decode.get(A)
+    assert worker_a is not None
+    worker_a.in_flight = 2
+    choice = scorer.choose(decode, prompt)
+    assert choice is not None and choice.worker.url == B and choice.reason == "load"
+    assert choice.cached_tokens == 0
+
+
+async def test_equal_work_goes_to_the_less_loaded() -> None:
+    prompt = prompt_of(10 * BLOCK, weight=0)  # load weighs nothing: equal work
+    scorer, decode = await scorer_with({A: [0] * 4, B: [0] * 4}, prompt)
+    worker_b = decode.get(B)
+    assert worker_b is not None
+    worker_b.in_flight = 1
+    for _ in range(10):
+        choice = scorer.choose(decode, prompt)
+        assert choice is not None and choice.worker.url == A
+
+
+async def test_a_nearly_full_cache_is_passed_over() -> None:
+    prompt = prompt_of(10 * BLOCK)
+    scorer, decode = await scorer_with({A: [0] * 9, B: []}, prompt)
+    worker_a = decode.get(A)
+    assert worker_a is not None
+    worker_a.published = PublishedLoad(at=scorer._clock(), kv_cache_usage=0.99)
+    choice = scorer.choose(decode, prompt)
+    assert choice is not None and choice.worker.url == B
+
+
+async def test_the_last_token_is_never_predicted_cached() -> None:
+    prompt = prompt_of(4 * BLOCK)  # four full blocks: the engine finds three
+    scorer, decode = await scorer_with({A: [0] * 4}, prompt)
+    choice = scorer.choose(decode, prompt)
+    assert choice is not None and choice.cached_tokens == 3 * BLOCK
+
+
+@pytest.mark.parametrize(("cached", "mode"), [(0, "disaggregated"), (10 * BLOCK, "colocated")])
+async def test_the_mode_follows_the_tokens_the_decode_worker_lacks(cached: int, mode: str) -> None:
+    prompt = prompt_of(13 * BLOCK)  # 208 tokens: disaggregated by length
+    scorer, _ = await scorer_with({}, prompt)
+    assert scorer.mode(prompt, "disaggregated", cached) == mode
+
+
+def test_a_load_only_table_asks_for_no_blocks() -> None:
+    assert KVPrompt.of([1, 2, 3], table(policy="load")) is None
+    hashes = prefix_hashes(list(range(3, 3 + 2 * BLOCK)), BLOCK)
+    assert prompt_of(2 * BLOCK).keys == tuple(block_key(h) for h in hashes)

@@ -1,0 +1,104 @@
+"""The router's metrics of KV-aware routing, in the router's registry: what each
+decision predicted (prompt tokens, of which cached on the chosen worker), why it
+chose (cache, load, or no worker held anything), the P/D decision on uncached
+tokens, the index's size, resyncs and handshake failures."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+ROLE = "router"
+
+
+class KVRoutingMetrics:
+    """The KV-aware routing metrics of one router."""
+
+    def __init__(self, pool: str, registry: CollectorRegistry) -> None:
+        self.pool = pool
+        base = ("pool", "role", "target")
+        reg = registry
+        self.prompt_tokens = Counter(
+            "pdserve_router_kv_prompt_tokens_total",
+            "Prompt tokens of the requests routed to workers of a role (target).",
+            base, registry=reg,
+        )  # fmt: skip
+        self.predicted_hits = Counter(
+            "pdserve_router_kv_predicted_hit_tokens_total",
+            "Of those, the tokens the router's index said the chosen worker held cached "
+            "(the predicted hit rate: this over the prompt tokens; the workers' own "
+            "pdserve_prefix_cache_hits_total is the actual).",
+            base, registry=reg,
+        )  # fmt: skip
+        self.decisions = Counter(
+            "pdserve_router_kv_decisions_total",
+            "KV-aware choices of a worker, by reason: cache (the chosen worker holds the "
+            "longest cached prefix), load (a worker holding more was passed over for "
+            "load), none (no worker holds any of the prompt).",
+            (*base, "reason"), registry=reg,
+        )  # fmt: skip
+        self.pd_decisions = Counter(
+            "pdserve_router_kv_pd_decisions_total",
+            "Requests whose mode was decided on the tokens the chosen decode worker "
+            "lacks, by the mode their length alone gave (by_length) and the mode taken.",
+            ("pool", "role", "by_length", "mode"), registry=reg,
+        )  # fmt: skip
+        self.index_blocks = Gauge(
+            "pdserve_router_kv_index_blocks",
+            "(block, worker) pairs in the router's KV index, by role (target).",
+            base, registry=reg,
+        )  # fmt: skip
+        self.index_bytes = Gauge(
+            "pdserve_router_kv_index_bytes",
+            "Memory the router's KV index of a role (target) holds.",
+            base, registry=reg,
+        )  # fmt: skip
+        self.resyncs = Counter(
+            "pdserve_router_kv_resyncs_total",
+            "Reads of a worker's whole KV index (snapshot), by reason: start, gap (events "
+            "missed), epoch (the worker restarted), reconnect, overflow (more blocks than "
+            "its cache holds).",
+            (*base, "reason"), registry=reg,
+        )  # fmt: skip
+        self.handshake_failures = Counter(
+            "pdserve_router_kv_handshake_failures_total",
+            "Workers refused for KV-aware scoring, by what differed (block_size, "
+            "hash_function, hash_seed, model, weights) or feed (unusable answers).",
+            (*base, "reason"), registry=reg,
+        )  # fmt: skip
+        self.workers = Gauge(
+            "pdserve_router_kv_workers",
+            "Workers by the state of their KV feed: synced, syncing, refused, unreachable.",
+            (*base, "state"), registry=reg,
+        )  # fmt: skip
+
+    def _labels(self, target: str, **extra: str) -> dict[str, str]:
+        return {"pool": self.pool, "role": ROLE, "target": target, **extra}
+
+    def chose(self, target: str, reason: str, prompt_tokens: int, cached_tokens: int) -> None:
+        """A worker of `target` role chosen for a prompt, `cached_tokens` predicted."""
+        labels = self._labels(target)
+        self.prompt_tokens.labels(**labels).inc(prompt_tokens)
+        self.predicted_hits.labels(**labels).inc(cached_tokens)
+        self.decisions.labels(**labels, reason=reason).inc()
+
+    def decided_mode(self, by_length: str, mode: str) -> None:
+        """The P/D decision on uncached tokens."""
+        self.pd_decisions.labels(pool=self.pool, role=ROLE, by_length=by_length, mode=mode).inc()
+
+    def resynced(self, target: str, reason: str) -> None:
+        """A worker's index read whole again."""
+        self.resyncs.labels(**self._labels(target, reason=reason)).inc()
+
+    def refused(self, target: str, reason: str) -> None:
+        """A worker refused for KV scoring."""
+        self.handshake_failures.labels(**self._labels(target, reason=reason)).inc()
+
+    def set_index(self, target: str, blocks: int, memory_bytes: int) -> None:
+        """The size of a role's index."""
+        self.index_blocks.labels(**self._labels(target)).set(blocks)
+        self.index_bytes.labels(**self._labels(target)).set(memory_bytes)
+
+    def set_states(self, target: str, counts: dict[str, int]) -> None:
+        """Workers of a role by their feed's state."""
+        for state in ("synced", "syncing", "refused", "unreachable"):
+            self.workers.labels(**self._labels(target, state=state)).set(counts.get(state, 0))

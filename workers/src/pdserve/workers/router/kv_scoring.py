@@ -1,0 +1,116 @@
+"""KV-aware choice of a worker, and the P/D decision on uncached tokens.
+
+A worker's expected work for a request is the prompt tokens it would compute (those
+not in its prefix cache, from the router's index; at least one, the step that
+samples) plus its load in tokens: the prompt tokens waiting to be prefilled in it
+(the router's own count of what it sent, and what the worker published beyond it)
+and `loadWeightTokens` per request it holds. The cheapest worker wins; ties
+go to the less loaded, then to chance. A decode worker whose KV cache is nearly full
+is passed over while another is not, as by load alone. A worker whose feed is not
+synced (starting, refused by the handshake, unreachable) holds nothing in the index:
+it competes on load alone.
+
+The mode follows the decode worker: the routing table's bucket is looked up with
+the tokens the chosen decode worker would still compute, so a long conversation
+whose history that worker holds is served colocated.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+from pdserve.protocol.routing import Mode, RoutingTable
+from pdserve.workers.engine.kv_events import prefix_hashes
+from pdserve.workers.router.kv_index import BlockKey, block_key
+from pdserve.workers.router.kv_metrics import KVRoutingMetrics
+from pdserve.workers.router.kv_subscriber import KVFeeds
+from pdserve.workers.router.workers import KV_NEARLY_FULL, Worker, WorkerSet
+
+
+@dataclass(frozen=True)
+class KVPrompt:
+    """What KV-aware routing needs of a request: its blocks' keys and the table."""
+
+    keys: tuple[BlockKey, ...]
+    tokens: int
+    table: RoutingTable
+
+    @classmethod
+    def of(cls, token_ids: Sequence[int], table: RoutingTable) -> KVPrompt | None:
+        """The prompt's blocks as the workers hash them; None when the table routes by
+        load only."""
+        policy = table.routing_policy
+        if policy.type != "kv-aware":
+            return None
+        hashes = prefix_hashes(token_ids, policy.block_size)
+        return cls(tuple(block_key(h) for h in hashes), len(token_ids), table)
+
+
+@dataclass(frozen=True)
+class KVChoice:
+    """A worker chosen, the prompt tokens it holds, and why it was chosen."""
+
+    worker: Worker
+    cached_tokens: int
+    reason: str  # cache, load or none (see KVRoutingMetrics.decisions)
+
+
+class KVScorer:
+    """Chooses workers by expected work."""
+
+    def __init__(
+        self,
+        feeds: KVFeeds,
+        metrics: KVRoutingMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.feeds = feeds
+        self.metrics = metrics
+        self._clock = clock
+
+    def choose(
+        self, workers: WorkerSet, prompt: KVPrompt, exclude: Collection[str] = ()
+    ) -> KVChoice | None:
+        """The cheapest available worker of `workers` not in `exclude` (counted)."""
+        candidates = [w for w in workers.available() if w.url not in exclude]
+        if not candidates:
+            return None
+        policy = prompt.table.routing_policy
+        held = self.feeds.indexes[workers.role].cached_blocks(prompt.keys)
+        now = self._clock()
+        # The engine leaves a prompt's last token to compute (the step that computes
+        # it samples): at most the full blocks before it are found.
+        usable = (prompt.tokens - 1) // policy.block_size
+        cached = {w.url: min(held.get(w.url, 0), usable) * policy.block_size for w in candidates}
+        best = min(candidates, key=lambda w: self._cost(w, prompt, cached[w.url], now))
+        most = max(cached.values())
+        reason = "none" if most <= 0 else "cache" if cached[best.url] == most else "load"
+        self.metrics.chose(workers.role, reason, prompt.tokens, cached[best.url])
+        return KVChoice(best, cached[best.url], reason)
+
+    def _cost(self, worker: Worker, prompt: KVPrompt, cached: int, now: float) -> tuple[float, ...]:
+        weight = prompt.table.routing_policy.load_weight_tokens
+        requests = worker.requests(now)
+        uncached = prompt.tokens - cached
+        # The last keys break ties: the less loaded, then chance (equal workers share
+        # the traffic).
+        if worker.role == "prefill":
+            waiting = worker.waiting_prefill_tokens(now)
+            return (uncached + waiting + weight * requests, waiting, requests, random.random())
+        # A decode worker prefills colocated requests itself: their backlog is work too.
+        waiting = worker.waiting_prefill_tokens(now)
+        usage = worker.kv_cache_usage(now)
+        full = float(usage >= KV_NEARLY_FULL)
+        work = uncached + waiting + weight * requests
+        return (full, work, requests, usage, random.random())
+
+    def mode(self, prompt: KVPrompt, by_length: Mode, cached_tokens: int) -> Mode:
+        """The mode of a request whose chosen decode worker holds `cached_tokens`
+        (counted against the mode its length alone gave)."""
+        table = prompt.table
+        mode = table.buckets[table.bucket_of(prompt.tokens - cached_tokens)].mode
+        self.metrics.decided_mode(by_length, mode)
+        return mode
