@@ -48,7 +48,12 @@ def test_profile_sweeps_the_engine_and_the_simulator_runs_on_it(
     errors = relative_errors(profile.step_cost, steps)
     assert float(np.mean(errors)) == profile.step_fit.mean_abs
 
-    traffic = traffic_of(BenchConfig(url="simulated", workload="chat", rate=4.0, duration_s=5.0))
+    # Simulated time costs next to nothing: a drain long enough for a profile taken on
+    # the slowest machine lets every request finish, whatever the steps cost.
+    config = BenchConfig(
+        url="simulated", workload="chat", rate=4.0, duration_s=5.0, drain_timeout_s=1e6
+    )
+    traffic = traffic_of(config)
     result = simulate(parse_scenario(scenario_line("one", [])), profile, traffic)
     assert result["requests"] == len(traffic.plan) > 0
     assert result["succeeded"] == result["requests"]

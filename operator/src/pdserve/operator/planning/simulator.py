@@ -45,7 +45,7 @@ def scenario_line(
     table = render.routing_table(pool, "default", spec, discovery)
     scenario = {
         "name": candidate.name,
-        "routing": table,
+        "routing": json.loads(render.routing_json(table)),  # the bytes a pool is given
         "workers": workers,
         "percentiles": list(percentiles),
         "buckets": list(buckets),
