@@ -121,10 +121,13 @@ def test_planner_decisions_from_prometheus_reach_the_deployment_and_the_status(
                     lambda: (replicas(cluster, namespace, "chat-decode") or 0) >= 2, WAIT,
                     "the planner to add a decode worker",
                 )  # fmt: skip
-            pool = get_pool(cluster, namespace, "chat")
+                # Read while the load lasts: once it ends, a later round may record why
+                # it holds (too few requests) over why it scaled.
+                pool = get_pool(cluster, namespace, "chat")
             decided = pool["status"]["autoscaling"]
             assert decided["decode"]["replicas"] >= 2
-            assert decided["decode"]["reason"] == "ITLAboveTarget"
+            # Under the load the planner goes on adding workers up to maxReplicas (3).
+            assert decided["decode"]["reason"] in ("ITLAboveTarget", "AtMaxReplicas")
             assert decided["decode"]["lastScaleTime"]
             assert decided["inputs"]["itlSeconds"] >= STALL_S
             assert condition(pool, "ScalingActive")["status"] == "True"
