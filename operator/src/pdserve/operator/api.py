@@ -259,6 +259,18 @@ EXISTS_TAKES_NO_VALUE = Rule(
 )
 
 
+CANARY_NEEDS_STEPS = Rule(
+    "!has(self.type) || self.type != 'canary' || (has(self.steps) && size(self.steps) > 0)",
+    "a canary strategy needs at least one step",
+    ".steps",
+)
+STEPS_ASCENDING = Rule(
+    "self.map(s, s.weight).isSorted() && self.all(s, self.exists_one(t, t.weight == s.weight))",
+    "steps: each step's weight must be above the one before (the canary only grows until "
+    "it completes)",
+)
+
+
 class ApiModel(BaseModel):
     """Base of every API object: immutable, camelCase in manifests, strict keys."""
 
@@ -450,6 +462,150 @@ class Placement(ApiModel):
     env: tuple[EnvVar, ...] = Field(default=(), max_length=64)
 
 
+# --- rollouts ------------------------------------------------------------------------
+
+RolloutType = Literal["replace", "canary"]
+RolloutPhase = Literal["Progressing", "Paused", "Completed", "RolledBack", "Aborted"]
+RolloutAction = Literal["wait", "promote", "complete", "rollback", "abort"]
+RollbackConditionName = Literal[
+    "itlOverTarget",
+    "preemptionsWithTtft",
+    "shortRequestsSlowed",
+    "utilisationUpGoodputDown",
+    "errorRates",
+]
+
+
+class RolloutStep(ApiModel):
+    """One step of a canary: the new revision's share of the role's traffic (and, unless
+    `workers` says otherwise, of its workers), held for `analysisSeconds` while the
+    canary is judged against the stable revision."""
+
+    weight: int = Field(
+        ge=1, le=99, description="Percent of the role's requests sent to the new revision."
+    )
+    workers: int | None = Field(
+        default=None,
+        ge=1,
+        le=100,
+        description="Percent of the role's workers running the new revision (default: "
+        "weight; at least one worker).",
+    )
+    analysis_seconds: int = Field(
+        default=300,
+        ge=1,
+        le=86400,
+        description="How long the step is judged before the canary is promoted.",
+    )
+
+
+def _ratio(default: float | None) -> Any:
+    return Field(default=default, gt=0, le=1e6)
+
+
+def _threshold(default: float | None) -> Any:
+    return Field(default=default, ge=0, le=1e9)
+
+
+class RollbackCondition(ApiModel):
+    """One rollback condition: it fires when its figure for the canary passes
+    `threshold` (an absolute bound, where the condition has one) or `baselineRatio`
+    times the stable revision's figure over the same window, and stays there for
+    `durationSeconds`."""
+
+    enabled: bool = True
+    threshold: float | None = _threshold(None)
+    baseline_ratio: float | None = _ratio(None)
+    duration_seconds: int = Field(default=60, ge=0, le=86400)
+
+
+class ItlOverTarget(RollbackCondition):
+    """P99 ITL over the pool's ITL target (threshold: a multiple of the target) for
+    durationSeconds."""
+
+    threshold: float | None = _threshold(1.0)
+    duration_seconds: int = Field(default=600, ge=0, le=86400)
+
+
+class PreemptionsWithTtft(RollbackCondition):
+    """The preemption rate and TTFT P95 both above baselineRatio times the stable
+    revision's."""
+
+    baseline_ratio: float | None = _ratio(1.5)
+
+
+class ShortRequestsSlowed(RollbackCondition):
+    """Short requests' (the first bucket's) P95 end-to-end latency at baselineRatio
+    times the stable revision's: long prompts stalling short ones."""
+
+    baseline_ratio: float | None = _ratio(2.0)
+
+
+class UtilisationUpGoodputDown(RollbackCondition):
+    """KV cache utilisation above the stable revision's while goodput (the share of
+    requests meeting the SLO) falls under baselineRatio times its."""
+
+    baseline_ratio: float | None = _ratio(0.9)
+
+
+class ErrorRates(RollbackCondition):
+    """The error, cancel or timeout rate above baselineRatio times the stable
+    revision's and above threshold (a share of requests)."""
+
+    threshold: float | None = _threshold(0.01)
+    baseline_ratio: float | None = _ratio(1.5)
+
+
+class RollbackConditions(ApiModel):
+    """The conditions a canary is rolled back on, defined before the change. Each is
+    judged per input-length bucket of the routing table."""
+
+    itl_over_target: ItlOverTarget = ItlOverTarget()
+    preemptions_with_ttft: PreemptionsWithTtft = PreemptionsWithTtft()
+    short_requests_slowed: ShortRequestsSlowed = ShortRequestsSlowed()
+    utilisation_up_goodput_down: UtilisationUpGoodputDown = UtilisationUpGoodputDown()
+    error_rates: ErrorRates = ErrorRates()
+
+
+class RolloutStrategy(ApiModel):
+    """How a change to what a role's workers run reaches them. `replace`: every worker
+    at once (a Deployment rollout). `canary`: a new revision beside the stable one,
+    through `steps`, judged on `conditions` at each, completed after the last or rolled
+    back when one fires."""
+
+    model_config = ConfigDict(json_schema_extra=cel(CANARY_NEEDS_STEPS))
+
+    type: RolloutType = "replace"
+    steps: tuple[RolloutStep, ...] = Field(
+        default=(),
+        max_length=16,
+        json_schema_extra=cel(STEPS_ASCENDING),
+        description="The canary's steps, its weight growing step by step.",
+    )
+    min_requests: int = Field(
+        default=20,
+        ge=1,
+        le=1_000_000,
+        description="Requests each revision must serve in a step's window before it is "
+        "judged (fewer: the step waits; a canary is never promoted on no evidence).",
+    )
+    conditions: RollbackConditions = RollbackConditions()
+
+    @field_validator("steps")
+    @classmethod
+    def _ascending(cls, steps: tuple[RolloutStep, ...]) -> tuple[RolloutStep, ...]:
+        weights = [step.weight for step in steps]
+        if any(low >= high for low, high in itertools.pairwise(weights)):
+            raise refuse(STEPS_ASCENDING)
+        return steps
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutStrategy:
+        if self.type == "canary" and not self.steps:
+            raise refuse(CANARY_NEEDS_STEPS)
+        return self
+
+
 class WorkerPool(Placement):
     """One role's workers (prefill or decode)."""
 
@@ -463,6 +619,11 @@ class WorkerPool(Placement):
         description="How long a stopping worker lets its requests in flight and its KV "
         "hand-offs finish (sizes the pods' terminationGracePeriodSeconds).",
     )  # fmt: skip
+    rollout: RolloutStrategy = Field(
+        default=RolloutStrategy(),
+        description="How a change to these workers' engine settings, image, model or flags "
+        "is rolled out.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> WorkerPool:
@@ -875,6 +1036,59 @@ class CreatedSecret(ApiModel):
     uid: str = Field(max_length=128)
 
 
+class RevisionFigures(ApiModel):
+    """One revision's figures over an analysis window, in the bucket a decision names
+    (rates are shares of its requests; absent: no data)."""
+
+    requests: float = Field(default=0, ge=0)
+    itl_p99_seconds: float | None = None
+    ttft_p95_seconds: float | None = None
+    ttft_p99_seconds: float | None = None
+    short_e2e_p95_seconds: float | None = None
+    preemption_rate: float | None = None
+    goodput: float | None = None
+    kv_cache_usage: float | None = None
+    error_rate: float | None = None
+    cancel_rate: float | None = None
+    timeout_rate: float | None = None
+
+
+class RolloutDecision(ApiModel):
+    """A rollout's last decision and what it was made on."""
+
+    action: RolloutAction
+    reason: str = Field(max_length=64, description="The condition that fired, or why.")
+    message: str = Field(default="", max_length=1024)
+    bucket: str | None = Field(default=None, max_length=32)
+    canary: RevisionFigures | None = None
+    baseline: RevisionFigures | None = None
+    time: datetime
+
+
+class RoleRolloutStatus(ApiModel):
+    """A role's rollout: its revisions, its step and its last decision."""
+
+    phase: RolloutPhase
+    stable_revision: str = Field(max_length=63)
+    canary_revision: str | None = Field(default=None, max_length=63)
+    step: int = Field(default=0, ge=0, description="The step in force (0-based).")
+    weight: int = Field(default=0, ge=0, le=100, description="The canary's traffic percent.")
+    step_started_time: datetime | None = None
+    last_decision: RolloutDecision | None = None
+
+
+class RolloutStatus(ApiModel):
+    """The pool's rollouts; `phase` is the most pressing of the roles' (for kubectl get)."""
+
+    phase: RolloutPhase | None = None
+    prefill: RoleRolloutStatus | None = None
+    decode: RoleRolloutStatus | None = None
+
+    def role(self, role: Role) -> RoleRolloutStatus | None:
+        """The rollout of one role."""
+        return self.prefill if role == "prefill" else self.decode
+
+
 class ServingPoolStatus(ApiModel):
     """What the operator observed and did."""
 
@@ -896,6 +1110,7 @@ class ServingPoolStatus(ApiModel):
         default=None, description="The Secret holding the pool's internal credential."
     )
     autoscaling: AutoscalingStatus | None = None
+    rollout: RolloutStatus | None = None
 
     def condition(self, type_: ConditionType) -> Condition | None:
         """The condition of a type, if set."""

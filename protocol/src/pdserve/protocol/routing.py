@@ -71,6 +71,35 @@ class RoutingPolicy(_Model):
     load_weight_tokens: int = Field(default=128, ge=0, le=1 << 20)
 
 
+class RevisionWeight(_Model):
+    """A revision of a role's workers and its share of the role's requests (percent)."""
+
+    name: str = Field(min_length=1, max_length=63)
+    weight: int = Field(ge=0, le=100)
+
+
+class Revisions(_Model):
+    """Traffic by revision during a rollout, per role: a worker says its revision (its
+    `--revision`); a role with no list here splits nothing. A worker whose revision a
+    role's list does not name gets none of its requests."""
+
+    prefill: tuple[RevisionWeight, ...] = Field(default=(), max_length=4)
+    decode: tuple[RevisionWeight, ...] = Field(default=(), max_length=4)
+
+    @field_validator("prefill", "decode")
+    @classmethod
+    def _split(cls, weights: tuple[RevisionWeight, ...]) -> tuple[RevisionWeight, ...]:
+        if weights and sum(w.weight for w in weights) != 100:
+            raise ValueError("the revisions' weights must add up to 100")
+        if len({w.name for w in weights}) != len(weights):
+            raise ValueError("a revision is named twice")
+        return weights
+
+    def of(self, role: Role) -> tuple[RevisionWeight, ...]:
+        """A role's split (empty: none)."""
+        return self.prefill if role == "prefill" else self.decode
+
+
 class Slo(_Model):
     """The pool's latency targets: goodput counts the requests that meet them."""
 
@@ -128,6 +157,7 @@ class RoutingTable(_Model):
     routing_policy: RoutingPolicy = RoutingPolicy()
     discovery: Discovery
     slo: Slo = Slo()
+    revisions: Revisions = Revisions()
 
     @field_validator("buckets")
     @classmethod
