@@ -170,6 +170,7 @@ def row(
     kept = sum(metric(w.url, "pdserve_kv_transfer_saved_bytes_total") for w in workers.decode)
     cached = figures.cached_tokens if figures else 0
     modes = [r.mode for r in result.records if r.ok]
+    served = [metric(w.url, "pdserve_requests_total") for w in workers.decode]
     return {
         "workload": workload,
         "router": router,
@@ -191,7 +192,24 @@ def row(
         "disaggregated": modes.count("disaggregated"),
         "handoff_bytes_moved": moved,
         "handoff_bytes_not_moved": kept,
+        # How the machine ran meanwhile, and where requests waited: engine seconds per
+        # token computed (the speed the other processes left), the workers' own queue.
+        "requests_by_decode": "/".join(f"{n:.0f}" for n in served),
+        "engine_ms_per_token": _mean_ms(
+            workers, "pdserve_engine_step_duration_seconds_sum", "pdserve_engine_step_tokens_sum"
+        ),
+        "worker_queue_mean_ms": _mean_ms(
+            workers,
+            "pdserve_request_queue_time_seconds_sum",
+            "pdserve_request_queue_time_seconds_count",
+        ),
     }
+
+
+def _mean_ms(workers: PDPair, seconds: str, count: str) -> float | None:
+    every = [*workers.decode, *workers.prefill]
+    total = sum(metric(w.url, count) for w in every)
+    return sum(metric(w.url, seconds) for w in every) * 1000 / total if total else None
 
 
 def ttft_by_hit(result: BenchResult) -> dict[str, Any]:

@@ -102,3 +102,26 @@ def test_a_load_only_table_asks_for_no_blocks() -> None:
     assert KVPrompt.of([1, 2, 3], table(policy="load")) is None
     hashes = prefix_hashes(list(range(3, 3 + 2 * BLOCK)), BLOCK)
     assert prompt_of(2 * BLOCK).keys == tuple(block_key(h) for h in hashes)
+
+
+async def test_what_the_engine_found_is_counted_against_the_prediction() -> None:
+    prompt = prompt_of(10 * BLOCK)
+    scorer, _ = await scorer_with({}, prompt)
+    actual = scorer.metrics.actual_hits.labels(pool="p", role="router", target="decode")
+
+    def outcomes() -> dict[str, float]:
+        counter = scorer.metrics.predictions
+        return {
+            result: counter.labels(
+                pool="p", role="router", target="decode", result=result
+            )._value.get()
+            for result in ("exact", "over", "under", "unknown")
+        }
+
+    for predicted, header in [(48, "48"), (48, "32"), (0, "16")]:
+        scorer.observed("r", prompt, predicted, header)
+    # A worker's word that is no count of this prompt's tokens is counted as unknown.
+    for header in (None, "-1", "1e3", "٣", str(10 * BLOCK + 1)):
+        scorer.observed("r", prompt, 48, header)
+    assert actual._value.get() == 48 + 32 + 16
+    assert outcomes() == {"exact": 1, "over": 1, "under": 1, "unknown": 5}

@@ -32,6 +32,7 @@ from aiohttp import web
 from pdserve.protocol.api_errors import REQUEST_FAILED, APIError, log_client_gone
 from pdserve.protocol.headers import (
     BUCKET_HEADER,
+    CACHED_TOKENS_HEADER,
     MODE_HEADER,
     PREFILL_URL_HEADER,
     REQUEST_ID_HEADER,
@@ -102,6 +103,7 @@ class _Plan:
     last: _Retry | None = None
     fallback: str = "no_prefill"
     decided: bool = False  # the mode was decided on the decode worker's uncached tokens
+    predicted: int = 0  # prompt tokens the chosen decode worker holds, by the KV index
 
 
 class Forwarder:
@@ -141,7 +143,9 @@ class Forwarder:
             if decode is None:
                 break
             try:
-                return await self._attempt(request, routed, decode, prefill, attempt, outcome)
+                return await self._attempt(
+                    request, routed, (decode, prefill), attempt, outcome, plan.predicted
+                )
             except _Retry as retry:
                 self._note_failure(routed, plan, retry, decode, prefill)
         if plan.last is not None and plan.last.answer is not None:
@@ -157,6 +161,7 @@ class Forwarder:
 
     def _choose(self, routed: Routed, plan: _Plan) -> tuple[Worker | None, Worker | None]:
         decode = self._pick(self.decode, routed, plan.tried_decode)
+        plan.predicted = 0 if decode is None else decode[1]
         if self.kv is not None and routed.kv is not None and decode and not plan.decided:
             plan.decided = True  # once: a retry keeps the mode (or falls back)
             plan.mode = self.kv.mode(routed.kv, plan.mode, decode[1])
@@ -209,11 +214,12 @@ class Forwarder:
         self,
         request: web.Request,
         routed: Routed,
-        decode: Worker,
-        prefill: Worker | None,
+        workers: tuple[Worker, Worker | None],
         attempt: int,
         outcome: RequestOutcome,
+        predicted: int,
     ) -> web.StreamResponse:
+        decode, prefill = workers
         headers = {
             "Content-Type": "application/json",
             REQUEST_ID_HEADER: f"{routed.request_id}-{attempt}",
@@ -231,6 +237,9 @@ class Forwarder:
                     if upstream.status != 200:
                         return await self._refusal(routed, upstream, prefill is not None)
                     decode.breaker.succeeded()
+                    if self.kv is not None and routed.kv is not None:
+                        found = upstream.headers.get(CACHED_TOKENS_HEADER)
+                        self.kv.observed(routed.request_id, routed.kv, predicted, found)
                     if prefill is not None:
                         self._settle_prefill(routed, upstream, prefill)
                     outcome.mode = upstream.headers.get(MODE_HEADER, routed.mode)
