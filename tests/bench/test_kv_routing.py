@@ -54,11 +54,13 @@ ENGINE = ["--max-num-batched-tokens", "512", "--max-num-seqs", "16", "--num-kv-b
 WORKER_ARGS = ["--allow-direct-clients", "--block-size", str(BLOCK), *ENGINE]
 SLO_TARGETS = SLO(ttft_ms=2000.0, tpot_ms=200.0)
 ROUTERS = ("load", "kv-aware", "vllm-router cache_aware")
+DECISIONS = "pdserve_router_kv_decisions_total"
+PREDICTIONS = "pdserve_router_kv_predictions_total"
 REQUESTS = 90  # per run: about two minutes of arrivals
 # The trace's first requests share 4-5% of their blocks (its reuse is between requests
-# far apart): a share of its prefix groups over the whole trace keeps its reuse (91
-# requests, 54% of their blocks reusable, 40% of them with half their prompt or more),
-# at 0.8 requests per second once time is scaled.
+# far apart): a share of its prefix groups over the whole trace keeps its reuse (the
+# first 90 requests of 93 drawn: 74% of their blocks reusable, 48% of them with half
+# their prompt or more), at 0.8 requests per second once time is scaled.
 TRACE_PREFIX_SHARE = 0.02
 TRACE_TIME_SCALE = 0.12
 WORKLOADS = ("mooncake", "multi-turn", "no-sharing")
@@ -68,7 +70,7 @@ def workloads(url: str) -> dict[str, BenchConfig]:
     common: dict[str, Any] = {"url": url, "slo": SLO_TARGETS, "drain_timeout_s": 240.0}
     return {
         "mooncake": BenchConfig(
-            trace=TRACE, trace_prefix_share=TRACE_PREFIX_SHARE,
+            trace=TRACE, trace_prefix_share=TRACE_PREFIX_SHARE, num_requests=REQUESTS,
             trace_time_scale=TRACE_TIME_SCALE, trace_length_scale=1 / 16,
             max_output_tokens=32, **common,
         ),
@@ -206,6 +208,19 @@ def row(
     }
 
 
+def decided(router_url: str) -> dict[str, str]:
+    """The KV-aware router's decode decisions by reason, and its predictions against
+    what the engines found."""
+    reasons = ("cache", "load", "none")
+    results = ("exact", "over", "under", "unknown")
+    by_reason = [metric(router_url, DECISIONS, target="decode", reason=r) for r in reasons]
+    by_result = [metric(router_url, PREDICTIONS, target="decode", result=r) for r in results]
+    return {
+        "decisions_cache_load_none": "/".join(f"{n:.0f}" for n in by_reason),
+        "predictions_exact_over_under_unknown": "/".join(f"{n:.0f}" for n in by_result),
+    }
+
+
 def _mean_ms(workers: PDPair, seconds: str, count: str) -> float | None:
     every = [*workers.decode, *workers.prefill]
     total = sum(metric(w.url, count) for w in every)
@@ -278,7 +293,8 @@ def compare(
             ):  # fmt: skip
                 config = workloads(url)[workload]
                 result = run_benchmark(config)
-                rows.append(row(workload, router, result, workers, bound(config, tokenizer)))
+                found = row(workload, router, result, workers, bound(config, tokenizer))
+                rows.append(found | (decided(url) if router == "kv-aware" else {}))
     return rows
 
 
