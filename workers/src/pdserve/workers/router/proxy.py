@@ -103,7 +103,8 @@ class _Plan:
     last: _Retry | None = None
     fallback: str = "no_prefill"
     decided: bool = False  # the mode was decided on the decode worker's uncached tokens
-    predicted: int = 0  # prompt tokens the chosen decode worker holds, by the KV index
+    # Prompt tokens the chosen decode and prefill workers hold, by the KV index.
+    predicted: tuple[int, int] = (0, 0)
 
 
 class Forwarder:
@@ -161,7 +162,6 @@ class Forwarder:
 
     def _choose(self, routed: Routed, plan: _Plan) -> tuple[Worker | None, Worker | None]:
         decode = self._pick(self.decode, routed, plan.tried_decode)
-        plan.predicted = 0 if decode is None else decode[1]
         if self.kv is not None and routed.kv is not None and decode and not plan.decided:
             plan.decided = True  # once: a retry keeps the mode (or falls back)
             plan.mode = self.kv.mode(routed.kv, plan.mode, decode[1])
@@ -171,6 +171,7 @@ class Forwarder:
             if prefill is None:
                 plan.mode = "colocated"
                 self.metrics.fell_back(routed.bucket, plan.fallback)
+        plan.predicted = (0 if decode is None else decode[1], 0 if prefill is None else prefill[1])
         return (
             None if decode is None else decode[0],
             None if prefill is None else prefill[0],
@@ -217,7 +218,7 @@ class Forwarder:
         workers: tuple[Worker, Worker | None],
         attempt: int,
         outcome: RequestOutcome,
-        predicted: int,
+        predicted: tuple[int, int],
     ) -> web.StreamResponse:
         decode, prefill = workers
         headers = {
@@ -229,7 +230,7 @@ class Forwarder:
             headers[PREFILL_URL_HEADER] = prefill.url
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
         try:
-            with self._outstanding(routed, decode, prefill) as answered:
+            with self._outstanding(routed, decode, prefill, predicted) as answered:
                 async with self.session.post(
                     decode.url + routed.path, data=routed.body, headers=headers, timeout=timeout
                 ) as upstream:
@@ -239,7 +240,7 @@ class Forwarder:
                     decode.breaker.succeeded()
                     if self.kv is not None and routed.kv is not None:
                         found = upstream.headers.get(CACHED_TOKENS_HEADER)
-                        self.kv.observed(routed.request_id, routed.kv, predicted, found)
+                        self.kv.observed(routed.request_id, routed.kv, predicted[0], found)
                     if prefill is not None:
                         self._settle_prefill(routed, upstream, prefill)
                     outcome.mode = upstream.headers.get(MODE_HEADER, routed.mode)
@@ -251,15 +252,21 @@ class Forwarder:
 
     @contextlib.contextmanager
     def _outstanding(
-        self, routed: Routed, decode: Worker, prefill: Worker | None
+        self,
+        routed: Routed,
+        decode: Worker,
+        prefill: Worker | None,
+        predicted: tuple[int, int],
     ) -> Iterator[Callable[[], None]]:
         """Count the attempt in the workers' loads and the router's admission queue
         until the decode worker answers (its first token is ready then) or it ends."""
         decode.breaker.dispatched()
         decode.in_flight += 1
-        # Whoever prefills the prompt has it waiting until the first token.
+        # Whoever prefills the prompt has what it lacks of it waiting until the first
+        # token (the tokens its prefix cache holds are no work).
         prefills = decode if prefill is None else prefill
-        prefills.prefill_tokens += routed.prompt_tokens
+        tokens = routed.prompt_tokens - (predicted[0] if prefill is None else predicted[1])
+        prefills.prefill_tokens += tokens
         if prefill is not None:
             prefill.breaker.dispatched()
         self.awaiting_first_token += 1
@@ -270,7 +277,7 @@ class Forwarder:
             if waiting:
                 waiting = False
                 self.awaiting_first_token -= 1
-                prefills.prefill_tokens -= routed.prompt_tokens
+                prefills.prefill_tokens -= tokens
 
         try:
             yield answered
