@@ -63,23 +63,28 @@ REQUESTS = 90  # per run: about two minutes of arrivals
 # their prompt or more), at 0.8 requests per second once time is scaled.
 TRACE_PREFIX_SHARE = 0.02
 TRACE_TIME_SCALE = 0.12
+# Disaggregated, one prefill worker (one thread) prefills every long prompt: half the
+# rate keeps hand-offs well inside their lease on this machine.
+PD_SLOWER = 2.0
 WORKLOADS = ("mooncake", "multi-turn", "no-sharing")
 
 
-def workloads(url: str) -> dict[str, BenchConfig]:
+def workloads(url: str, slower: float = 1.0) -> dict[str, BenchConfig]:
+    """The workloads, arrivals spread `slower` times wider."""
     common: dict[str, Any] = {"url": url, "slo": SLO_TARGETS, "drain_timeout_s": 240.0}
     return {
         "mooncake": BenchConfig(
             trace=TRACE, trace_prefix_share=TRACE_PREFIX_SHARE, num_requests=REQUESTS,
-            trace_time_scale=TRACE_TIME_SCALE, trace_length_scale=1 / 16,
+            trace_time_scale=TRACE_TIME_SCALE * slower, trace_length_scale=1 / 16,
             max_output_tokens=32, **common,
         ),
         "multi-turn": BenchConfig(
-            workload="multi-turn", rate=0.4, num_requests=REQUESTS,
+            workload="multi-turn", rate=0.4 / slower, num_requests=REQUESTS,
             trace_length_scale=1 / 16, **common,
         ),
         "no-sharing": BenchConfig(
-            workload="chat", rate=1.5, num_requests=REQUESTS, vocab_size=4000, **common
+            workload="chat", rate=1.5 / slower, num_requests=REQUESTS, vocab_size=4000,
+            **common,
         ),
     }  # fmt: skip
 
@@ -253,7 +258,7 @@ def test_kv_aware_routing_against_load_only_and_vllm_router(
     workload: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """One workload a run (each run within a measurement slot)."""
-    rows = compare(tiny_model_dir, tmp_path, BOUNDARY, [workload])
+    rows = compare(tiny_model_dir, tmp_path, BOUNDARY, [workload], slower=PD_SLOWER)
     publish(f"kv_routing_{workload}", rows, goals(rows))
     assert all(r["failed"] == 0 for r in rows)
 
@@ -272,6 +277,7 @@ def compare(
     tmp_path: Path,
     boundary: int | None,
     names: list[str],
+    slower: float = 1.0,
 ) -> list[dict[str, Any]]:
     """One run per workload and router, each on fresh workers."""
     if not TRACE.is_file():
@@ -291,7 +297,7 @@ def compare(
                 ) as workers,
                 front(router, workers, model_dir, folder, boundary) as url,
             ):  # fmt: skip
-                config = workloads(url)[workload]
+                config = workloads(url, slower)[workload]
                 result = run_benchmark(config)
                 found = row(workload, router, result, workers, bound(config, tokenizer))
                 rows.append(found | (decided(url) if router == "kv-aware" else {}))
