@@ -7,12 +7,16 @@ answer's usage) against the tokens the workload says are reusable (the bound wit
 unlimited cache and perfect routing), and the KV bytes hand-offs moved.
 
 Workloads: the Mooncake synthetic trace (prefix block hashes; blocks of 512 tokens
-scaled to 32), a multi-turn chat over four shared system prompts, and a workload
-with no sharing at all (where KV-aware routing must not be worse than load-only).
-vllm-router balances over the decode workers only (it does not decide P/D here).
-Apart: the router's index memory at 10k and 100k blocks per worker and 8 workers,
-and the time to rebuild a worker's part of it from a snapshot.
-Run with `make bench`; results in out/bench/kv_routing.json."""
+scaled to 32; a seeded share of its prefix groups over the whole trace, so that the
+replay has the trace's reuse), a multi-turn chat over four shared system prompts,
+and a workload with no sharing at all (where KV-aware routing must not be worse than
+load-only). vllm-router balances over the decode workers only (it does not decide
+P/D here). Each row also says how fast the machine ran meanwhile (engine time per
+token computed): on a shared machine that speed moves between runs, and TTFT with it.
+Apart: what a hit can save, one request at a time (TTFT cold against cached, on the
+tiny model and on a model with 6x its work per token); the router's index memory at
+10k and 100k blocks per worker and 8 workers, and the time to rebuild a worker's part
+of it from a snapshot. Run with `make bench`; results in out/bench/kv_*.json."""
 
 from __future__ import annotations
 
