@@ -7,17 +7,20 @@ answer's usage) against the tokens the workload says are reusable (the bound wit
 unlimited cache and perfect routing), and the KV bytes hand-offs moved.
 
 Workloads: the Mooncake synthetic trace (prefix block hashes; blocks of 512 tokens
-scaled to 32), a multi-turn chat over four shared system prompts, and a workload
-with no sharing at all (where KV-aware routing must not be worse than load-only).
-vllm-router balances over the decode workers only (it does not decide P/D here).
-Apart: the router's index memory at 10k and 100k blocks per worker and 8 workers,
-and the time to rebuild a worker's part of it from a snapshot.
-Run with `make bench`; results in out/bench/kv_routing.json."""
+scaled to 32; a seeded share of its prefix groups over the whole trace, so that the
+replay has the trace's reuse), a multi-turn chat over four shared system prompts,
+and a workload with no sharing at all (where KV-aware routing must not be worse than
+load-only). vllm-router balances over the decode workers only (it does not decide
+P/D here). Each row also says how fast the machine ran meanwhile (engine time per
+token computed): on a shared machine that speed moves between runs, and TTFT with it.
+Apart: what a hit can save, one request at a time (TTFT cold against cached, on the
+tiny model and on a model with 6x its work per token); the router's index memory at
+10k and 100k blocks per worker and 8 workers, and the time to rebuild a worker's part
+of it from a snapshot. Run with `make bench`; results in out/bench/kv_*.json."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import json
 import socket
@@ -55,22 +58,37 @@ ENGINE = ["--max-num-batched-tokens", "512", "--max-num-seqs", "16", "--num-kv-b
 WORKER_ARGS = ["--allow-direct-clients", "--block-size", str(BLOCK), *ENGINE]
 SLO_TARGETS = SLO(ttft_ms=2000.0, tpot_ms=200.0)
 ROUTERS = ("load", "kv-aware", "vllm-router cache_aware")
-REQUESTS = 120  # per run: about a minute of arrivals
+DECISIONS = "pdserve_router_kv_decisions_total"
+PREDICTIONS = "pdserve_router_kv_predictions_total"
+REQUESTS = 90  # per run: about two minutes of arrivals
+# The trace's first requests share 4-5% of their blocks (its reuse is between requests
+# far apart): a share of its prefix groups over the whole trace keeps its reuse (the
+# first 90 requests of 93 drawn: 74% of their blocks reusable, 48% of them with half
+# their prompt or more), at 0.8 requests per second once time is scaled.
+TRACE_PREFIX_SHARE = 0.02
+TRACE_TIME_SCALE = 0.12
+# Disaggregated, one prefill worker (one thread) prefills every long prompt: half the
+# rate keeps hand-offs well inside their lease on this machine.
+PD_SLOWER = 2.0
+WORKLOADS = ("mooncake", "multi-turn", "no-sharing")
 
 
-def workloads(url: str) -> dict[str, BenchConfig]:
+def workloads(url: str, slower: float = 1.0) -> dict[str, BenchConfig]:
+    """The workloads, arrivals spread `slower` times wider."""
     common: dict[str, Any] = {"url": url, "slo": SLO_TARGETS, "drain_timeout_s": 240.0}
     return {
         "mooncake": BenchConfig(
-            trace=TRACE, num_requests=REQUESTS, trace_time_scale=2.0,
-            trace_length_scale=1 / 16, max_output_tokens=32, **common,
+            trace=TRACE, trace_prefix_share=TRACE_PREFIX_SHARE, num_requests=REQUESTS,
+            trace_time_scale=TRACE_TIME_SCALE * slower, trace_length_scale=1 / 16,
+            max_output_tokens=32, **common,
         ),
         "multi-turn": BenchConfig(
-            workload="multi-turn", rate=0.4, num_requests=REQUESTS,
+            workload="multi-turn", rate=0.4 / slower, num_requests=REQUESTS,
             trace_length_scale=1 / 16, **common,
         ),
         "no-sharing": BenchConfig(
-            workload="chat", rate=1.5, num_requests=REQUESTS, vocab_size=4000, **common
+            workload="chat", rate=1.5 / slower, num_requests=REQUESTS, vocab_size=4000,
+            **common,
         ),
     }  # fmt: skip
 
@@ -91,13 +109,14 @@ def front(
     credential = workers.peers.parent / "nixl-pool.credential"
     with kv_router(table, credential, folder / f"router-{kind}.log") as router:
         if kind == "kv-aware":
-            wait_until(lambda: synced(router), 60, "the KV feeds")
+            expected = len(decodes) + len(prefills)
+            wait_until(lambda: synced(router, expected), 60, "the KV feeds")
         yield router.url
 
 
-def synced(router: ServerProcess) -> bool:
+def synced(router: ServerProcess, expected: int) -> bool:
     states = metric(router.url, "pdserve_router_kv_workers", state="synced")
-    return states == 3
+    return states == expected
 
 
 @contextlib.contextmanager
@@ -162,6 +181,7 @@ def row(
     kept = sum(metric(w.url, "pdserve_kv_transfer_saved_bytes_total") for w in workers.decode)
     cached = figures.cached_tokens if figures else 0
     modes = [r.mode for r in result.records if r.ok]
+    served = [metric(w.url, "pdserve_requests_total") for w in workers.decode]
     return {
         "workload": workload,
         "router": router,
@@ -173,6 +193,8 @@ def row(
         "req_s": overall.request_throughput,
         "out_tok_s": overall.output_throughput,
         "goodput_req_s": overall.goodput,
+        # Where TTFT goes: requests with half their prompt or more cached, the rest.
+        **ttft_by_hit(result),
         "prompt_tokens": figures.prompt_tokens if figures else None,
         "cached_tokens": cached,
         "hit_rate": figures.hit_rate if figures else None,
@@ -181,25 +203,77 @@ def row(
         "disaggregated": modes.count("disaggregated"),
         "handoff_bytes_moved": moved,
         "handoff_bytes_not_moved": kept,
+        # How the machine ran meanwhile, and where requests waited: engine seconds per
+        # token computed (the speed the other processes left), the workers' own queue.
+        "requests_by_decode": "/".join(f"{n:.0f}" for n in served),
+        "engine_ms_per_token": _mean_ms(
+            workers, "pdserve_engine_step_duration_seconds_sum", "pdserve_engine_step_tokens_sum"
+        ),
+        "worker_queue_mean_ms": _mean_ms(
+            workers,
+            "pdserve_request_queue_time_seconds_sum",
+            "pdserve_request_queue_time_seconds_count",
+        ),
     }
+
+
+def decided(router_url: str) -> dict[str, str]:
+    """The KV-aware router's decode decisions by reason, and its predictions against
+    what the engines found."""
+    reasons = ("cache", "load", "none")
+    results = ("exact", "over", "under", "unknown")
+    by_reason = [metric(router_url, DECISIONS, target="decode", reason=r) for r in reasons]
+    by_result = [metric(router_url, PREDICTIONS, target="decode", result=r) for r in results]
+    return {
+        "decisions_cache_load_none": "/".join(f"{n:.0f}" for n in by_reason),
+        "predictions_exact_over_under_unknown": "/".join(f"{n:.0f}" for n in by_result),
+    }
+
+
+def _mean_ms(workers: PDPair, seconds: str, count: str) -> float | None:
+    every = [*workers.decode, *workers.prefill]
+    total = sum(metric(w.url, count) for w in every)
+    return sum(metric(w.url, seconds) for w in every) * 1000 / total if total else None
+
+
+def ttft_by_hit(result: BenchResult) -> dict[str, Any]:
+    """TTFT P50 (ms) and count of the requests with half their prompt or more cached
+    (hit) and of the others (miss)."""
+    parts: dict[str, list[float]] = {"hit": [], "miss": []}
+    for record in result.records:
+        if not record.ok or record.sent_at is None or not record.usage_prompt_tokens:
+            continue
+        cached = record.usage_cached_tokens or 0
+        part = "hit" if 2 * cached >= record.usage_prompt_tokens else "miss"
+        parts[part].append(record.chunk_times[0] - record.sent_at)
+    found: dict[str, Any] = {}
+    for part, ttfts in parts.items():
+        found[f"{part}_n"] = len(ttfts)
+        found[f"{part}_ttft_p50_ms"] = float(np.median(ttfts)) * 1000 if ttfts else None
+    return found
 
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000
 
 
+@pytest.mark.parametrize("workload", WORKLOADS)
 def test_kv_aware_routing_against_load_only_and_vllm_router(
-    tiny_model_dir: Path, tmp_path: Path
+    workload: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    rows = compare(tiny_model_dir, tmp_path, BOUNDARY, list(workloads("http://unused")))
-    publish("kv_routing", rows, goals(rows))
+    """One workload a run (each run within a measurement slot)."""
+    rows = compare(tiny_model_dir, tmp_path, BOUNDARY, [workload], slower=PD_SLOWER)
+    publish(f"kv_routing_{workload}", rows, goals(rows))
     assert all(r["failed"] == 0 for r in rows)
 
 
-def test_kv_aware_routing_colocated_only(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("workload", WORKLOADS[:2])
+def test_kv_aware_routing_colocated_only(
+    workload: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     """The same comparison with every request colocated, as vllm-router serves them."""
-    rows = compare(tiny_model_dir, tmp_path, None, ["mooncake", "multi-turn"], requests=60)
-    publish("kv_routing_colocated", rows)
+    rows = compare(tiny_model_dir, tmp_path, None, [workload])
+    publish(f"kv_routing_colocated_{workload}", rows, goals(rows))
 
 
 def compare(
@@ -207,7 +281,7 @@ def compare(
     tmp_path: Path,
     boundary: int | None,
     names: list[str],
-    requests: int = REQUESTS,
+    slower: float = 1.0,
 ) -> list[dict[str, Any]]:
     """One run per workload and router, each on fresh workers."""
     if not TRACE.is_file():
@@ -227,17 +301,19 @@ def compare(
                 ) as workers,
                 front(router, workers, model_dir, folder, boundary) as url,
             ):  # fmt: skip
-                config = dataclasses.replace(workloads(url)[workload], num_requests=requests)
+                config = workloads(url, slower)[workload]
                 result = run_benchmark(config)
-                rows.append(row(workload, router, result, workers, bound(config, tokenizer)))
+                found = row(workload, router, result, workers, bound(config, tokenizer))
+                rows.append(found | (decided(url) if router == "kv-aware" else {}))
     return rows
 
 
 def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The closing note's goals, as measured (met or missed)."""
+    """The closing note's goals for the workloads in `rows`, as measured (met or
+    missed)."""
     by = {(r["workload"], r["router"]): r for r in rows}
     found: dict[str, Any] = {}
-    for workload in ("mooncake", "multi-turn"):
+    for workload in {r["workload"] for r in rows} - {"no-sharing"}:
         load, kv = by[(workload, "load")], by[(workload, "kv-aware")]
         peer = by[(workload, "vllm-router cache_aware")]
         found[f"{workload}: ttft_p50 load / kv-aware"] = _ratio(
@@ -247,13 +323,79 @@ def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
         found[f"{workload}: kv-aware cached / vllm-router cached"] = _ratio(
             kv["cached_tokens"], peer["cached_tokens"]
         )
-    load, kv = by[("no-sharing", "load")], by[("no-sharing", "kv-aware")]
-    found["no-sharing: ttft_p50 kv-aware / load"] = _ratio(kv["ttft_p50_ms"], load["ttft_p50_ms"])
+    if ("no-sharing", "load") in by:
+        load, kv = by[("no-sharing", "load")], by[("no-sharing", "kv-aware")]
+        found["no-sharing: ttft_p50 kv-aware / load"] = _ratio(
+            kv["ttft_p50_ms"], load["ttft_p50_ms"]
+        )
     return found
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if not a or not b else a / b
+
+
+LENGTHS = (256, 512, 1024)  # prompt tokens of the TTFT breakdown
+REPEATS = 3
+
+
+@pytest.mark.parametrize("model", ["tiny", "prefill-heavy"])
+def test_ttft_parts_cold_against_cached(
+    model: str, tiny_model_dir: Path, prefill_heavy_model_dir: Path, tmp_path: Path
+) -> None:
+    """What a prefix hit can save, one request at a time (no queueing): TTFT of a
+    prompt computed whole (cold) against the same prompt again (all but its last
+    token cached), straight to the decode worker and through the KV-aware router,
+    and the minimum a one-token prompt takes (the step and HTTP floor). KV-aware
+    routing can only cut TTFT by what a hit saves here plus the queueing it avoids."""
+    model_dir = tiny_model_dir if model == "tiny" else prefill_heavy_model_dir
+    rng = np.random.default_rng(0)
+    rows = []
+    with (
+        pd_workers(
+            model_dir, tmp_path, "nixl", prefills=1, decodes=1,
+            prefill_args=WORKER_ARGS, decode_args=WORKER_ARGS,
+        ) as workers,
+        front("kv-aware", workers, model_dir, tmp_path, None) as router,
+    ):  # fmt: skip
+        worker = workers.decode[0].url
+        floor = [_seconds_to_answer(worker, [7]) for _ in range(REPEATS + 1)][1:]
+        for length in LENGTHS:
+            cold, hit, routed = [], [], []
+            for _ in range(REPEATS):
+                prompt = [int(t) for t in rng.integers(10, 4000, length)]
+                cold.append(_seconds_to_answer(worker, prompt))
+                hit.append(_seconds_to_answer(worker, prompt))
+                routed.append(_seconds_to_answer(router, prompt))
+            rows.append(
+                {
+                    "model": model,
+                    "prompt_tokens": length,
+                    "floor_ms": float(np.median(floor)) * 1000,
+                    "cold_ms": float(np.median(cold)) * 1000,
+                    "cached_ms": float(np.median(hit)) * 1000,
+                    "cached_via_router_ms": float(np.median(routed)) * 1000,
+                    "cached_over_cold": float(np.median(hit) / np.median(cold)),
+                    "prefill_ms_per_token": float(np.median(cold) - np.median(hit))
+                    * 1000
+                    / (length - BLOCK),
+                }
+            )
+    publish(f"kv_ttft_parts_{model}", rows)
+
+
+def _seconds_to_answer(url: str, prompt: list[int]) -> float:
+    """Seconds a one-token completion of `prompt` takes (its TTFT, sent whole)."""
+    import urllib.request
+
+    body = json.dumps({"model": "small", "prompt": prompt, "max_tokens": 1}).encode()
+    request = urllib.request.Request(
+        f"{url}/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    started = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        answer.read()
+    return time.perf_counter() - started
 
 
 def test_kv_index_memory_and_rebuild_time() -> None:

@@ -11,6 +11,7 @@ import contextlib
 import json
 import signal
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,7 @@ import torch
 from pdserve.base.process import ServerProcess, spawn
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.server.process import running_worker, start_worker
+from support.conformance import PublishedApi
 from support.engine import make_engine, run_to_completion
 from support.kv_pool import feeds, kv_router, metric, routing_file, wait_synced
 from support.pd import PDPair, pd_workers
@@ -38,6 +40,8 @@ BOUNDARY = 64
 HITS = "pdserve_prefix_cache_hits_total"
 DECISIONS = "pdserve_router_kv_decisions_total"
 PREDICTED = "pdserve_router_kv_predicted_hit_tokens_total"
+ACTUAL = "pdserve_router_kv_actual_hit_tokens_total"
+PREDICTIONS = "pdserve_router_kv_predictions_total"
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +72,8 @@ class Turn:
     predicted: float  # cached tokens the router predicted on it
     hits: float  # cached tokens its engine found
     reason: str  # the router's KV decision for the decode worker
+    actual: float  # cached tokens the router learnt its engine found (from the answer)
+    result: str  # how the router's prediction compared with that (exact, over, under)
 
 
 def send(router: ServerProcess, workers: PDPair, prompt: list[int]) -> Turn:
@@ -79,6 +85,7 @@ def send(router: ServerProcess, workers: PDPair, prompt: list[int]) -> Turn:
 
     before, reasons_before = counts(), decisions(router)
     predicted_before = metric(router.url, PREDICTED, target="decode")
+    actual_before, results_before = metric(router.url, ACTUAL, target="decode"), results(router)
     _, mode, tokens = post(router, prompt, MAX_TOKENS)
     served_before = sum(count for count, _ in before.values())
 
@@ -91,7 +98,11 @@ def send(router: ServerProcess, workers: PDPair, prompt: list[int]) -> Turn:
     reasons = decisions(router)
     reason = next(r for r in reasons if reasons[r] > reasons_before.get(r, 0))
     predicted = metric(router.url, PREDICTED, target="decode") - predicted_before
-    return Turn(tokens, mode, served, predicted, after[served][1] - before[served][1], reason)
+    actual = metric(router.url, ACTUAL, target="decode") - actual_before
+    outcomes = results(router)
+    result = next(r for r in outcomes if outcomes[r] > results_before[r])
+    hits = after[served][1] - before[served][1]
+    return Turn(tokens, mode, served, predicted, hits, reason, actual, result)
 
 
 def post(router: ServerProcess, prompt: list[int], max_tokens: int) -> tuple[int, str, list[int]]:
@@ -114,6 +125,13 @@ def decisions(router: ServerProcess) -> dict[str, float]:
     return {
         reason: metric(router.url, DECISIONS, target="decode", reason=reason)
         for reason in ("cache", "load", "none")
+    }
+
+
+def results(router: ServerProcess) -> dict[str, float]:
+    return {
+        result: metric(router.url, PREDICTIONS, target="decode", result=result)
+        for result in ("exact", "over", "under", "unknown")
     }
 
 
@@ -143,8 +161,9 @@ def test_a_conversation_stays_with_the_worker_holding_its_history(
         if turn.served_by == first.served_by:
             assert turn.reason == "cache"
             assert turn.predicted > 0
-        # The router's prediction is what the engine found, every turn.
-        assert turn.predicted == turn.hits, turn
+        # The router's prediction is what the engine found, every turn, and the router
+        # knows it: the engine's count reaches it with the answer.
+        assert turn.predicted == turn.hits == turn.actual and turn.result == "exact", turn
 
 
 def run_conversation(router: ServerProcess, workers: PDPair, seed: int, count: int) -> list[Turn]:
@@ -225,13 +244,20 @@ def restart(workers: PDPair, index: int, log_dir: Path) -> None:
     workers.decode[index] = replacement
 
 
-def test_a_worker_with_another_block_size_is_refused_for_kv_scoring_and_still_serves(
-    workers: PDPair, small_model_dir: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    ("odd_args", "differs"),
+    [
+        (["--block-size", str(2 * BLOCK)], "block_size"),
+        (["--prefix-caching-hash-seed", "another-pool"], "hash_seed"),
+    ],
+)
+def test_a_worker_with_another_block_size_or_seed_is_refused_for_kv_scoring_and_still_serves(
+    workers: PDPair, small_model_dir: Path, tmp_path: Path, odd_args: list[str], differs: str
 ) -> None:
     own = credential(workers)
     args = [
         "--threads", "1", "--served-model-name", "small", "--internal-token-file", str(own),
-        "--block-size", str(2 * BLOCK),
+        *odd_args,
     ]  # fmt: skip
     with running_worker(small_model_dir, tmp_path / "odd.log", args) as odd_worker:
         odd, usual = odd_worker.url, workers.decode[0].url
@@ -241,11 +267,11 @@ def test_a_worker_with_another_block_size_is_refused_for_kv_scoring_and_still_se
             state = wait_until(
                 lambda: (feeds(router.url).get(odd) or {}).get("state") == "refused"
                 and feeds(router.url)[odd],
-                60, "the worker with another block size refused",
+                60, f"the worker with another {differs} refused",
             )  # fmt: skip
-            assert "block_size" in state["reason"]
+            assert differs in state["reason"]
             failures = "pdserve_router_kv_handshake_failures_total"
-            assert metric(router.url, failures, target="decode", reason="block_size") == 1
+            assert metric(router.url, failures, target="decode", reason=differs) == 1
             assert "refused for KV-aware routing" in router.log()
             # The pool serves, the refused worker included (chosen by load alone).
             before = metric(odd, "pdserve_requests_total")
@@ -321,3 +347,26 @@ def feed_get(url: str, path: str, credential_file: Path) -> dict[str, Any]:
     with urllib.request.urlopen(request, timeout=30) as answer:
         body: dict[str, Any] = json.load(answer)
     return body
+
+
+def test_the_kv_feed_is_described_in_the_workers_openapi_document(workers: PDPair) -> None:
+    """A third party writing its own subscriber finds the feed, its parameters and
+    its credential in /openapi.json, and the feed's answers follow the schemas."""
+    url = workers.decode[0].url
+    with urllib.request.urlopen(f"{url}/openapi.json", timeout=30) as answer:
+        published = PublishedApi(json.load(answer))
+    paths = published.spec["paths"]
+    events = paths["/pd/kv/events"]["get"]
+    assert {p["name"] for p in events["parameters"]} == {"epoch", "after", "wait_ms"}
+    for path in ("/pd/kv/snapshot", "/pd/kv/events"):
+        assert paths[path]["get"]["security"] == [{"poolCredential": []}]
+        assert "401" in paths[path]["get"]["responses"]
+    snapshot = feed_get(url, "/pd/kv/snapshot", credential(workers))
+    published.check("GET", "/pd/kv/snapshot", 200, "application/json", snapshot)
+    query = f"?epoch={snapshot['epoch']}&after=0&wait_ms=0"
+    found = feed_get(url, "/pd/kv/events" + query, credential(workers))
+    published.check("GET", "/pd/kv/events", 200, "application/json", found)
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"{url}/pd/kv/snapshot", timeout=30)
+    assert refused.value.code == 401
+    published.check("GET", "/pd/kv/snapshot", 401, "application/json", json.load(refused.value))

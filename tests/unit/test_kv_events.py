@@ -4,7 +4,7 @@ a bounded replay buffer and a snapshot that agree with the pool."""
 from __future__ import annotations
 
 from pdserve.workers.engine.kv_cache import BlockPool, KVCacheManager
-from pdserve.workers.engine.kv_events import KVEventLog, prefix_hashes
+from pdserve.workers.engine.kv_events import KVEventLog, prefix_hashes, seed_fingerprint
 
 BLOCK = 4
 
@@ -91,3 +91,17 @@ def test_a_reset_clears_only_an_idle_cache_and_says_so() -> None:
     assert log.snapshot().hashes == ()
     assert log.since(log.epoch, log.seq - 1).events[-1].kind == "cleared"
     assert cache.find_cached_prefix("again", list(range(9))) == 0
+
+
+def test_a_hash_seed_renames_every_block_and_the_router_hashes_alike() -> None:
+    tokens = list(range(10))
+    seeded = KVCacheManager(BlockPool(8), BLOCK, hash_seed="pool-a")
+    compute(seeded, "a", tokens)
+    # Another cache with the same seed finds the prompt; the router's hashes name it.
+    assert seeded.find_cached_prefix("b", tokens) == 2 * BLOCK
+    assert seeded.pool.lookup(prefix_hashes(tokens, BLOCK, "pool-a")[1]) is not None
+    # No seed, or another seed: the same tokens are other blocks.
+    others = {s: prefix_hashes(tokens, BLOCK, s) for s in ("", "pool-b")}
+    assert all(seeded.pool.lookup(h) is None for hashes in others.values() for h in hashes)
+    assert seed_fingerprint("") == "" and seed_fingerprint("pool-a") != seed_fingerprint("b")
+    assert "pool-a" not in seed_fingerprint("pool-a")

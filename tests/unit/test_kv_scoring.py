@@ -7,12 +7,14 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pdserve.protocol.routing import RoutingTable, parse_table
+from pdserve.protocol.routing import RoutingTable, Slo, parse_table
 from pdserve.workers.engine.kv_events import prefix_hashes
 from pdserve.workers.router.kv_index import block_key
 from pdserve.workers.router.kv_metrics import KVRoutingMetrics
 from pdserve.workers.router.kv_scoring import KVPrompt, KVScorer
 from pdserve.workers.router.kv_subscriber import Expected, KVFeeds
+from pdserve.workers.router.metrics import RouterMetrics
+from pdserve.workers.router.proxy import Forwarder, Routed
 from pdserve.workers.router.workers import PublishedLoad, WorkerSet
 
 A, B = "http://a:1", "http://b:1"
@@ -102,3 +104,51 @@ def test_a_load_only_table_asks_for_no_blocks() -> None:
     assert KVPrompt.of([1, 2, 3], table(policy="load")) is None
     hashes = prefix_hashes(list(range(3, 3 + 2 * BLOCK)), BLOCK)
     assert prompt_of(2 * BLOCK).keys == tuple(block_key(h) for h in hashes)
+
+
+async def test_what_the_engine_found_is_counted_against_the_prediction() -> None:
+    prompt = prompt_of(10 * BLOCK)
+    scorer, _ = await scorer_with({}, prompt)
+    actual = scorer.metrics.actual_hits.labels(pool="p", role="router", target="decode")
+
+    def outcomes() -> dict[str, float]:
+        counter = scorer.metrics.predictions
+        return {
+            result: counter.labels(
+                pool="p", role="router", target="decode", result=result
+            )._value.get()
+            for result in ("exact", "over", "under", "unknown")
+        }
+
+    for predicted, header in [(48, "48"), (48, "32"), (0, "16")]:
+        scorer.observed("r", prompt, predicted, header)
+    # A worker's word that is no count of this prompt's tokens is counted as unknown.
+    for header in (None, "-1", "1e3", "٣", str(10 * BLOCK + 1)):
+        scorer.observed("r", prompt, 48, header)
+    assert actual._value.get() == 48 + 32 + 16
+    assert outcomes() == {"exact": 1, "over": 1, "under": 1, "unknown": 5}
+
+
+@pytest.mark.parametrize("disaggregated", [False, True])
+async def test_a_worker_is_loaded_with_the_prompt_tokens_it_lacks(disaggregated: bool) -> None:
+    """A request whose prompt the prefilling worker mostly holds adds only the rest
+    to its waiting prefill tokens (the whole prompt would drive the next request of
+    the same conversation away from its cache)."""
+    registry = CollectorRegistry()
+    decode, prefill = WorkerSet("decode"), WorkerSet("prefill")
+    decode.update([A])
+    prefill.update(["http://p:1"])
+    async with aiohttp.ClientSession() as session:
+        forwarder = Forwarder(session, prefill, decode, None, RouterMetrics("p", registry))
+    routed = Routed(
+        "/v1/completions", b"{}", False, 20 * BLOCK, "gt64", "colocated", "r", "r", 0.0, Slo()
+    )
+    worker_a, worker_p = decode.get(A), prefill.get("http://p:1")
+    assert worker_a is not None and worker_p is not None
+    prefills = worker_p if disaggregated else worker_a
+    used = worker_p if disaggregated else None
+    with forwarder._outstanding(routed, worker_a, used, (12 * BLOCK, 4 * BLOCK)) as answered:
+        assert prefills.prefill_tokens == 20 * BLOCK - (4 if disaggregated else 12) * BLOCK
+        answered()
+        assert prefills.prefill_tokens == 0 and worker_a.in_flight == 1
+    assert worker_a.in_flight == 0

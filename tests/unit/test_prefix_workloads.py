@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pdserve.workers.bench.config import BenchConfig
+import pytest
+
+from pdserve.workers.bench.config import BenchConfig, ConfigError
 from pdserve.workers.bench.plan import build_plan, planned_prompt
 from pdserve.workers.bench.prefix_workloads import (
     MULTI_TURN,
@@ -67,3 +69,24 @@ def test_a_multi_turn_plan_sends_text_prompts() -> None:
     assert len(plan) == 12 and all(p.prefix is not None for p in plan)
     prompt = planned_prompt(config, plan[0])
     assert isinstance(prompt, str) and prompt.startswith(" ")
+
+
+def test_a_share_of_prefix_groups_keeps_whole_groups_and_their_times(tmp_path: Path) -> None:
+    rows = [
+        {"timestamp": 100 * i, "input_length": 600, "output_length": 2, "hash_ids": [i % 10, i]}
+        for i in range(200)
+    ]
+    trace = tmp_path / "groups.jsonl"
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = BenchConfig(url="http://x", trace=trace, trace_prefix_share=0.5, seed=3)
+    plan = build_plan(config)
+    groups = {p.prefix.hash_ids[0] for p in plan if p.prefix is not None}
+    assert 0 < len(groups) < 10  # some groups drawn, not all
+    assert len(plan) == 20 * len(groups)  # every request of a drawn group, none other
+    first = min(p.prefix.hash_ids[1] for p in plan if p.prefix is not None)
+    assert plan[0].offset_s == 0.0
+    assert plan[1].offset_s == (plan[1].prefix.hash_ids[1] - first) / 10  # type: ignore[union-attr]
+    again = build_plan(BenchConfig(url="http://x", trace=trace, trace_prefix_share=0.5, seed=3))
+    assert again == plan  # the seed decides the draw
+    with pytest.raises(ConfigError, match="trace-prefix-share"):
+        BenchConfig(url="http://x", workload="chat", trace_prefix_share=0.5)

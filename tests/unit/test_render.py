@@ -387,7 +387,7 @@ def test_the_rendered_routing_table_is_one_the_router_reads() -> None:
     assert table.bucket_label(table.bucket_of(1025)) == "gt1024"
 
 
-def test_the_routing_policy_reaches_the_router_with_the_workers_block_size() -> None:
+def test_the_routing_policy_reaches_the_router_with_the_workers_block_size_and_seed() -> None:
     from pdserve.protocol.routing import parse_table
 
     p = pool("disaggregated")
@@ -397,15 +397,20 @@ def test_the_routing_policy_reaches_the_router_with_the_workers_block_size() -> 
     changed = p.spec.model_copy(
         update={
             "routing": p.spec.routing.model_copy(update={"policy": "load"}),
-            "kv_cache": p.spec.kv_cache.model_copy(update={"block_size": 32}),
+            "kv_cache": p.spec.kv_cache.model_copy(
+                update={"block_size": 32, "hash_seed": "pool-a"}
+            ),
         }
     )
     table = parse_table(render.routing_json(render.routing_table("a", "s", changed)).encode())
     assert (table.routing_policy.type, table.routing_policy.block_size) == ("load", 32)
+    assert table.routing_policy.hash_seed == "pool-a"
     args = parsed_command(
         render.worker_args("a", changed, "decode", render.cluster_wiring("a", "s", changed))
     )
     assert args.block_size == table.routing_policy.block_size
+    assert args.prefix_caching_hash_seed == table.routing_policy.hash_seed
+    assert default.routing_policy.hash_seed == ""
 
 
 MEMBERS = {

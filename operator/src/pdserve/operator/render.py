@@ -172,6 +172,8 @@ def worker_args(pool: str, spec: api.ServingPoolSpec, role: api.Role, wiring: Wi
     if model.max_model_len is not None:
         args += ["--max-model-len", str(model.max_model_len)]
     args += ["--block-size", str(cache.block_size)]
+    if cache.hash_seed:
+        args += ["--prefix-caching-hash-seed", cache.hash_seed]
     if cache.dtype != "auto":
         args += ["--kv-cache-dtype", cache.dtype]
     args += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
@@ -255,6 +257,7 @@ def routing_table(
         "routingPolicy": {
             "type": spec.routing.policy,
             "blockSize": spec.kv_cache.block_size,
+            "hashSeed": spec.kv_cache.hash_seed,
             "loadWeightTokens": spec.routing.load_weight_tokens,
         },
         "slo": _slo(spec.slo),

@@ -11,3 +11,6 @@ BUCKET_HEADER = "X-Pdserve-Bucket"
 # The prefill worker a disaggregated request's decode worker hands its prompt to
 # (honoured only with the pool's credential, and only for one of the pool's workers).
 PREFILL_URL_HEADER = "X-Pdserve-Prefill-Url"
+# Prompt tokens the serving worker's engine found in its prefix cache (its own count,
+# on a worker's answer to the router): what KV-aware routing predicted, as it was.
+CACHED_TOKENS_HEADER = "X-Pdserve-Cached-Tokens"

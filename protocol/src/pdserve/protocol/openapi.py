@@ -38,9 +38,24 @@ _ERROR_REF = {"$ref": _REF.format(model=ErrorResponse.__name__)}
 
 
 @dataclass(frozen=True)
+class QueryParameter:
+    """A query parameter of an operation, its JSON Schema and meaning."""
+
+    name: str
+    description: str
+    schema: Mapping[str, Any]
+
+
+# The pool's internal credential, presented as a bearer token.
+POOL_CREDENTIAL = "poolCredential"
+
+
+@dataclass(frozen=True)
 class Endpoint:
     """One operation: its body's model, its answer's (JSON, or text for `media`), the
-    model of its stream's events, and what its 503 answers with."""
+    model of its stream's events, and what its 503 answers with; its query
+    parameters, the errors it answers with (besides the OpenAI endpoints' own), and
+    whether it needs the pool's credential."""
 
     method: Literal["get", "post"]
     path: str
@@ -50,6 +65,9 @@ class Endpoint:
     stream: Any = None
     media: str = "application/json"
     unavailable: Any = None  # the body of a 503 that is not an error (a probe's)
+    parameters: tuple[QueryParameter, ...] = ()
+    errors: tuple[tuple[int, str], ...] = ()
+    internal: bool = False  # only for holders of the pool's credential
 
 
 OPENAI_ENDPOINTS: tuple[Endpoint, ...] = (
@@ -95,11 +113,20 @@ def openapi_spec(
     for endpoint in endpoints:
         operation = _operation(endpoint, refs, errors)
         paths.setdefault(endpoint.path, {})[endpoint.method] = operation
+    security = {
+        POOL_CREDENTIAL: {
+            "type": "http", "scheme": "bearer",
+            "description": "the pool's internal credential (a Secret in Kubernetes)",
+        }
+    }  # fmt: skip
+    found: dict[str, Any] = {"schemas": components}
+    if any(endpoint.internal for endpoint in endpoints):
+        found["securitySchemes"] = security
     return {
         "openapi": "3.1.0",
         "info": {"title": title, "version": version},
         "paths": paths,
-        "components": {"schemas": components},
+        "components": found,
     }
 
 
@@ -139,8 +166,17 @@ def _operation(
     elif endpoint.request is not None:
         for status, why in errors.items():
             responses[str(status)] = _error(why)
+    for status, why in endpoint.errors:
+        responses[str(status)] = _error(why)
     responses["default"] = _error("an error, in OpenAI's shape")
     operation: dict[str, Any] = {"summary": endpoint.summary, "responses": responses}
+    if endpoint.parameters:
+        operation["parameters"] = [
+            {"name": p.name, "in": "query", "description": p.description, "schema": p.schema}
+            for p in endpoint.parameters
+        ]
+    if endpoint.internal:
+        operation["security"] = [{POOL_CREDENTIAL: []}]
     if endpoint.request is not None:
         operation["requestBody"] = {
             "required": True,

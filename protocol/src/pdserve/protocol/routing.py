@@ -61,13 +61,15 @@ class KvTransfer(_Model):
 class RoutingPolicy(_Model):
     """How the router picks a worker. `load`: the least loaded. `kv-aware`: the one
     with the least expected work, its prompt tokens not in its prefix cache (from the
-    router's index of the workers' KV events, hashed in blocks of `block_size`) plus
+    router's index of the workers' KV events, hashed in blocks of `block_size` from
+    `hash_seed`, which must be the workers' own) plus
     `load_weight_tokens` per request it holds (a prefill worker: plus the prompt
     tokens waiting in it); ties go to the less loaded. A KV-aware router also
     decides colocated or disaggregated on the tokens the chosen decode worker lacks."""
 
     type: Literal["kv-aware", "load"] = "kv-aware"
     block_size: int = Field(default=16, ge=1, le=1024)
+    hash_seed: str = Field(default="", max_length=256)
     load_weight_tokens: int = Field(default=128, ge=0, le=1 << 20)
 
 

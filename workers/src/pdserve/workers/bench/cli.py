@@ -114,6 +114,13 @@ def _add_length_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="F",
         help="multiply trace prompt and output lengths",
     )
+    add(
+        "--trace-prefix-share",
+        type=float,
+        metavar="F",
+        help="a trace with prefix block hashes: replay only the requests of a share F of "
+        "its prefix groups (same first block), drawn from the seed, keeping their reuse",
+    )
 
 
 def _add_slo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -185,6 +192,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         vocab_size=args.vocab_size,
         trace_time_scale=args.trace_time_scale,
         trace_length_scale=args.trace_length_scale,
+        trace_prefix_share=args.trace_prefix_share,
         max_input_tokens=args.max_input_tokens,
         max_output_tokens=args.max_output_tokens,
         concurrency_limit=args.concurrency_limit,

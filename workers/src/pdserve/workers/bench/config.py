@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pdserve.workers.bench.arrivals import ARRIVAL_PROCESSES, ArrivalProcess
 from pdserve.workers.bench.metrics import DEFAULT_BUCKETS, SLO
-from pdserve.workers.bench.prefix_workloads import MULTI_TURN
+from pdserve.workers.bench.prefix_workloads import MULTI_TURN, is_prefix_trace
 from pdserve.workers.bench.workloads import WORKLOADS
 
 DEFAULT_RATE = 2.0
@@ -47,6 +47,8 @@ class BenchConfig:
     vocab_size: int = DEFAULT_VOCAB_SIZE
     trace_time_scale: float = 1.0
     trace_length_scale: float = 1.0
+    # A prefix trace: replay the requests of this share of its prefix groups only.
+    trace_prefix_share: float | None = None
     max_input_tokens: int | None = None
     max_output_tokens: int | None = None
     concurrency_limit: int | None = None
@@ -70,6 +72,11 @@ class BenchConfig:
             problems.append("long-share applies to the mixed workload and must be in [0, 1]")
         if (self.workload is None) == (self.trace is None):
             problems.append("give exactly one of a workload and a trace")
+        if self.trace_prefix_share is not None and not (
+            self.trace is not None and is_prefix_trace(self.trace)
+            and 0 < self.trace_prefix_share <= 1
+        ):  # fmt: skip
+            problems.append("trace-prefix-share applies to a prefix trace and must be in (0, 1]")
         if self.workload is not None and self.workload not in (*WORKLOADS, MULTI_TURN):
             problems.append(f"unknown workload {self.workload!r}; known: {', '.join(WORKLOADS)}")
         if self.arrival not in ARRIVAL_PROCESSES:

@@ -22,6 +22,7 @@ from pdserve.workers.bench.prefix_workloads import (
     load_prefix_trace,
     multi_turn_rows,
     prompt_text,
+    sample_prefix_groups,
     scale_rows,
 )
 from pdserve.workers.bench.trace import TraceScaling, load_trace, scale_trace
@@ -47,8 +48,10 @@ class PlannedRequest:
 def build_plan(config: BenchConfig) -> list[PlannedRequest]:
     """The requests of the run, in arrival order."""
     if config.trace is not None and is_prefix_trace(config.trace):
-        rows = scale_rows(load_prefix_trace(config.trace), _trace_scaling(config))
-        return _prefix_plan(rows, "trace")
+        rows = load_prefix_trace(config.trace)
+        if config.trace_prefix_share is not None:
+            rows = sample_prefix_groups(rows, config.trace_prefix_share, config.seed)
+        return _prefix_plan(scale_rows(rows, _trace_scaling(config)), "trace")
     if config.trace is not None:
         return _trace_plan(config)
     if config.workload == MULTI_TURN:

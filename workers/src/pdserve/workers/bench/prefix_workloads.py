@@ -15,6 +15,7 @@ block is a shared run of tokens. Lengths are scaled with `length_scale` (a block
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ _LETTERS = np.array(list("abcdefghijklmnopqrstuvwxyz"))
 _WORD_LETTERS = (2, 4)
 TOKENS_PER_WORD = 1.5
 MULTI_TURN = "multi-turn"
+_GROUP_STREAM = 3  # the draw of prefix groups (plan.py's streams are 0 to 2)
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,25 @@ def _parse(path: Path, number: int, line: str) -> PrefixRow:
     if not ids or row.input_tokens <= 0 or row.output_tokens <= 0:
         raise TraceError(f"{path}:{number}: a request needs blocks and positive lengths")
     return row
+
+
+def sample_prefix_groups(rows: Sequence[PrefixRow], share: float, seed: int) -> list[PrefixRow]:
+    """The requests of a share of the trace's prefix groups (requests whose first block
+    is the same), drawn from `seed`, with offsets from the first kept arrival.
+
+    A trace's first requests rarely share anything (its reuse is between requests
+    far apart); keeping whole groups over the whole trace keeps its reuse at a rate
+    a small pool holds."""
+    if not 0 < share <= 1:
+        raise TraceError(f"the share of prefix groups must be in (0, 1], got {share}")
+    firsts = sorted({row.hash_ids[0] for row in rows})
+    drawn = np.random.default_rng([seed, _GROUP_STREAM]).random(len(firsts))
+    kept = {first for first, draw in zip(firsts, drawn, strict=True) if draw < share}
+    sampled = [row for row in rows if row.hash_ids[0] in kept]
+    if not sampled:
+        raise TraceError(f"no prefix group drawn at share {share}: raise it")
+    start = sampled[0].offset_s
+    return [dataclasses.replace(row, offset_s=row.offset_s - start) for row in sampled]
 
 
 def scale_rows(rows: Sequence[PrefixRow], scaling: TraceScaling) -> list[PrefixRow]:

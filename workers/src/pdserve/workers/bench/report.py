@@ -13,6 +13,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from pdserve.workers.bench.config import BenchConfig
 from pdserve.workers.bench.metrics import (
     BenchMetrics,
     Distribution,
@@ -57,12 +58,17 @@ def format_report(result: BenchResult) -> str:
     return "\n".join(lines)
 
 
+def _prefix_share(config: BenchConfig) -> str:
+    share = config.trace_prefix_share
+    return "" if share is None else f", {share:g} of its prefix groups (seed {config.seed})"
+
+
 def _traffic_line(result: BenchResult) -> str:
     config = result.config
     if config.trace is not None:
         return (
             f"traffic: trace replay, time x{config.trace_time_scale:g}, "
-            f"lengths x{config.trace_length_scale:g}"
+            f"lengths x{config.trace_length_scale:g}" + _prefix_share(config)
         )
     shape = config.arrival if config.arrival == "poisson" else f"gamma CV {config.burstiness:g}"
     limit = f", at most {config.concurrency_limit} in flight" if config.concurrency_limit else ""

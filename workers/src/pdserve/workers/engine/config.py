@@ -132,6 +132,7 @@ class CacheConfig:
     num_blocks: int | None = None
     memory_bytes: int | None = None
     enable_prefix_caching: bool = True
+    hash_seed: str = ""  # the root of the prefix hashes (see kv_cache.seed_root)
 
     def resolve_num_blocks(self, model: ModelConfig, kv_itemsize: int) -> int:
         """The number of blocks to allocate (default: enough for 8 full contexts)."""

@@ -95,7 +95,9 @@ class LLMEngine:
             log.warning("KV canary on: free blocks hold %s until handed out", pattern)
             self.canary.freed(range(self.num_blocks))
         self.kv_cache = KVCacheManager(
-            BlockPool(self.num_blocks, cache.enable_prefix_caching, self.canary), self.block_size
+            BlockPool(self.num_blocks, cache.enable_prefix_caching, self.canary),
+            self.block_size,
+            cache.hash_seed,
         )
         # The cost model learns in every mode: its metrics show a static pool what an
         # adaptive budget would believe.

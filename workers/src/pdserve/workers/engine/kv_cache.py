@@ -49,6 +49,14 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
     return digest.digest()
 
 
+def seed_root(seed: str) -> BlockHash | None:
+    """The parent of a prompt's first block: none without a seed, else a hash of the
+    seed, so caches (and routers) with different seeds name no block alike."""
+    if not seed:
+        return None
+    return hashlib.blake2b(seed.encode(), digest_size=16, person=b"pdserve-seed").digest()
+
+
 class BlockPool:
     """Fixed-size blocks with reference counts, a free list in LRU order, and the
     hash -> block map of prefix caching."""
@@ -159,9 +167,11 @@ class BlockPool:
 class KVCacheManager:
     """Block tables of requests on top of a BlockPool."""
 
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, hash_seed: str = "") -> None:
         self.pool = pool
         self.block_size = block_size
+        self.hash_seed = hash_seed
+        self._root = seed_root(hash_seed)
         self._tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
 
@@ -180,7 +190,7 @@ class KVCacheManager:
         assert request_id not in self._tables, "prefix lookup on a request with blocks"
         table: list[int] = []
         hashes: list[BlockHash] = []
-        parent: BlockHash | None = None
+        parent = self._root
         for index in range((len(token_ids) - 1) // self.block_size):
             start = index * self.block_size
             block_hash = hash_block(parent, token_ids[start : start + self.block_size])
@@ -222,7 +232,7 @@ class KVCacheManager:
         table, hashes = self._tables[request_id], self._hashes[request_id]
         for index in range(len(hashes), num_computed // self.block_size):
             start = index * self.block_size
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else self._root
             block_hash = hash_block(parent, token_ids[start : start + self.block_size])
             hashes.append(block_hash)
             self.pool.register(table[index], block_hash)

@@ -17,6 +17,7 @@ The module imports nothing that loads torch: the router computes the same hashes
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import uuid
 from collections import deque
@@ -24,13 +25,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from pdserve.workers.engine.kv_cache import BlockHash, hash_block
+from pdserve.workers.engine.kv_cache import BlockHash, hash_block, seed_root
 
 # The hash a block is known by: blake2b with a 16-byte digest over the parent block's
 # hash and the block's token ids as little-endian int64s; the first block's parent is
-# empty. A router must compute exactly this, with the same block size, to match.
+# empty, or a hash of the pool's seed. A router must compute exactly this, with the
+# same block size and seed, to match.
 HASH_FUNCTION = "blake2b-128-chained-int64"
-# The first block's parent (no seed: every process of every version hashes alike).
+# How a handshake names the absence of a seed (every process hashes alike then).
 HASH_SEED = ""
 DEFAULT_CAPACITY = 8192  # events kept for subscribers that fell behind
 MAX_FOLD = 64  # hashes one event may carry
@@ -38,11 +40,19 @@ MAX_FOLD = 64  # hashes one event may carry
 EventKind = Literal["stored", "removed", "cleared"]
 
 
-def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
-    """The chained hashes of every full block of `token_ids`, as the engine names
-    them."""
+def seed_fingerprint(seed: str) -> str:
+    """What a handshake says of a hash seed: a digest that tells seeds apart without
+    giving the seed (the one of no seed is HASH_SEED)."""
+    if not seed:
+        return HASH_SEED
+    return hashlib.blake2b(seed.encode(), digest_size=8, person=b"pdserve-seed-id").hexdigest()
+
+
+def prefix_hashes(token_ids: Sequence[int], block_size: int, seed: str = "") -> list[BlockHash]:
+    """The chained hashes of every full block of `token_ids`, as an engine with the
+    hash seed `seed` names them."""
     hashes: list[BlockHash] = []
-    parent: BlockHash | None = None
+    parent = seed_root(seed)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block(parent, token_ids[start : start + block_size])
         hashes.append(parent)

@@ -29,6 +29,20 @@ class KVRoutingMetrics:
             "pdserve_prefix_cache_hits_total is the actual).",
             base, registry=reg,
         )  # fmt: skip
+        self.actual_hits = Counter(
+            "pdserve_router_kv_actual_hit_tokens_total",
+            "Of the prompt tokens routed, those the serving worker's engine found cached, "
+            "as its answer says (the actual hit rate of the router's decisions; against "
+            "pdserve_router_kv_predicted_hit_tokens_total: the index's accuracy).",
+            base, registry=reg,
+        )  # fmt: skip
+        self.predictions = Counter(
+            "pdserve_router_kv_predictions_total",
+            "Decisions by how the cached tokens the index predicted compare with the "
+            "engine's count for that request: exact, over (predicted more), under, or "
+            "unknown (the answer did not say).",
+            (*base, "result"), registry=reg,
+        )  # fmt: skip
         self.decisions = Counter(
             "pdserve_router_kv_decisions_total",
             "KV-aware choices of a worker, by reason: cache (the chosen worker holds the "
@@ -80,6 +94,17 @@ class KVRoutingMetrics:
         self.prompt_tokens.labels(**labels).inc(prompt_tokens)
         self.predicted_hits.labels(**labels).inc(cached_tokens)
         self.decisions.labels(**labels, reason=reason).inc()
+
+    def observed(self, target: str, predicted: int, actual: int | None) -> None:
+        """A worker of `target` role found `actual` cached tokens (None: unknown) where
+        `predicted` were."""
+        labels = self._labels(target)
+        if actual is None:
+            result = "unknown"
+        else:
+            self.actual_hits.labels(**labels).inc(actual)
+            result = "exact" if actual == predicted else "over" if predicted > actual else "under"
+        self.predictions.labels(**labels, result=result).inc()
 
     def decided_mode(self, by_length: str, mode: str) -> None:
         """The P/D decision on uncached tokens."""

@@ -17,6 +17,7 @@ whose history that worker holds is served colocated.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -28,6 +29,8 @@ from pdserve.workers.router.kv_index import BlockKey, block_key
 from pdserve.workers.router.kv_metrics import KVRoutingMetrics
 from pdserve.workers.router.kv_subscriber import KVFeeds
 from pdserve.workers.router.workers import KV_NEARLY_FULL, Worker, WorkerSet
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,7 @@ class KVPrompt:
         policy = table.routing_policy
         if policy.type != "kv-aware":
             return None
-        hashes = prefix_hashes(token_ids, policy.block_size)
+        hashes = prefix_hashes(token_ids, policy.block_size, policy.hash_seed)
         return cls(tuple(block_key(h) for h in hashes), len(token_ids), table)
 
 
@@ -107,6 +110,20 @@ class KVScorer:
         work = uncached + waiting + weight * requests
         return (full, work, requests, usage, random.random())
 
+    def observed(
+        self, request_id: str, prompt: KVPrompt, predicted: int, found: str | None
+    ) -> None:
+        """The decode worker's answer says its engine found `found` prompt tokens cached
+        (its X-Pdserve-Cached-Tokens header; None or unusable: unknown), where the
+        index predicted `predicted`: counted, and logged when they differ."""
+        actual = _cached_count(found, prompt.tokens)
+        self.metrics.observed("decode", predicted, actual)
+        if actual != predicted:
+            log.debug(
+                "request %s: the index predicted %d cached prompt tokens, the engine found %s",
+                request_id, predicted, "an unknown number" if actual is None else actual,
+            )  # fmt: skip
+
     def mode(self, prompt: KVPrompt, by_length: Mode, cached_tokens: int) -> Mode:
         """The mode of a request whose chosen decode worker holds `cached_tokens`
         (counted against the mode its length alone gave)."""
@@ -114,3 +131,12 @@ class KVScorer:
         mode = table.buckets[table.bucket_of(prompt.tokens - cached_tokens)].mode
         self.metrics.decided_mode(by_length, mode)
         return mode
+
+
+def _cached_count(header: str | None, prompt_tokens: int) -> int | None:
+    """A worker's count of cached prompt tokens, if it is one (a peer's word: a whole
+    number within the prompt)."""
+    if header is None or not header.isascii() or not header.isdigit():
+        return None
+    count = int(header)
+    return count if count <= prompt_tokens else None

@@ -21,6 +21,7 @@ from pdserve.protocol.routing import (
     RoutingTable,
     read_table,
 )
+from pdserve.workers.engine.kv_events import seed_fingerprint
 from pdserve.workers.model.tokenizer import Tokenizer
 from pdserve.workers.network.guard import NetworkGuard
 from pdserve.workers.network.limits import NetworkLimits
@@ -102,7 +103,10 @@ def kv_feeds(
     """The subscriptions to the workers' KV event feeds (followed whatever the
     routing policy, so a table switched to KV-aware finds the index warm)."""
     table = startup.table
-    expected = Expected(table.routing_policy.block_size, table.model.name)
+    policy = table.routing_policy
+    expected = Expected(
+        policy.block_size, table.model.name, hash_seed=seed_fingerprint(policy.hash_seed)
+    )
     headers = bearer(startup.credential) if startup.credential else {}
     return KVFeeds(session, headers, expected, metrics)
 

@@ -32,6 +32,7 @@ from aiohttp import web
 from pdserve.protocol.api_errors import REQUEST_FAILED, APIError, log_client_gone
 from pdserve.protocol.headers import (
     BUCKET_HEADER,
+    CACHED_TOKENS_HEADER,
     MODE_HEADER,
     PREFILL_URL_HEADER,
     REQUEST_ID_HEADER,
@@ -102,6 +103,8 @@ class _Plan:
     last: _Retry | None = None
     fallback: str = "no_prefill"
     decided: bool = False  # the mode was decided on the decode worker's uncached tokens
+    # Prompt tokens the chosen decode and prefill workers hold, by the KV index.
+    predicted: tuple[int, int] = (0, 0)
 
 
 class Forwarder:
@@ -141,7 +144,9 @@ class Forwarder:
             if decode is None:
                 break
             try:
-                return await self._attempt(request, routed, decode, prefill, attempt, outcome)
+                return await self._attempt(
+                    request, routed, (decode, prefill), attempt, outcome, plan.predicted
+                )
             except _Retry as retry:
                 self._note_failure(routed, plan, retry, decode, prefill)
         if plan.last is not None and plan.last.answer is not None:
@@ -166,6 +171,7 @@ class Forwarder:
             if prefill is None:
                 plan.mode = "colocated"
                 self.metrics.fell_back(routed.bucket, plan.fallback)
+        plan.predicted = (0 if decode is None else decode[1], 0 if prefill is None else prefill[1])
         return (
             None if decode is None else decode[0],
             None if prefill is None else prefill[0],
@@ -209,11 +215,12 @@ class Forwarder:
         self,
         request: web.Request,
         routed: Routed,
-        decode: Worker,
-        prefill: Worker | None,
+        workers: tuple[Worker, Worker | None],
         attempt: int,
         outcome: RequestOutcome,
+        predicted: tuple[int, int],
     ) -> web.StreamResponse:
+        decode, prefill = workers
         headers = {
             "Content-Type": "application/json",
             REQUEST_ID_HEADER: f"{routed.request_id}-{attempt}",
@@ -223,7 +230,7 @@ class Forwarder:
             headers[PREFILL_URL_HEADER] = prefill.url
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
         try:
-            with self._outstanding(routed, decode, prefill) as answered:
+            with self._outstanding(routed, decode, prefill, predicted) as answered:
                 async with self.session.post(
                     decode.url + routed.path, data=routed.body, headers=headers, timeout=timeout
                 ) as upstream:
@@ -231,6 +238,9 @@ class Forwarder:
                     if upstream.status != 200:
                         return await self._refusal(routed, upstream, prefill is not None)
                     decode.breaker.succeeded()
+                    if self.kv is not None and routed.kv is not None:
+                        found = upstream.headers.get(CACHED_TOKENS_HEADER)
+                        self.kv.observed(routed.request_id, routed.kv, predicted[0], found)
                     if prefill is not None:
                         self._settle_prefill(routed, upstream, prefill)
                     outcome.mode = upstream.headers.get(MODE_HEADER, routed.mode)
@@ -242,15 +252,21 @@ class Forwarder:
 
     @contextlib.contextmanager
     def _outstanding(
-        self, routed: Routed, decode: Worker, prefill: Worker | None
+        self,
+        routed: Routed,
+        decode: Worker,
+        prefill: Worker | None,
+        predicted: tuple[int, int],
     ) -> Iterator[Callable[[], None]]:
         """Count the attempt in the workers' loads and the router's admission queue
         until the decode worker answers (its first token is ready then) or it ends."""
         decode.breaker.dispatched()
         decode.in_flight += 1
-        # Whoever prefills the prompt has it waiting until the first token.
+        # Whoever prefills the prompt has what it lacks of it waiting until the first
+        # token (the tokens its prefix cache holds are no work).
         prefills = decode if prefill is None else prefill
-        prefills.prefill_tokens += routed.prompt_tokens
+        tokens = routed.prompt_tokens - (predicted[0] if prefill is None else predicted[1])
+        prefills.prefill_tokens += tokens
         if prefill is not None:
             prefill.breaker.dispatched()
         self.awaiting_first_token += 1
@@ -261,7 +277,7 @@ class Forwarder:
             if waiting:
                 waiting = False
                 self.awaiting_first_token -= 1
-                prefills.prefill_tokens -= routed.prompt_tokens
+                prefills.prefill_tokens -= tokens
 
         try:
             yield answered

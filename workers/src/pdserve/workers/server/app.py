@@ -26,7 +26,7 @@ from pdserve.protocol.tokenization import TokenizationServing
 from pdserve.workers.handoff.prefill import PrefillService
 from pdserve.workers.network.guard import NetworkGuard
 from pdserve.workers.server.drain import Drain
-from pdserve.workers.server.kv_feed import KVFeed
+from pdserve.workers.server.kv_feed import FEED_ENDPOINTS, KVFeed
 from pdserve.workers.server.load import LoadTracker, WorkerLoad
 from pdserve.workers.server.serving import OpenAIServing
 
@@ -35,6 +35,7 @@ ENDPOINTS = (
     *probes("the engine runs"),
     Endpoint("get", "/load", "Requests in flight, running and queued, KV cache usage, prefill "
              "backlog (for the router)", WorkerLoad, unavailable=ProbeAnswer),
+    *FEED_ENDPOINTS,
 )  # fmt: skip
 ERRORS = {
     **OPENAI_ERRORS,

@@ -13,7 +13,13 @@ import contextlib
 from aiohttp import web
 
 from pdserve.protocol.api_errors import APIError
-from pdserve.workers.engine.kv_events import HASH_FUNCTION, HASH_SEED, KVEvent, KVEventLog
+from pdserve.protocol.openapi import Endpoint, QueryParameter
+from pdserve.workers.engine.kv_events import (
+    HASH_FUNCTION,
+    KVEvent,
+    KVEventLog,
+    seed_fingerprint,
+)
 from pdserve.workers.kv_wire import (
     EVENTS_PATH,
     MAX_WAIT_MS,
@@ -24,13 +30,41 @@ from pdserve.workers.kv_wire import (
     KVSnapshotBody,
 )
 
+_FEED_ERRORS = ((401, "without the pool's credential"),)
+# The feed as the worker's OpenAPI document describes it.
+FEED_ENDPOINTS = (
+    Endpoint(
+        "get", SNAPSHOT_PATH, "Every block hash the prefix cache holds, as of an event, "
+        "and the worker's identity for the router's handshake", KVSnapshotBody,
+        errors=_FEED_ERRORS, internal=True,
+    ),
+    Endpoint(
+        "get", EVENTS_PATH, "The prefix cache's events after a number, waiting for one, "
+        "or gap: read the snapshot", KVEventsBody, internal=True,
+        parameters=(
+            QueryParameter("epoch", "the epoch the subscriber follows", {"type": "string"}),
+            QueryParameter(
+                "after", "the last event number the subscriber has",
+                {"type": "integer", "minimum": 0, "default": 0},
+            ),
+            QueryParameter(
+                "wait_ms", f"how long to wait for an event when there is none (at most "
+                f"{MAX_WAIT_MS} are waited)", {"type": "integer", "minimum": 0, "default": 0},
+            ),
+        ),
+        errors=((400, "a query parameter that is not a whole number"), *_FEED_ERRORS),
+    ),
+)  # fmt: skip
 
-def kv_identity(block_size: int, model: str, weights: str, num_blocks: int) -> KVIdentity:
+
+def kv_identity(
+    block_size: int, hash_seed: str, model: str, weights: str, num_blocks: int
+) -> KVIdentity:
     """This worker's identity for the router's handshake."""
     return KVIdentity(
         block_size=block_size,
         hash_function=HASH_FUNCTION,
-        hash_seed=HASH_SEED,
+        hash_seed=seed_fingerprint(hash_seed),
         model=model,
         weights=weights,
         num_blocks=num_blocks,

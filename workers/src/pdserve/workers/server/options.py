@@ -116,6 +116,11 @@ class WorkerOptions:
     no_prefix_caching: bool = option(
         False, group=_KV, help="do not share KV blocks between requests with a common prefix"
     )
+    prefix_caching_hash_seed: str = option(
+        "", group=_KV, metavar="SEED",
+        help="seed of the prefix-cache block hashes (the pool's routers must use the same; "
+        "default none)",
+    )  # fmt: skip
     kv_cache_dtype: str = option(
         "auto", choices=("auto", "float32", "float16", "bfloat16"), group=_KV,
         help="KV cache dtype (auto: the weights' dtype)",

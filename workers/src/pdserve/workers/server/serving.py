@@ -19,7 +19,12 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from aiohttp import web
 
 from pdserve.protocol.api_errors import APIError, error_body, read_body
-from pdserve.protocol.headers import MODE_HEADER, PREFILL_URL_HEADER, REQUEST_ID_HEADER
+from pdserve.protocol.headers import (
+    CACHED_TOKENS_HEADER,
+    MODE_HEADER,
+    PREFILL_URL_HEADER,
+    REQUEST_ID_HEADER,
+)
 from pdserve.protocol.internal import InternalAuth, PrefillAllowList
 from pdserve.protocol.limits import Admission, RequestLimits
 from pdserve.protocol.models import ServedModel
@@ -151,6 +156,7 @@ class OpenAIServing:
                     tracker.reason = "error"
                 raise
             headers[MODE_HEADER] = tracker.mode
+            headers[CACHED_TOKENS_HEADER] = str(first.num_cached_tokens)
             chained = chain(first, outputs)
             if prepared.stream:
                 return await self._stream(request, prepared, chained, answer, headers)

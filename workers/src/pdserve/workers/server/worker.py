@@ -69,6 +69,7 @@ def engine_config(options: WorkerOptions) -> EngineConfig:
             num_blocks=options.num_kv_blocks,
             memory_bytes=options.kv_cache_memory,
             enable_prefix_caching=not options.no_prefix_caching,
+            hash_seed=options.prefix_caching_hash_seed,
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=options.max_num_batched_tokens,
@@ -136,7 +137,9 @@ def kv_feed(engine: LLMEngine, model_name: str, weights: str) -> KVFeed:
     """The feed of the engine's prefix-cache events, for KV-aware routers."""
     events = KVEventLog()
     engine.kv_cache.pool.prefix_watcher = events
-    identity = kv_identity(engine.block_size, model_name, weights, engine.num_blocks)
+    identity = kv_identity(
+        engine.block_size, engine.kv_cache.hash_seed, model_name, weights, engine.num_blocks
+    )
     return KVFeed(events, identity)
 
 
