@@ -10,9 +10,10 @@ sequence would. NIXL runs over the engine's block-major cache (one descriptor pe
 of blocks) and, as the lever's baseline, over a layer-major one (one per run per
 layer). Each figure is the median of several rounds after one warm-up transfer (the
 first on a pair pays for connection set-up); a round takes every method in turn, so
-all see the same load. NIXL's time is its `write` (descriptors built, posted,
-completed); the raw copy's is the system calls alone; torch's runs from the start of
-`write` to the end of the receiver's `wait`, on the machine's one monotonic clock.
+all see the same load. NIXL's time is its `write` (block ids checked, a request made
+from the prepared descriptor lists, posted, completed); the raw copy's is the system
+calls alone; torch's runs from the start of `write` to the end of the receiver's
+`wait`, on the machine's one monotonic clock.
 """
 
 from __future__ import annotations

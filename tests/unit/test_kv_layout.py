@@ -3,6 +3,8 @@ compatibility messages, and the descriptors NIXL is given."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -195,3 +197,44 @@ def test_other_weights_are_refused_naming_both_digests() -> None:
     assert str(refused.value) == (
         "KV cache layouts differ: weights: decode has aaaa1111, prefill has bbbb2222"
     )
+
+
+@pytest.mark.parametrize("make", [cache, block_major], ids=["layer_major", "block_major"])
+def test_prepared_rows_of_a_transfer_are_its_copies(make: Callable[[], torch.Tensor]) -> None:
+    """The rows a transfer names in the prepared lists, merged where they run on in
+    memory on both sides, are exactly the copies `descriptors` describes."""
+    nixl = pytest.importorskip("pdserve.workers.kv_transfer.nixl")
+    kv = make()
+    layout = layout_of(kv)
+    src, dst = [3, 4, 5, 9, 0], [0, 1, 2, 7, 8]
+
+    rows = nixl.block_rows(layout, kv.data_ptr(), 0)
+    pairs = zip(
+        rows[nixl.indices(src, layout)].tolist(),
+        rows[nixl.indices(dst, layout)].tolist(),
+        strict=True,
+    )
+    merged: list[list[int]] = []
+    for (address, length, _), (far, _, _) in pairs:
+        last = merged[-1] if merged else None
+        if last and last[0] + last[2] == address and last[1] + last[2] == far:
+            last[2] += length
+        else:
+            merged.append([address, far, length])
+
+    copies = segments(src, dst)
+    ours = nixl.descriptors(copies, layout, kv.data_ptr(), 0, "src")
+    theirs = nixl.descriptors(copies, layout, kv.data_ptr(), 0, "dst")
+    assert merged == [[a, b, n] for (a, n, _), (b, _, _) in zip(ours, theirs, strict=True)]
+    layers = 1 if layout.order == BLOCK_MAJOR else layout.num_layers
+    assert nixl.count_runs(src, dst) * layers == len(ours)
+
+
+@pytest.mark.parametrize("length", [0, 1, 2, 40, 500])
+def test_runs_are_counted_alike_at_every_length(length: int) -> None:
+    nixl = pytest.importorskip("pdserve.workers.kv_transfer.nixl")
+    generator = torch.Generator().manual_seed(length)
+    src = torch.randperm(2 * length + 1, generator=generator)[:length].sort().values.tolist()
+    dst = [block + (index // 7) for index, block in enumerate(src)]
+
+    assert nixl.count_runs(src, dst) == len(segments(src, dst))

@@ -129,3 +129,21 @@ def test_features_of_a_step_count_what_attention_reads() -> None:
     assert features == StepFeatures(
         decode_tokens=2, prefill_tokens=64, decode_keys=200, prefill_keys=64 * 192
     )
+
+
+def test_the_errors_of_a_model_still_learning_leave_the_margin_once_it_has_learned() -> None:
+    # Decodes only at first: the prefill terms are unknown. Then long prompts arrive,
+    # exactly as the device runs them (no noise): once the fit has learned their cost,
+    # nothing justifies a margin, though its first guesses at them were far off.
+    rng = np.random.default_rng(5)
+    model = StepCostModel()
+    for _ in range(100):
+        decodes = int(rng.integers(1, 33))
+        features = StepFeatures(decodes, 0, decodes * int(rng.integers(16, 4097)), 0)
+        model.update(features, true_seconds(features))
+    mixed = [synthetic_step(rng) for _ in range(400)]
+    mixed = [f for f in mixed if f.decode_tokens and f.prefill_tokens][:120]
+    for features in mixed:
+        model.update(features, true_seconds(features))
+    typical = float(np.median([true_seconds(f) for f in mixed]))
+    assert model.margin_s < 0.05 * typical

@@ -151,8 +151,9 @@ class ModelRunner:
             batch.input_ids, batch.positions, self.kv_cache, batch.meta, batch.logits_rows
         )
         requests = [chunk.request for chunk in batch.sampling_chunks]
-        rows = torch.tensor(batch.sampling_rows, dtype=torch.long, device=self.device)
-        drawn = self.sampler.sample(logits[rows], requests) if requests else []
+        drawn = (
+            self.sampler.sample(self._sampling_logits(logits, batch), requests) if requests else []
+        )
         sampled = [(r, d) for r, d in zip(requests, drawn, strict=True) if isinstance(d, Sampled)]
         failures = [
             RequestFailure(r, d) for r, d in zip(requests, drawn, strict=True)
@@ -161,6 +162,14 @@ class ModelRunner:
         sampled += [(chunk.request, Sampled([])) for chunk in batch.scoring_chunks]
         scored = [self._prompt_logprobs(logits, rows) for rows in batch.prompt_rows]
         return StepOutput(sampled, scored, failures)
+
+    def _sampling_logits(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The rows of the logits that sample, in the order of the sampling chunks
+        (all of them, as they are, in a step of decodes only: no copy)."""
+        rows = batch.sampling_rows
+        if len(rows) == logits.shape[0] and rows == tuple(range(len(rows))):
+            return logits
+        return logits[torch.tensor(rows, dtype=torch.long, device=self.device)]
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy KV blocks (source, destination) in every layer: a fork's partial last
@@ -221,15 +230,18 @@ class _BatchBuilder:
         start, end = chunk.start, chunk.start + chunk.num_tokens
         row = len(self.token_ids)
         self.token_ids.extend(chunk.request.token_ids_between(start, end))
-        span = range(start, end)
-        self.positions.extend(span)
-        self.slot_blocks.extend(table[p // self.block_size] for p in span)
-        self.slot_offsets.extend(p % self.block_size for p in span)
         used_blocks = table[: -(-end // self.block_size)]
-        if chunk.num_tokens == 1:
+        if chunk.num_tokens == 1:  # most chunks: one slot, no per-token loops
+            self.positions.append(start)
+            self.slot_blocks.append(used_blocks[-1])
+            self.slot_offsets.append(start % self.block_size)
             self.decode_tables.append(used_blocks)
             self.decode_lens.append(end)
         else:
+            span = range(start, end)
+            self.positions.extend(span)
+            self.slot_blocks.extend(table[p // self.block_size] for p in span)
+            self.slot_offsets.extend(p % self.block_size for p in span)
             segment = PrefillSegment(row, len(self.token_ids), end, self._long(used_blocks))
             self.prefills.append(segment)
         self._add_logits_rows(chunk, row)

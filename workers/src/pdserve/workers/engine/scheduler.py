@@ -115,14 +115,15 @@ class Scheduler:
         preempted: list[Request] = []
         # Decodes first, then prompts already under way, each group in arrival order.
         ordered = sorted(self.running, key=lambda r: (r.is_prefilling, r.arrival_time))
+        scheduled: set[Request] = set()  # the requests of `chunks`
         for request in ordered:
             if budget == 0 or request.status is not RequestStatus.RUNNING:
                 continue
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            scheduled = {chunk.request for chunk in chunks}
             if not self._allocate_or_preempt(request, num_tokens, scheduled, preempted):
                 continue
             chunks.append(ScheduledChunk.of(request, num_tokens))
+            scheduled.add(request)
             budget -= num_tokens
         if not preempted:
             budget = self._schedule_waiting(budget, chunks)

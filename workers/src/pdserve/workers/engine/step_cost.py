@@ -16,13 +16,18 @@ a forgetting factor per step since, so the model follows a device whose speed dr
 (clocks, other processes). The fit is kept as its normal equations, updated in O(1)
 per step and re-solved with every cost held non-negative. Residuals are Huber-weighted,
 so a step slowed by something outside its batch (a page fault, a preempted thread)
-pulls the fit by a bounded amount. The safety margin is a high quantile of the recent
-prediction errors of steps that mixed decodes and prefill: the steps whose size the
-budget policy decides.
+pulls the fit by a bounded amount. The safety margin is a high quantile of the errors
+the current fit makes on the recent steps that mixed decodes and prefill (the steps
+whose size the budget policy decides): errors measured against the fit as it is now,
+not as it was when each step ran, so the large errors of a model still learning (a
+term the first steps did not exercise, such as the keys of the first long prompts)
+leave the margin as soon as the fit has learned from them, rather than holding it
+high, and the budget small, for a whole window of steps.
 """
 
 from __future__ import annotations
 
+import heapq
 import operator
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -107,7 +112,8 @@ class StepCostModel:
         self._moment = [0.0 for _ in _TERMS]
         self._theta = [0.0 for _ in _TERMS]
         self._residual_scale: float | None = None  # robust spread of residuals, seconds
-        self._errors: deque[float] = deque(maxlen=margin_window)
+        # Recent mixed steps, as (features vector, seconds): the margin's sample.
+        self._mixed: deque[tuple[Vector, float]] = deque(maxlen=margin_window)
 
     @property
     def coefficients(self) -> Vector:
@@ -135,8 +141,10 @@ class StepCostModel:
         self.num_steps += 1
         mixed = features.decode_tokens > 0 and features.prefill_tokens > 0
         if mixed and self.num_steps > self.warmup_steps:
-            self._errors.append(seconds - predicted)
-            self.margin_s = max(0.0, _quantile(self._errors, self.margin_quantile))
+            self._mixed.append((x, seconds))
+            theta = self._theta
+            errors = [taken - _dot(theta, vector) for vector, taken in self._mixed]
+            self.margin_s = max(0.0, _quantile(errors, self.margin_quantile))
 
     def estimate(self) -> StepCostEstimate:
         """A snapshot of the coefficients and the margin."""
@@ -188,8 +196,8 @@ def _dot(a: Sequence[float], b: Sequence[float]) -> float:
     return total
 
 
-def _quantile(values: Iterable[float], q: float) -> float:
-    """The q-quantile of `values` (nearest rank from above)."""
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, int(q * len(ordered)))
-    return float(ordered[index])
+def _quantile(values: Sequence[float], q: float) -> float:
+    """The q-quantile of `values` (nearest rank from above), for a high q: found among
+    the largest few rather than by sorting them all."""
+    index = min(len(values) - 1, int(q * len(values)))
+    return float(heapq.nlargest(len(values) - index, values)[-1])

@@ -4,8 +4,13 @@ into the decode worker's cache, which was registered with UCX once, at start.
 A transfer is one NIXL request holding one descriptor per segment (block-major
 caches, the engine's) or per segment per layer (see layout.py): each a contiguous
 range on both sides, so a sequence whose blocks mostly run consecutively moves as a
-few large copies. The decode side takes no part in the
-copy: its `PendingReceive.wait` returns at once, and the prefill worker's answer to
+few large copies. Descriptors are prepared once, not per transfer: one list of every
+block (or every block of every layer) of the local cache, and one of each decode
+agent's, prepared when the agent is loaded; a transfer names blocks by index into
+both, and NIXL merges the indices that run consecutively on both sides into one
+copy. What a transfer costs beyond the copy is then a few microseconds of index
+arrays and one request made, posted and released. The decode side takes no part in
+the copy: its `PendingReceive.wait` returns at once, and the prefill worker's answer to
 the hand-off request (sent after `write` returned) says the bytes have landed.
 
 Transports (UCX chooses; `UCX_TLS` narrows the choice): between processes of one host
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import operator
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -37,8 +43,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
-from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t, nixl_xfer_handle
+from nixl._api import (
+    nixl_agent,
+    nixl_agent_config,
+    nixl_prepped_dlist_handle,
+    nixl_thread_sync_t,
+    nixl_xfer_handle,
+)
 
 from pdserve.workers import faults
 from pdserve.workers.kv_transfer.base import (
@@ -57,16 +71,18 @@ from pdserve.workers.kv_transfer.layout import (
     KVLayout,
     Segment,
     memory_order,
-    segments,
 )
 
 log = logging.getLogger(__name__)
 
 UCX = "UCX"
+NIXL_INIT_AGENT = "NIXL_INIT_AGENT"  # names the local side of a prepared list
 # Polling a running request: spin briefly (small writes finish within microseconds),
 # then back off so a long write does not take a core from the engine.
 _SPIN_POLLS = 200
 _MAX_SLEEP_S = 0.001
+# Rows of a prepared list, as NIXL takes them.
+Indices = list[int] | npt.NDArray[np.int32]
 # Measured idle cost of the pump: ~3% of one core at 2 ms.
 _PUMP_PERIOD_S = 0.002
 
@@ -141,6 +157,10 @@ class NixlAgent(KVTransferAgent):
         self._peers: OrderedDict[str, NixlPeer] = OrderedDict()  # by pair id, LRU first
         self._loaded: dict[str, bytes] = {}  # remote agents loaded: name -> metadata
         self._writing: Counter[str] = Counter()  # writes running, by remote agent
+        # Prepared descriptor lists: this cache's (made by the first connect: only a
+        # writer needs it) and each loaded remote agent's, by name.
+        self._local_list: nixl_prepped_dlist_handle | None = None
+        self._remote_lists: dict[str, nixl_prepped_dlist_handle] = {}
         self._lock = threading.Lock()  # the maps above; held briefly
         # Loading and unloading remote agents, one at a time; a slow peer holds up
         # other meetings, never writes.
@@ -183,12 +203,19 @@ class NixlAgent(KVTransferAgent):
                 if known is not None and known != remote.agent_metadata:
                     self._unload([name])
                     known = None
+                if self._local_list is None:
+                    mine = (self.layout, self.base_address, self.memory, self.device_id)
+                    self._local_list = self._prepare(NIXL_INIT_AGENT, *mine)
                 if known is None:
                     self._agent.add_remote_agent(remote.agent_metadata)
                     with self._lock:
                         self._loaded[name] = remote.agent_metadata
                     # Sets up the UCX endpoint now rather than in the first write.
                     self._agent.make_connection(name, [UCX])
+                    theirs = (remote.layout, remote.base_address, remote.memory, remote.device_id)
+                    far = self._prepare(name, *theirs)
+                    with self._lock:
+                        self._remote_lists[name] = far
             except Exception as error:  # NIXL raises its own classes, all Exceptions
                 message = f"could not reach NIXL agent {name}: {error}"
                 raise TransferError(message) from error
@@ -229,36 +256,38 @@ class NixlAgent(KVTransferAgent):
         timeout_s: float,
         cancelled: threading.Event | None = None,
     ) -> TransferStats:
-        """One NIXL WRITE of every segment of every layer; returns once UCX reports
-        it complete (the bytes are in the peer's memory)."""
+        """One NIXL WRITE of the blocks, by index into the prepared lists of both
+        caches; returns once UCX reports it complete (the bytes are in the peer's
+        memory)."""
         started = time.monotonic()
-        merged = segments(local_blocks, remote_blocks)
+        if len(local_blocks) != len(remote_blocks):
+            raise ValueError(
+                f"block counts differ: {len(local_blocks)} to send, {len(remote_blocks)} to receive"
+            )
         with self._lock:
             remote = self._peers.get(peer)
-            if remote is None:
+            far_list = self._remote_lists.get(remote.agent_name) if remote else None
+            if remote is None or far_list is None or self._local_list is None:
                 raise NotConnectedError(f"not connected to {peer}: connect first")
             self._peers.move_to_end(peer)
-            if not merged:
+            if not local_blocks:
                 return TransferStats(0, 0.0, 0)
             self._writing[remote.agent_name] += 1
         try:
-            if not _within(merged, "src", self.layout.num_blocks):
-                check_blocks(local_blocks, self.layout.num_blocks, "source")
-            if not _within(merged, "dst", remote.layout.num_blocks):
-                check_blocks(remote_blocks, remote.layout.num_blocks, "destination")
-            local = descriptors(merged, self.layout, self.base_address, self.device_id, "src")
-            far = descriptors(merged, remote.layout, remote.base_address, remote.device_id, "dst")
+            check_range(local_blocks, self.layout.num_blocks, "source")
+            check_range(remote_blocks, remote.layout.num_blocks, "destination")
+            lists = (self._local_list, far_list)
+            pairs = (indices(local_blocks, self.layout), indices(remote_blocks, remote.layout))
             deadline = started + timeout_s
-            self._transfer(
-                local, far, remote, transfer_id, deadline, cancelled or threading.Event()
-            )
+            self._transfer(lists, pairs, remote, transfer_id, deadline, cancelled)
         finally:
             with self._lock:
                 self._writing[remote.agent_name] -= 1
+        layers = 1 if self.layout.order == BLOCK_MAJOR else self.layout.num_layers
         return TransferStats(
-            bytes=sum(length for _, length, _ in local),
+            bytes=len(local_blocks) * self.layout.block_bytes * self.layout.num_layers,
             seconds=time.monotonic() - started,
-            descriptors=len(local),
+            descriptors=count_runs(local_blocks, remote_blocks) * layers,
         )
 
     def decline(
@@ -277,6 +306,9 @@ class NixlAgent(KVTransferAgent):
             if pump is not None:
                 pump.stop()
             self._unload(names)
+            if self._local_list is not None:
+                _quietly(self._local_list.release)
+                self._local_list = None
             _quietly(self._agent.deregister_memory, self._registered, [UCX])
 
     def _unused(self) -> list[str]:
@@ -291,29 +323,41 @@ class NixlAgent(KVTransferAgent):
         return unused
 
     def _unload(self, names: list[str]) -> None:
-        """Remove remote agents from NIXL (with `_meeting` held)."""
+        """Remove remote agents from NIXL (with `_meeting` held). A prepared list that
+        a running write still holds (a peer that restarted under its name) is left to
+        that write: released when the last reference to it goes."""
         with self._lock:
+            lists = [(self._remote_lists.pop(name, None), self._writing[name]) for name in names]
             for name in names:
                 self._loaded.pop(name, None)
+        for far, writing in lists:
+            if far is not None and not writing:
+                _quietly(far.release)
         for name in names:
             _quietly(self._agent.remove_remote_agent, name)
 
+    def _prepare(
+        self, agent: str, layout: KVLayout, base: int, memory: str, device_id: int
+    ) -> nixl_prepped_dlist_handle:
+        """NIXL's prepared list of every block of a cache (of every block of every
+        layer, layer-major), indexed as `indices` numbers them."""
+        rows = block_rows(layout, base, device_id)
+        return self._agent.prep_xfer_dlist(agent, rows, memory, backends=[UCX])
+
     def _transfer(
         self,
-        local: list[tuple[int, int, int]],
-        far: list[tuple[int, int, int]],
+        lists: tuple[nixl_prepped_dlist_handle, nixl_prepped_dlist_handle],
+        pairs: tuple[Indices, Indices],
         remote: NixlPeer,
         transfer_id: str,
         deadline: float,
-        cancelled: threading.Event,
+        cancelled: threading.Event | None,
     ) -> None:
         what = f"transfer {transfer_id} to {remote.agent_name}"
         handle: nixl_xfer_handle | None = None
         try:
-            local_list = self._agent.get_xfer_descs(local, self.memory)
-            far_list = self._agent.get_xfer_descs(far, remote.memory)
-            handle = self._agent.initialize_xfer(
-                "WRITE", local_list, far_list, remote.agent_name, backends=[UCX]
+            handle = self._agent.make_prepped_xfer(
+                "WRITE", lists[0], pairs[0], lists[1], pairs[1], backends=[UCX]
             )
             _check_going(deadline, cancelled, what)
             faults.blocking_point("kv_transfer.before_post")
@@ -382,17 +426,63 @@ def descriptors(
     ]
 
 
-def _within(merged: Sequence[Segment], side: str, num_blocks: int) -> bool:
-    """Whether every segment's `side` lies inside a cache of `num_blocks` (segments
-    are consecutive runs: their ends tell)."""
-    starts: list[int] = [getattr(s, side) for s in merged]
-    ends = [start + s.count for start, s in zip(starts, merged, strict=True)]
-    return min(starts) >= 0 and max(ends) <= num_blocks
+def block_rows(layout: KVLayout, base: int, device_id: int) -> npt.NDArray[np.uint64]:
+    """(address, length, device id) of every block of a cache, the rows of its
+    prepared list: one per block, all its layers (block-major), else one per block of
+    each layer, layers outer."""
+    blocks = np.arange(layout.num_blocks, dtype=np.uint64) * np.uint64(layout.block_stride)
+    if layout.order == BLOCK_MAJOR:
+        starts, length = blocks, layout.block_stride
+    else:
+        layers = np.arange(layout.num_layers, dtype=np.uint64) * np.uint64(layout.layer_stride)
+        starts, length = (layers[:, None] + blocks[None, :]).ravel(), layout.block_bytes
+    rows = np.empty((starts.size, 3), dtype=np.uint64)
+    rows[:, 0] = starts + np.uint64(base)
+    rows[:, 1] = length
+    rows[:, 2] = device_id
+    return rows
 
 
-def _check_going(deadline: float, cancelled: threading.Event, what: str) -> None:
+def indices(blocks: list[int], layout: KVLayout) -> Indices:
+    """The rows of `block_rows` that hold `blocks`, in the order of the blocks (layer
+    by layer, layer-major); pairing two such lists position by position pairs the
+    same layer of the same position on both sides."""
+    if layout.order == BLOCK_MAJOR:
+        return blocks  # NIXL takes the ids as they are: no copy here
+    layers = np.arange(layout.num_layers, dtype=np.int64) * layout.num_blocks
+    ids = np.asarray(blocks, dtype=np.int64)
+    return (layers[:, None] + ids[None, :]).ravel().astype(np.int32)
+
+
+def check_range(blocks: list[int], num_blocks: int, side: str) -> None:
+    """ValueError when an id lies outside a cache of `num_blocks` blocks (its ends
+    tell, at C speed; the full check names the culprits)."""
+    if min(blocks) < 0 or max(blocks) >= num_blocks:
+        check_blocks(blocks, num_blocks, side)
+
+
+# Above this many blocks numpy counts runs faster than Python's iterators do.
+_NUMPY_FROM_BLOCKS = 128
+
+
+def count_runs(src: list[int], dst: list[int]) -> int:
+    """Segments of a transfer: runs consecutive on both sides (what NIXL merges into
+    one copy each)."""
+    if not src:
+        return 0
+    if len(src) > _NUMPY_FROM_BLOCKS:
+        both = np.asarray([src, dst], dtype=np.int64)
+        return 1 + int(np.count_nonzero((np.diff(both, axis=1) != 1).any(axis=0)))
+    next_one = (1).__ne__  # a step other than +1 starts a new run
+    src_breaks = map(next_one, map(operator.sub, src[1:], src))
+    dst_breaks = map(next_one, map(operator.sub, dst[1:], dst))
+    breaks: int = sum(map(operator.or_, src_breaks, dst_breaks))
+    return 1 + breaks
+
+
+def _check_going(deadline: float, cancelled: threading.Event | None, what: str) -> None:
     """TransferError if the write was cancelled or its deadline passed."""
-    if cancelled.is_set():
+    if cancelled is not None and cancelled.is_set():
         raise TransferError(f"{what} was cancelled")
     seconds_left(deadline, what)
 
@@ -402,7 +492,7 @@ def _finish(
     handle: nixl_xfer_handle,
     state: str,
     deadline: float,
-    cancelled: threading.Event,
+    cancelled: threading.Event | None,
     what: str,
 ) -> None:
     """Poll a posted request until it is done; TransferError on error, cancel or
