@@ -18,7 +18,6 @@ outcome however it ends (see `outcome`).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import time
@@ -29,6 +28,7 @@ from typing import Literal
 import aiohttp
 from aiohttp import web
 
+from pdserve.protocol import codec
 from pdserve.protocol.api_errors import REQUEST_FAILED, APIError, log_client_gone
 from pdserve.protocol.headers import (
     BUCKET_HEADER,
@@ -370,7 +370,7 @@ class Forwarder:
 
 def _error_code(data: bytes) -> str:
     try:
-        body = json.loads(data)
+        body = codec.loads(data)
     except ValueError:
         return "unknown"
     error = body.get("error") if isinstance(body, dict) else None
@@ -381,7 +381,7 @@ def _tokens_per_choice(data: bytes, choices: int) -> int | None:
     """The tokens of each choice of an answer sent whole: its usage's completion
     tokens (of all choices) shared out (the choices decode side by side)."""
     try:
-        usage = json.loads(data).get("usage") or {}
+        usage = codec.loads(data).get("usage") or {}
     except (ValueError, AttributeError):
         return None
     tokens = usage.get("completion_tokens")
