@@ -21,7 +21,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -350,6 +350,10 @@ class Forwarder:
                     outcome.stream = tokens
                     await response.prepare(request)
                 tokens.feed(data, now)
+                if tokens.done:  # the last event: it goes with the answer's end, in one write
+                    await response.write_eof(data)
+                    await _drain(chunks)
+                    break
                 await response.write(data)
             if response is None:
                 raise _Retry("worker_failed", broken or "the worker sent nothing", "decode")
@@ -366,6 +370,14 @@ class Forwarder:
             log_client_gone(request)
             outcome.cancelled()
             return response
+
+
+async def _drain(chunks: AsyncIterator[bytes]) -> None:
+    """Read a worker's stream to its end once its `[DONE]` is relayed (nothing follows
+    it), so that the connection is kept for the next request."""
+    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+        async for _ in chunks:
+            pass
 
 
 def _error_code(data: bytes) -> str:
