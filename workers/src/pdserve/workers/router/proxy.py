@@ -346,7 +346,7 @@ class Forwarder:
                     break
                 now = time.monotonic()
                 if response is None:
-                    response = web.StreamResponse(headers=headers)
+                    response = _RelayedStream(headers=headers)
                     outcome.stream = tokens
                     await response.prepare(request)
                 tokens.feed(data, now)
@@ -378,6 +378,13 @@ async def _drain(chunks: AsyncIterator[bytes]) -> None:
     with contextlib.suppress(aiohttp.ClientError, TimeoutError):
         async for _ in chunks:
             pass
+
+
+class _RelayedStream(web.StreamResponse):
+    """A relayed SSE answer whose headers go out with its first event, in one write
+    (a StreamResponse sends them alone when prepared; its first event follows at once)."""
+
+    _send_headers_immediately = False
 
 
 def _error_code(data: bytes) -> str:
