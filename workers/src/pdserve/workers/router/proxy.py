@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 Blame = Literal["decode", "prefill", "none"]
 
 CONNECT_TIMEOUT_S = 3.0
+# No total: a stream lasts as long as its generation; only connecting is bounded.
+ATTEMPT_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
@@ -221,11 +223,13 @@ class Forwarder:
         }
         if prefill is not None:
             headers[PREFILL_URL_HEADER] = prefill.url
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
         try:
             with self._outstanding(routed, decode, prefill) as answered:
                 async with self.session.post(
-                    decode.url + routed.path, data=routed.body, headers=headers, timeout=timeout
+                    decode.url + routed.path,
+                    data=routed.body,
+                    headers=headers,
+                    timeout=ATTEMPT_TIMEOUT,
                 ) as upstream:
                     answered()
                     if upstream.status != 200:
