@@ -4,6 +4,8 @@ on the tiny model (what a user sees), and the scripted fake server, which answer
 once (the router's own ceiling); in front of the fake server vllm-router (Rust, round
 robin) runs beside pdserve's router as the peer. Requests to all paths alternate, and
 the load runs in alternating rounds, so drifts in the machine's load hit all alike.
+The prompt is text, so pdserve's router tokenizes it (and scores the workers KV-aware,
+its default policy); each router's CPU time per request is read from /proc.
 Run with `make bench`."""
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ CONCURRENCY = 16
 LOAD_SECONDS = 15.0  # per path, in LOAD_ROUNDS alternating rounds
 LOAD_ROUNDS = 3
 PEER_GOAL_P50 = 1.5  # pdserve's added P50 at most this times vllm-router's
-BODY = {"prompt": list(range(10, 26)), "max_tokens": 4, "ignore_eos": True, "stream": True}
+PROMPT = "the quick brown fox jumps over the lazy dog while a cat sleeps on the warm mat"
+BODY = {"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True, "stream": True}
 
 
 async def one(session: aiohttp.ClientSession, url: str) -> float:
@@ -89,15 +92,34 @@ def most_requests_per_second(urls: dict[str, str]) -> dict[str, float]:
     return {name: count / LOAD_SECONDS for name, count in done.items()}
 
 
-def measure(upstream: str, urls: dict[str, str]) -> list[dict[str, Any]]:
-    """Rows of each path in `urls` ("direct" first: the baseline)."""
+def cpu_seconds(pid: int) -> float | None:
+    """User and system CPU time of process `pid` so far (None where /proc is not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # after the command's name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(
+    upstream: str, urls: dict[str, str], pids: dict[str, int] | None = None
+) -> list[dict[str, Any]]:
+    """Rows of each path in `urls` ("direct" first: the baseline); `pids`: the process
+    serving a path, whose CPU time per request is reported."""
+    pids = pids or {}
+    before = {path: cpu_seconds(pid) for path, pid in pids.items()}
     seen = asyncio.run(latencies(urls))
     rates = most_requests_per_second(urls)
+    after = {path: cpu_seconds(pid) for path, pid in pids.items()}
     rows = []
     for path in urls:
         p50, p99 = np.percentile(seen[path], [50, 99]) * 1000
+        served = SEQUENTIAL + 1 + rates[path] * LOAD_SECONDS
+        start, end = before.get(path), after.get(path)
+        cpu_us = None if start is None or end is None else (end - start) / served * 1e6
         rows.append({"upstream": upstream, "path": path, "p50_ms": p50, "p99_ms": p99,
-                     "max_req_per_s": rates[path]})  # fmt: skip
+                     "max_req_per_s": rates[path], "cpu_us_per_request": cpu_us})  # fmt: skip
     direct_row = rows[0]
     for row in rows:
         row["added_p50_ms"] = row["p50_ms"] - direct_row["p50_ms"]
@@ -108,9 +130,9 @@ def measure(upstream: str, urls: dict[str, str]) -> list[dict[str, Any]]:
 
 
 @contextmanager
-def vllm_router(upstream: str, log_path: Path) -> Iterator[str | None]:
-    """vllm-router (round robin) in front of `upstream`, once it answers; None where
-    it is not installed."""
+def vllm_router(upstream: str, log_path: Path) -> Iterator[tuple[str, int] | None]:
+    """vllm-router (round robin) in front of `upstream`, once it answers: its URL and
+    process id; None where it is not installed."""
     # Installed beside the interpreter (the checkout's environment), on PATH or not.
     search = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     binary = shutil.which("vllm-router", path=search)
@@ -125,7 +147,7 @@ def vllm_router(upstream: str, log_path: Path) -> Iterator[str | None]:
     url = f"http://127.0.0.1:{port}"
     try:
         asyncio.run(wait_answering(url))
-        yield url
+        yield url, process.pid
     finally:
         process.terminate()
         process.wait(10)
@@ -175,12 +197,15 @@ def test_router_overhead(tiny_model_dir: Path, tmp_path: Path) -> None:
         ):
             router.wait_ready()
             urls = {"direct": upstream, "pdserve": router.url}
-            rows += measure("fake server", {**urls, **({"vllm-router": peer} if peer else {})})
+            pids = {"pdserve": router.process.pid}
+            if peer is not None:
+                urls["vllm-router"], pids["vllm-router"] = peer
+            rows += measure("fake server", urls, pids)
     publish(
         "router_overhead", rows,
         {"sequential_requests_per_path": SEQUENTIAL, "concurrency": CONCURRENCY,
          "load_seconds_per_path": LOAD_SECONDS, "load_rounds": LOAD_ROUNDS,
-         "request": "16-token prompt, 4 tokens streamed",
+         "request": "a 17-word text prompt, 4 tokens streamed",
          "pdserve_router": "tokenizes the prompt and scores workers (KV-aware) as served",
          "goal": f"added P50 <= {PEER_GOAL_P50}x vllm-router's, req/s >= vllm-router's",
          "goal_met": goal_met(rows)},

@@ -37,6 +37,7 @@ class FakeWorker:
     def __init__(self) -> None:
         self._held: asyncio.Queue[str] = asyncio.Queue()
         self.modes: list[str] = []  # how each request was asked for: colocated, disaggregated
+        self.peers: list[Any] = []  # the address each request came from (its connection)
 
     @asynccontextmanager
     async def serving(self) -> AsyncIterator[str]:
@@ -64,6 +65,8 @@ class FakeWorker:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         script = body.get("user", OK)
+        transport = request.transport
+        self.peers.append(None if transport is None else transport.get_extra_info("peername"))
         mode = "disaggregated" if PREFILL_URL_HEADER in request.headers else "colocated"
         self.modes.append(mode)
         if script == INVALID:

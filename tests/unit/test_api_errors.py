@@ -1,17 +1,21 @@
 """The one place that turns errors into answers (`error_middleware`), on a real aiohttp
 server: a client that leaves mid-stream is an ordinary event, logged as such, while a
-connection reset that is not the client's is still an error."""
+connection reset that is not the client's is still an error. And request bodies parsed
+as Python's own parser reads them, faults named alike."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import aiohttp
 import pytest
 from aiohttp import web
+from pydantic import ValidationError
 
-from pdserve.protocol.api_errors import error_middleware
+from pdserve.protocol.api_errors import APIError, error_middleware, parse_json
+from pdserve.protocol.requests import CompletionRequest
 from support.network import serving
 
 
@@ -58,3 +62,48 @@ async def test_a_reset_that_is_not_the_clients_is_an_error(
         assert answer.status == 500
         assert (await answer.json())["error"]["type"] == "server_error"
     assert any(r.levelno == logging.ERROR for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"prompt": [1, 2], "max_tokens": 4, "stream": true}',
+        b'{"prompt": "caf\xc3\xa9 \\u00e9 \\ud83d\\ude00", "stop": ["\\n"]}',
+        b'{"temperature": NaN, "top_p": Infinity, "seed": -Infinity}',  # as Python writes them
+        b'{"seed": 18446744073709551615, "n": -9223372036854775808}',
+        b'{"a": 1, "a": 2, "b": 1e-320, "c": -0.0, "d": [[[]]], "e": null}',
+    ],
+)
+def test_bodies_parse_as_python_s_parser_reads_them(body: bytes) -> None:
+    parsed = parse_json(body)
+    expected = json.loads(body)
+    assert json.dumps(parsed, sort_keys=True) == json.dumps(expected, sort_keys=True)
+    assert [type(v) for v in parsed.values()] == [type(v) for v in expected.values()]
+
+
+def test_integers_past_64_bits_are_refused_by_every_bound() -> None:
+    # orjson reads them as floats, Python's parser as ints: no field takes either.
+    for field in ("max_tokens", "n", "seed", "top_k", "min_tokens", "logprobs"):
+        body = f'{{"prompt": [1], "{field}": {2**70}}}'.encode()
+        with pytest.raises(ValidationError, match=field):
+            CompletionRequest.model_validate(parse_json(body))
+    with pytest.raises(ValidationError, match="prompt"):
+        CompletionRequest.model_validate(parse_json(f'{{"prompt": [{2**70}]}}'.encode()))
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b'{"prompt": "a\\ud800b"}', "not valid Unicode"),
+        (b'{"prompt": "a\xffb"}', "not valid Unicode"),
+        (b"[" * 100_000, "nested too deeply"),
+        (b'{"prompt": [1, 2}', "malformed JSON body"),
+        (b"", "malformed JSON body"),
+    ],
+)
+def test_bodies_that_are_not_json_in_unicode_are_refused_naming_why(
+    body: bytes, message: str
+) -> None:
+    with pytest.raises(APIError) as refused:
+        parse_json(body)
+    assert refused.value.status == 400 and message in str(refused.value)

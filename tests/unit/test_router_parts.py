@@ -58,6 +58,16 @@ def test_choices_are_streams_of_their_own() -> None:
     assert tokens.streams == [[0.0, 1.0, 2.0], [0.0, 1.0, 2.0, 3.0, 3.0]]
 
 
+def test_events_holding_python_s_nan_and_infinity_still_count() -> None:
+    # Python's encoder writes a -inf log-probability as -Infinity, which strict JSON
+    # parsers refuse: its token still counts.
+    tokens = TokenStream()
+    tokens.feed(chunk("a", logprobs={"token_logprobs": [float("-inf")]}), 1.0)
+    tokens.feed(chunk("b", logprobs={"token_logprobs": [float("nan")]}), 2.0)
+    assert b"-Infinity" in chunk("a", logprobs={"token_logprobs": [float("-inf")]})
+    assert tokens.streams == [[1.0, 2.0]]
+
+
 def test_an_echoed_prompt_is_no_generated_token() -> None:
     prompt = {"tokens": ["p", "q", "r"], "token_logprobs": [None, -1.0, -2.0]}
     first = {"tokens": ["p", "q", "r", "a"], "token_logprobs": [None, -1.0, -2.0, -0.5]}

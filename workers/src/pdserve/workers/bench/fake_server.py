@@ -1,10 +1,11 @@
 """A scripted OpenAI-compatible completions server: the generator's test double.
 
 It streams `max_tokens` tokens with fixed delays (a first-token delay that grows
-with the prompt, then a fixed gap), optionally several tokens per chunk, and
-refuses prompts above a length with HTTP 400, as a real server refuses a prompt
-longer than its context. With zero delays it streams as fast as it can, which
-measures how many tokens per second the generator can record.
+with the prompt, its token ids or the words of its text, then a fixed gap),
+optionally several tokens per chunk, and refuses prompts above a length with HTTP
+400, as a real server refuses a prompt longer than its context. With zero delays
+it streams as fast as it can, which measures how many tokens per second the
+generator can record.
 
 `python -m pdserve.workers.bench.fake_server --port 0` prints its URL and serves
 until interrupted.
@@ -64,16 +65,29 @@ def _bad_request(message: str) -> web.Response:
 async def _complete(spec: FakeServerSpec, request: web.Request) -> web.StreamResponse:
     body: Any = await request.json()
     prompt, max_tokens = body.get("prompt"), body.get("max_tokens")
-    if not isinstance(prompt, list) or not isinstance(max_tokens, int) or max_tokens < 1:
-        return _bad_request("prompt must be a list of token ids and max_tokens a positive int")
-    if spec.max_prompt_tokens is not None and len(prompt) > spec.max_prompt_tokens:
+    prompt_tokens = _prompt_tokens(prompt)
+    if prompt_tokens is None or not isinstance(max_tokens, int) or max_tokens < 1:
         return _bad_request(
-            f"prompt has {len(prompt)} tokens, more than the {spec.max_prompt_tokens} allowed"
+            "prompt must be text or a list of token ids and max_tokens a positive int"
+        )
+    if spec.max_prompt_tokens is not None and prompt_tokens > spec.max_prompt_tokens:
+        return _bad_request(
+            f"prompt has {prompt_tokens} tokens, more than the {spec.max_prompt_tokens} allowed"
         )
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
-    await _stream(spec, response, len(prompt), max_tokens)
+    await _stream(spec, response, prompt_tokens, max_tokens)
     return response
+
+
+def _prompt_tokens(prompt: Any) -> int | None:
+    """A prompt's length in tokens: its ids, or its words standing in for the tokens
+    of a text (this server has no tokenizer); None when it is neither."""
+    if isinstance(prompt, list):
+        return len(prompt)
+    if isinstance(prompt, str):
+        return max(1, len(prompt.split()))
+    return None
 
 
 async def _stream(

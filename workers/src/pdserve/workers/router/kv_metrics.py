@@ -84,16 +84,28 @@ class KVRoutingMetrics:
             "Workers by the state of their KV feed: synced, syncing, refused, unreachable.",
             (*base, "state"), registry=reg,
         )  # fmt: skip
+        # Children of the per-request counters, bound as each label set is first seen.
+        self._chosen: dict[tuple[str, str], tuple[Counter, Counter, Counter]] = {}
+        self._modes: dict[tuple[str, str], Counter] = {}
 
     def _labels(self, target: str, **extra: str) -> dict[str, str]:
         return {"pool": self.pool, "role": ROLE, "target": target, **extra}
 
     def chose(self, target: str, reason: str, prompt_tokens: int, cached_tokens: int) -> None:
         """A worker of `target` role chosen for a prompt, `cached_tokens` predicted."""
-        labels = self._labels(target)
-        self.prompt_tokens.labels(**labels).inc(prompt_tokens)
-        self.predicted_hits.labels(**labels).inc(cached_tokens)
-        self.decisions.labels(**labels, reason=reason).inc()
+        children = self._chosen.get((target, reason))
+        if children is None:  # labels bound once: this runs for every request
+            labels = self._labels(target)
+            children = (
+                self.prompt_tokens.labels(**labels),
+                self.predicted_hits.labels(**labels),
+                self.decisions.labels(**labels, reason=reason),
+            )
+            self._chosen[(target, reason)] = children
+        prompt, hits, decisions = children
+        prompt.inc(prompt_tokens)
+        hits.inc(cached_tokens)
+        decisions.inc()
 
     def observed(self, target: str, predicted: int, actual: int | None) -> None:
         """A worker of `target` role found `actual` cached tokens (None: unknown) where
@@ -108,7 +120,11 @@ class KVRoutingMetrics:
 
     def decided_mode(self, by_length: str, mode: str) -> None:
         """The P/D decision on uncached tokens."""
-        self.pd_decisions.labels(pool=self.pool, role=ROLE, by_length=by_length, mode=mode).inc()
+        counter = self._modes.get((by_length, mode))
+        if counter is None:
+            labels = {"pool": self.pool, "role": ROLE, "by_length": by_length, "mode": mode}
+            counter = self._modes[(by_length, mode)] = self.pd_decisions.labels(**labels)
+        counter.inc()
 
     def resynced(self, target: str, reason: str) -> None:
         """A worker's index read whole again."""

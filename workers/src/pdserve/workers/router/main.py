@@ -78,7 +78,10 @@ async def run_router(
 ) -> None:
     """Serve until SIGINT/SIGTERM."""
     connector = aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    # No cookie jar: no worker's answer sets state for later requests, and a jar is
+    # consulted on every request.
+    jar = aiohttp.DummyCookieJar()
+    async with aiohttp.ClientSession(connector=connector, cookie_jar=jar) as session:
         metrics = RouterMetrics(startup.table.pool)
         guard = NetworkGuard(network, NetworkMetrics(metrics.registry, metrics.pool, ROLE))
         feeds = kv_feeds(session, startup, KVRoutingMetrics(metrics.pool, metrics.registry))

@@ -18,17 +18,17 @@ outcome however it ends (see `outcome`).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
 import aiohttp
 from aiohttp import web
 
+from pdserve.protocol import codec
 from pdserve.protocol.api_errors import REQUEST_FAILED, APIError, log_client_gone
 from pdserve.protocol.headers import (
     BUCKET_HEADER,
@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 Blame = Literal["decode", "prefill", "none"]
 
 CONNECT_TIMEOUT_S = 3.0
+# No total: a stream lasts as long as its generation; only connecting is bounded.
+ATTEMPT_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
@@ -228,11 +230,13 @@ class Forwarder:
         }
         if prefill is not None:
             headers[PREFILL_URL_HEADER] = prefill.url
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
         try:
             with self._outstanding(routed, decode, prefill, predicted) as answered:
                 async with self.session.post(
-                    decode.url + routed.path, data=routed.body, headers=headers, timeout=timeout
+                    decode.url + routed.path,
+                    data=routed.body,
+                    headers=headers,
+                    timeout=ATTEMPT_TIMEOUT,
                 ) as upstream:
                     answered()
                     if upstream.status != 200:
@@ -362,10 +366,14 @@ class Forwarder:
                     break
                 now = time.monotonic()
                 if response is None:
-                    response = web.StreamResponse(headers=headers)
+                    response = _RelayedStream(headers=headers)
                     outcome.stream = tokens
                     await response.prepare(request)
                 tokens.feed(data, now)
+                if tokens.done:  # the last event: it goes with the answer's end, in one write
+                    await response.write_eof(data)
+                    await _drain(chunks)
+                    break
                 await response.write(data)
             if response is None:
                 raise _Retry("worker_failed", broken or "the worker sent nothing", "decode")
@@ -384,9 +392,24 @@ class Forwarder:
             return response
 
 
+async def _drain(chunks: AsyncIterator[bytes]) -> None:
+    """Read a worker's stream to its end once its `[DONE]` is relayed (nothing follows
+    it), so that the connection is kept for the next request."""
+    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+        async for _ in chunks:
+            pass
+
+
+class _RelayedStream(web.StreamResponse):
+    """A relayed SSE answer whose headers go out with its first event, in one write
+    (a StreamResponse sends them alone when prepared; its first event follows at once)."""
+
+    _send_headers_immediately = False
+
+
 def _error_code(data: bytes) -> str:
     try:
-        body = json.loads(data)
+        body = codec.loads(data)
     except ValueError:
         return "unknown"
     error = body.get("error") if isinstance(body, dict) else None
@@ -397,7 +420,7 @@ def _tokens_per_choice(data: bytes, choices: int) -> int | None:
     """The tokens of each choice of an answer sent whole: its usage's completion
     tokens (of all choices) shared out (the choices decode side by side)."""
     try:
-        usage = json.loads(data).get("usage") or {}
+        usage = codec.loads(data).get("usage") or {}
     except (ValueError, AttributeError):
         return None
     tokens = usage.get("completion_tokens")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pdserve.protocol import codec
 from pdserve.protocol.api_errors import error_body
 from pdserve.protocol.sse import choice_token_count
 
@@ -55,7 +56,7 @@ class TokenStream:
             self.done = True
             return
         try:
-            event = json.loads(payload)
+            event = codec.loads(payload)
         except ValueError:
             return
         if not isinstance(event, dict):
