@@ -118,7 +118,8 @@ class PoolSimulation:
     def _worker(self, url: str, worker_role: str, role: Role) -> SimWorker:
         setup = self.scenario.roles[role]
         return SimWorker(
-            url, worker_role, setup.engine, self.model, self.profile.step_cost, self.events,
+            url, worker_role, setup.engine, self.model,
+            (self.profile.step_cost, self.profile.serving), self.events,
             setup.options.queue_timeout, self._stepped,
         )  # fmt: skip
 

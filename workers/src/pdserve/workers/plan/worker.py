@@ -16,7 +16,7 @@ from pdserve.workers.engine.engine import LLMEngine, StepResult
 from pdserve.workers.engine.isolation import RequestFailedError
 from pdserve.workers.engine.runner import resolve_kv_dtype
 from pdserve.workers.engine.stats import RequestOutput
-from pdserve.workers.plan.costs import StepCost
+from pdserve.workers.plan.costs import ServingOverhead, StepCost
 from pdserve.workers.plan.events import EventQueue, SimClock
 from pdserve.workers.plan.routing import KVFeed
 from pdserve.workers.plan.runner import runner_factory
@@ -36,7 +36,7 @@ class SimWorker:
         role: str,
         config: EngineConfig,
         model: ModelConfig,
-        cost: StepCost,
+        cost: tuple[StepCost, ServingOverhead],
         events: EventQueue,
         queue_timeout_s: float | None,
         on_step: Callable[[SimWorker, StepResult, float], None],
@@ -44,7 +44,7 @@ class SimWorker:
         self.url = url
         self.role = role
         self.clock = SimClock()
-        self.engine = LLMEngine(config, model, runner_factory(self.clock, cost), self.clock)
+        self.engine = LLMEngine(config, model, runner_factory(self.clock, *cost), self.clock)
         self.load = LoadTracker(self.engine, role)
         self.events = events
         self.queue_timeout_s = queue_timeout_s
