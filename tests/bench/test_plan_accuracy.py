@@ -54,10 +54,10 @@ LENGTH_SCALE = 0.25
 MAX_OUTPUT_TOKENS = 128
 RATES = {"slow": 6.0, "fast": 3.0}  # trace seconds stretched by these factors
 # The Mooncake trace: its first requests, blocks of 512 tokens scaled to 32.
-MOONCAKE_REQUESTS = 80
+MOONCAKE_REQUESTS = 60
 MOONCAKE_LENGTH_SCALE = 1 / 16
 MOONCAKE_MAX_OUTPUT_TOKENS = 32
-MOONCAKE_RATES = {"slow": 4.0, "fast": 2.0}
+MOONCAKE_RATES = {"slow": 8.0, "fast": 4.0}
 WORKLOADS = ("azure", "mooncake")
 SLO_TARGETS = SLO(ttft_ms=2000.0, itl_ms=200.0)
 ROUTINGS: dict[str, list[dict[str, Any]]] = {

@@ -204,11 +204,24 @@ class PoolSimulation:
             decode.post(lambda engine: self._reserve(engine, request))
 
     def _admit(self, engine: LLMEngine, request: SimRequest) -> list[RequestOutput]:
-        engine.add_request(request.request_id, request.prompt, request.params)
+        try:
+            engine.add_request(request.request_id, request.prompt, request.params)
+        except InvalidRequestError as error:
+            self._refused(request, error)
         return []
+
+    def _refused(self, request: SimRequest, error: InvalidRequestError) -> None:
+        """The worker's 400 for a request its engine refuses (too long a prompt)."""
+        request.record.fail(f"HTTP 400: {error}", self.events.now)
+        self._ended(request, self.events.now)
 
     def _reserve(self, engine: LLMEngine, request: SimRequest) -> list[RequestOutput]:
         lease_s, margin_s = self.lease_s, release_margin(self.lease_s)
+        try:
+            engine.validate(request.prompt, request.params)
+        except InvalidRequestError as error:
+            self._refused(request, error)
+            return []
         reservation = engine.reserve(
             request.request_id, request.prompt, request.params, lease_s, margin_s
         )
