@@ -54,13 +54,7 @@ class KVFeed:
         since = self.log.since(self.log.epoch, self.seq)
         for event in since.events:
             fresh = event.hashes[len(event.hashes) - (event.seq - self.seq) :]
-            keys = [block_key(block_hash) for block_hash in fresh]
-            if event.kind == "stored":
-                self.index.store(self.url, keys)
-            elif event.kind == "removed":
-                self.index.remove(self.url, keys)
-            else:
-                self.index.clear(self.url)
+            self.index.apply(self.url, event.kind, [block_key(h) for h in fresh])
             self.seq = event.seq
 
 
