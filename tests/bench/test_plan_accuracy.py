@@ -1,5 +1,5 @@
 """The simulator's predictions against measurement on this machine, in three parts
-that each fit one measurement window (run each under the machine's measurement lock):
+that each take under fifteen minutes, so that each can run while the machine is quiet:
 
 - `test_profile_this_machine`: the tiny model profiled here (`pdserve profile`: the
   full sweep and a worker pair), written to out/bench/plan_profile.json;
