@@ -95,3 +95,15 @@ def test_the_router_spreads_requests_over_the_least_loaded_workers(model_dir: Pa
 def test_a_scenario_with_bad_worker_flags_is_refused_naming_them(model_dir: Path) -> None:
     with pytest.raises(ScenarioError, match="--max-num-seqs"):
         parse_scenario(scenario_line("bad", ["--max-num-seqs", "none"]))
+
+
+def test_a_prompt_longer_than_the_model_takes_is_refused_and_the_rest_are_served(
+    model_dir: Path,
+) -> None:
+    for buckets in (({"mode": "colocated"},), SPLIT):
+        line = scenario_line("long", [], num_prefill=1, buckets=buckets)
+        simulation = run(model_dir, line, [(0.0, 4000, 4), (0.1, 300, 4), (0.2, 20, 4)])
+
+        refused, *served = simulation.records
+        assert refused.error is not None and refused.error.startswith("HTTP 400")
+        assert all(record.finished for record in served)

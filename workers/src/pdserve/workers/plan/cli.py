@@ -100,8 +100,9 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
     try:
         profile = load_profile(args.profile)
-        traffic = traffic_of(config_from_args(args))
-    except (ConfigError, TraceError, ProfileError) as error:
+        traffic = traffic_of(config_from_args(args), profile.model)
+    except (ConfigError, TraceError, ProfileError, OSError) as error:
+        # OSError: a prefix trace's prompts need the profiled model's tokenizer.
         print(f"pdserve simulate: {error}", file=sys.stderr)
         return 2
     with contextlib.ExitStack() as stack:

@@ -3,8 +3,9 @@ the costs the simulator takes from it.
 
 A step's time is the engine's own step-cost model (`engine.step_cost`): linear in the
 decode tokens, prefill tokens and the keys attention reads, with every cost
-non-negative. A hand-off costs a fixed time plus a time per byte of KV sent; a
-request pays a fixed overhead on its way in (HTTP, tokenization, the router's hop).
+non-negative; a serving worker adds a fixed time per step and a time per token it
+streams. A hand-off costs a fixed time plus a time per byte of KV sent; a request
+pays a fixed overhead on its way in (HTTP, tokenization, the router's hop).
 """
 
 from __future__ import annotations
@@ -103,6 +104,23 @@ class HandoffCost(_Model):
         return self.fixed_s + self.per_byte_s * nbytes
 
 
+class ServingOverhead(_Model):
+    """What a serving worker adds to each of its engine's steps beyond the compute the
+    step-cost model measures alone: a fixed time per step and a time per token the
+    step streams (the server turns each into an SSE event, in the same interpreter as
+    the engine's thread). Measured on a real worker as the gaps its streams see minus
+    the steps' predicted compute."""
+
+    fixed_s: float = Field(default=0.0, ge=0)
+    per_token_s: float = Field(default=0.0, ge=0)
+    # (streams decoding together, seconds each step took beyond its compute).
+    samples: tuple[tuple[int, float], ...] = ()
+
+    def seconds(self, tokens: int) -> float:
+        """What a step that streams `tokens` tokens takes beyond its compute."""
+        return self.fixed_s + self.per_token_s * tokens
+
+
 class Profile(_Model):
     """A profile file."""
 
@@ -119,6 +137,7 @@ class Profile(_Model):
     step_fit: FitError
     steps: tuple[StepSample, ...] = ()
     handoff: HandoffCost = HandoffCost()
+    serving: ServingOverhead = ServingOverhead()
     request_overhead_s: float = Field(default=0.0, ge=0)
     startup_s: float | None = Field(default=None, ge=0)
 

@@ -1,27 +1,76 @@
-"""Fitting the step-cost model to a sweep: the engine's own model (`engine.step_cost`:
-non-negative least squares, Huber-weighted), given every step with equal weight, and
-its error on the steps it was fitted on and on design points held out of the fit."""
+"""Fitting the step-cost model to a sweep: the engine's own model's terms
+(`engine.step_cost`: a fixed cost, per decode and prefill token, per key attention
+reads, every cost non-negative), fitted for the error the simulator pays for, the
+relative one: least squares on errors relative to each measured step, so that the
+short decode steps every stream's gaps are made of weigh as much as long prefill
+steps (a fit on absolute seconds follows the long steps and misses the short ones by
+half). Steps slowed by something outside their batch (another process on the core)
+are weighted down (Huber, on the relative residual), as the engine's online fit does.
+Its error is measured on the steps it was fitted on and on design points held out."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
 
-from pdserve.workers.engine.step_cost import StepCostModel
+from pdserve.workers.engine.step_cost import StepFeatures
 from pdserve.workers.plan.costs import FitError, StepCost, StepSample
 from pdserve.workers.plan.sweep import SweepPoint
 
 # Every fourth point of the design is held out of the fit it is judged by.
 HOLDOUT_EVERY = 4
+HUBER_K = 1.5  # relative residuals past this many typical ones are weighted down
+REWEIGHTS = 5
+_FIELDS = ("base_s", "per_decode_token_s", "per_prefill_token_s", "per_decode_key_s",
+           "per_prefill_key_s")  # fmt: skip
 
 
 def fit_step_cost(samples: Sequence[StepSample]) -> StepCost:
-    """The coefficients the step-cost model settles on for these steps."""
-    model = StepCostModel(forgetting=1.0, sweeps=25)
-    for sample in samples:
-        model.update(sample.features, sample.seconds)
-    return StepCost.of(model.estimate())
+    """The non-negative costs whose predictions are relatively closest to these steps."""
+    terms = np.array([_terms(sample.features) for sample in samples])
+    seconds = np.array([sample.seconds for sample in samples])
+    weights = np.ones_like(seconds)
+    coefficients = np.zeros(terms.shape[1])
+    for _ in range(REWEIGHTS):
+        coefficients = _non_negative_least_squares(
+            terms / seconds[:, None] * weights[:, None], weights
+        )
+        residuals = np.abs(terms @ coefficients / seconds - 1.0)
+        scale = max(float(np.median(residuals)) / 0.6745, 1e-9)
+        weights = np.minimum(1.0, HUBER_K * scale / np.maximum(residuals, 1e-12))
+    return StepCost(
+        **{name: float(value) for name, value in zip(_FIELDS, coefficients, strict=True)}
+    )
+
+
+def _terms(features: StepFeatures) -> tuple[float, ...]:
+    return (1.0, features.decode_tokens, features.prefill_tokens, features.decode_keys,
+            features.prefill_keys)  # fmt: skip
+
+
+def _non_negative_least_squares(design: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """argmin |design x - target| with x >= 0: the best unconstrained solution over
+    every set of terms left free (five terms: 31 sets), columns scaled to unit norm."""
+    norms = np.linalg.norm(design, axis=0)
+    norms[norms == 0] = 1.0
+    scaled = design / norms
+    best, best_residual = np.zeros(design.shape[1]), float(target @ target)
+    for free in itertools.product((False, True), repeat=design.shape[1]):
+        columns = [i for i, on in enumerate(free) if on]
+        if not columns:
+            continue
+        solution, *_ = np.linalg.lstsq(scaled[:, columns], target, rcond=None)
+        if (solution < 0).any():
+            continue
+        candidate = np.zeros(design.shape[1])
+        candidate[columns] = solution
+        residual = float(np.sum((scaled @ candidate - target) ** 2))
+        if residual < best_residual:
+            best, best_residual = candidate, residual
+    result: np.ndarray = best / norms
+    return result
 
 
 def relative_errors(cost: StepCost, samples: Sequence[StepSample]) -> np.ndarray:

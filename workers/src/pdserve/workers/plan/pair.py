@@ -6,7 +6,10 @@ Two workers are started as a pool starts them (`pdserve worker`, the pool's
 credential, the decode worker naming its prefill peer). Each prompt length is asked
 for one token colocated (the decode worker prefills it) and disaggregated (the
 prefill worker does, then hands the KV over); the difference of the medians is the
-hand-off's time for that many bytes, fitted as fixed plus per byte.
+hand-off's time for that many bytes, fitted as fixed plus per byte. Then a few
+batches of streams decode together on the decode worker: the gaps they see, beyond
+the compute the step-cost model gives such a step, are what serving adds to a step,
+fitted as fixed plus per token streamed.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,11 +31,17 @@ from pdserve.protocol.headers import PREFILL_URL_HEADER
 from pdserve.protocol.internal import bearer
 from pdserve.workers.bench.config import FIRST_PROMPT_TOKEN_ID
 from pdserve.workers.engine.step_cost import StepFeatures
-from pdserve.workers.plan.costs import HandoffCost, StepCost
+from pdserve.workers.plan.costs import HandoffCost, ServingOverhead, StepCost
 from pdserve.workers.server.process import ServerProcess, start_worker
 
 REQUEST_TIMEOUT_S = 120.0
 REPEATS = 5
+# Streams decoding together, each with a prompt and an answer of these lengths; the
+# first gaps of each stream (its batch still prefilling) are left out.
+STREAMS = (1, 4, 8, 16)
+STREAM_PROMPT_TOKENS = 32
+STREAM_OUTPUT_TOKENS = 48
+STREAM_SKIP_GAPS = 6
 
 
 @dataclass(frozen=True)
@@ -41,6 +51,7 @@ class PairFigures:
     handoff: HandoffCost
     request_overhead_s: float
     startup_s: float
+    serving: ServingOverhead
 
 
 @dataclass(frozen=True)
@@ -108,23 +119,73 @@ def _measure(
         extra.append((blocks * setup.block_bytes, statistics.median(disaggregated[1:]) - local))
         computed = cost.seconds(StepFeatures(prefill_tokens=length, prefill_keys=length * length))
         overheads.append(max(0.0, local - computed))
-    return PairFigures(_fit_handoff(extra, setup.backend), min(overheads), startup_s)
+    serving = _serving_overhead(setup, cost, decode.url, headers, rng)
+    return PairFigures(_fit_handoff(extra, setup.backend), min(overheads), startup_s, serving)
+
+
+def _serving_overhead(
+    setup: PairSetup,
+    cost: StepCost,
+    url: str,
+    headers: dict[str, str],
+    rng: np.random.Generator,
+) -> ServingOverhead:
+    """The median gap of streams decoding together, beyond the step's predicted
+    compute, per batch size; fitted as fixed plus per token streamed."""
+    points: list[tuple[int, float]] = []
+    context = STREAM_PROMPT_TOKENS + STREAM_OUTPUT_TOKENS // 2  # a decode's keys, mid-run
+    for streams in STREAMS:
+        prompts = [
+            rng.integers(FIRST_PROMPT_TOKEN_ID, setup.vocab, STREAM_PROMPT_TOKENS).tolist()
+            for _ in range(streams)
+        ]
+        with ThreadPoolExecutor(streams) as pool:
+            times = list(pool.map(lambda prompt: _stream_times(url, prompt, headers), prompts))
+        gaps = [float(gap) for t in times for gap in np.diff(t[STREAM_SKIP_GAPS:])]
+        step = StepFeatures(decode_tokens=streams, decode_keys=streams * context)
+        points.append((streams, statistics.median(gaps) - cost.seconds(step)))
+    fixed, per_token = _non_negative_line(points)
+    return ServingOverhead(
+        fixed_s=fixed, per_token_s=per_token, samples=tuple((n, float(s)) for n, s in points)
+    )
+
+
+def _stream_times(url: str, prompt: list[int], headers: dict[str, str]) -> list[float]:
+    """When each event of a streamed completion arrived."""
+    body = {
+        "prompt": prompt, "max_tokens": STREAM_OUTPUT_TOKENS, "temperature": 0,
+        "ignore_eos": True, "stream": True,
+    }  # fmt: skip
+    request = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), headers, method="POST"
+    )
+    times: list[float] = []
+    with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as answer:
+        for line in answer:
+            if line.startswith(b"data:") and not line.startswith(b"data: [DONE]"):
+                times.append(time.perf_counter())
+    return times
 
 
 def _fit_handoff(points: Sequence[tuple[int, float]], backend: str) -> HandoffCost:
     """Fixed plus per byte, both non-negative, by least squares."""
-    sizes = np.array([float(n) for n, _ in points])
-    seconds = np.array([max(0.0, s) for _, s in points])
-    design = np.stack([np.ones_like(sizes), sizes], axis=1)
-    (fixed, per_byte), *_ = np.linalg.lstsq(design, seconds, rcond=None)
-    if per_byte < 0:
-        fixed, per_byte = float(seconds.mean()), 0.0
-    if fixed < 0:
-        fixed, per_byte = 0.0, float((sizes @ seconds) / (sizes @ sizes))
+    fixed, per_byte = _non_negative_line(points)
     samples = tuple((int(n), float(s)) for n, s in points)
-    return HandoffCost(
-        fixed_s=float(fixed), per_byte_s=float(per_byte), backend=backend, samples=samples
-    )
+    return HandoffCost(fixed_s=fixed, per_byte_s=per_byte, backend=backend, samples=samples)
+
+
+def _non_negative_line(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """Intercept and slope of `seconds = a + b x`, both non-negative, by least squares
+    (negative times count as none)."""
+    xs = np.array([float(x) for x, _ in points])
+    seconds = np.array([max(0.0, s) for _, s in points])
+    design = np.stack([np.ones_like(xs), xs], axis=1)
+    (fixed, slope), *_ = np.linalg.lstsq(design, seconds, rcond=None)
+    if slope < 0:
+        fixed, slope = float(seconds.mean()), 0.0
+    if fixed < 0:
+        fixed, slope = 0.0, float((xs @ seconds) / (xs @ xs)) if xs.any() else 0.0
+    return float(fixed), float(slope)
 
 
 def _first_token_s(url: str, prompt: list[int], headers: dict[str, str]) -> float:

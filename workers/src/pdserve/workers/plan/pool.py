@@ -3,14 +3,18 @@ workers, the P/D hand-off with its failure policy, and clients that record what
 `pdserve bench` records.
 
 What is the real code: the routing table (`bucket_of`), the router's worker choice
-(`WorkerSet.choose`, on loads each worker publishes as `/load` does, polled as the
-router polls them), every engine (scheduler, token budget, KV cache, leases,
-`reserve`/`adopt`/`release`), the workers' flags. What is modelled: a step's
-duration (the profile's step cost), a hand-off's time beyond the prefill (the
-profile's fixed plus per-byte cost) and a request's way in (the profile's
-overhead). The router counts what it sent as `Forwarder._outstanding` does: a
-request is in flight on its decode worker until it ends, and its prompt waits on its
-prefill worker until the first token is back.
+(`WorkerSet.choose` by load, or KV-aware `KVScorer` over an index fed by each
+engine's prefix-cache events, see `routing`; on loads each worker publishes as
+`/load` does, polled as the router polls them), every engine (scheduler, token
+budget, KV cache with its prefix cache, leases, `reserve`/`adopt`/`release`), the
+workers' flags, and the prompts `pdserve bench` sends (text built from a trace's
+prefix blocks is tokenized by the model's tokenizer, as the router tokenizes it).
+What is modelled: a step's duration (the profile's step cost), a hand-off's time
+beyond the prefill (the profile's fixed plus per-byte cost, for the blocks the
+decode worker lacks) and a request's way in (the profile's overhead). The router
+counts what it sent as `Forwarder._outstanding` does: a request is in flight on its
+decode worker until it ends, and its prompt waits on its prefill worker until the
+first token is back.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ import random
 from dataclasses import dataclass, field
 from dataclasses import replace as replaced
 
-from pdserve.protocol.routing import ROLES, Mode, Role
+from pdserve.protocol.routing import ROLES, Role
 from pdserve.protocol.sampling import InvalidRequestError, SamplingParams
 from pdserve.workers.bench.plan import PlannedRequest, prompt_tokens
+from pdserve.workers.bench.prefix_workloads import prompt_text
 from pdserve.workers.bench.records import RequestRecord
 from pdserve.workers.engine.config import ModelConfig
 from pdserve.workers.engine.engine import LLMEngine, StepResult
@@ -30,12 +35,14 @@ from pdserve.workers.engine.leases import LeaseError, Reservation
 from pdserve.workers.engine.sampler import Sampled
 from pdserve.workers.engine.stats import RequestOutput
 from pdserve.workers.handoff.decode import release_margin
+from pdserve.workers.model.tokenizer import Tokenizer
 from pdserve.workers.plan.costs import Profile
 from pdserve.workers.plan.events import EventQueue
+from pdserve.workers.plan.routing import Route, SimRouter
 from pdserve.workers.plan.scenario import Scenario
 from pdserve.workers.plan.worker import SimWorker
 from pdserve.workers.router.load import POLL_INTERVAL_S
-from pdserve.workers.router.workers import Worker, WorkerSet
+from pdserve.workers.router.workers import WorkerSet
 
 NO_WORKER = "HTTP 503: no worker could serve the request"
 
@@ -48,9 +55,7 @@ class SimRequest:
     request_id: str
     prompt: list[int]
     params: SamplingParams
-    mode: Mode
-    decode: Worker
-    prefill: Worker | None = None
+    route: Route
     reservation: Reservation | None = None
     answered: bool = False
     events: list[str] = field(default_factory=list)
@@ -65,6 +70,17 @@ class Traffic:
     vocab_size: int
     drain_timeout_s: float
     horizon_s: float | None
+    length_scale: float = 1.0  # of a prefix trace's blocks
+    tokenizer: Tokenizer | None = None  # for prompts sent as text (prefix traces)
+
+    def prompt(self, planned: PlannedRequest) -> list[int]:
+        """The token ids of a request's prompt, as the router sees them."""
+        if planned.prefix is None:
+            return prompt_tokens(self.seed, planned.index, planned.input_tokens, self.vocab_size)
+        if self.tokenizer is None:
+            raise ValueError("a prefix trace's prompts are text: a tokenizer is needed")
+        text = prompt_text(self.seed, planned.prefix, self.length_scale)
+        return self.tokenizer.encode(text, add_special_tokens=True)
 
 
 class PoolSimulation:
@@ -77,16 +93,20 @@ class PoolSimulation:
         self.events = EventQueue()
         self.model = ModelConfig.from_dict(profile.model_json)
         self.sets = {role: WorkerSet(role, clock=self._now) for role in ROLES}
+        self.router = SimRouter(scenario.table, self.sets, self._now)
         self.workers: dict[str, SimWorker] = {}
         for role, setup in scenario.roles.items():
             urls = scenario.urls(role)
             self.sets[role].update(urls)
             for url in urls:
-                self.workers[url] = self._worker(url, setup.options.role, role)
+                worker = self._worker(url, setup.options.role, role)
+                worker.feed = self.router.feed(role, url, worker.engine)
+                self.workers[url] = worker
         decode_options = scenario.roles["decode"].options
         self.failure_policy = decode_options.transfer_failure_policy
         self.lease_s = decode_options.handoff_timeout
         self.records: list[RequestRecord] = []
+        self.routes: dict[int, Route] = {}  # by the request's index in the plan
         self.handoff_failures: dict[str, int] = {}
         self._by_id: dict[tuple[str, str], SimRequest] = {}
         self._outstanding = 0
@@ -98,7 +118,8 @@ class PoolSimulation:
     def _worker(self, url: str, worker_role: str, role: Role) -> SimWorker:
         setup = self.scenario.roles[role]
         return SimWorker(
-            url, worker_role, setup.engine, self.model, self.profile.step_cost, self.events,
+            url, worker_role, setup.engine, self.model,
+            (self.profile.step_cost, self.profile.serving), self.events,
             setup.options.queue_timeout, self._stepped,
         )  # fmt: skip
 
@@ -139,23 +160,18 @@ class PoolSimulation:
             planned.index, planned.kind, planned.input_tokens, planned.output_tokens, now, now
         )
         self.records.append(record)
-        seed, vocab = self.traffic.seed, self.traffic.vocab_size
-        prompt = prompt_tokens(seed, planned.index, planned.input_tokens, vocab)
-        table = self.scenario.table
-        mode = table.buckets[table.bucket_of(len(prompt))].mode
-        prefill = self.sets["prefill"].choose() if mode == "disaggregated" else None
-        if prefill is None:
-            mode = "colocated"  # the router's fallback when no prefill worker is available
-        decode = self.sets["decode"].choose()
-        if decode is None:
+        prompt = self.traffic.prompt(planned)
+        route = self.router.route(prompt)
+        if route is None:
             record.fail(NO_WORKER, now)
             return
+        self.routes[planned.index] = route
         params = SamplingParams(max_tokens=planned.output_tokens, temperature=0.0, ignore_eos=True)
-        request = SimRequest(record, f"req-{planned.index}", prompt, params, mode, decode, prefill)
-        record.mode = mode
-        decode.in_flight += 1
-        if prefill is not None:
-            prefill.prefill_tokens += len(prompt)
+        request = SimRequest(record, f"req-{planned.index}", prompt, params, route)
+        record.mode = route.mode
+        route.decode.in_flight += 1
+        if route.prefill is not None:
+            route.prefill.prefill_tokens += len(prompt)
         self._outstanding += 1
         reach = now + self.profile.request_overhead_s
         self.events.at(reach, lambda at: self._reach_decode(request, at))
@@ -164,13 +180,13 @@ class PoolSimulation:
         """The decode worker's answer began: the prompt no longer waits anywhere."""
         if not request.answered:
             request.answered = True
-            if request.prefill is not None:
-                request.prefill.prefill_tokens -= len(request.prompt)
+            if request.route.prefill is not None:
+                request.route.prefill.prefill_tokens -= len(request.prompt)
 
     def _ended(self, request: SimRequest, now: float) -> None:
         self._answered(request)
-        request.decode.in_flight -= 1
-        self.workers[request.decode.url].load.request_ended()
+        request.route.decode.in_flight -= 1
+        self.workers[request.route.decode.url].load.request_ended()
         self._outstanding -= 1
         del self._by_id[("decode", request.request_id)]
         if request.record.ended_at is None:
@@ -179,28 +195,41 @@ class PoolSimulation:
     # -- the decode worker -------------------------------------------------------------
 
     def _reach_decode(self, request: SimRequest, now: float) -> None:
-        decode = self.workers[request.decode.url]
+        decode = self.workers[request.route.decode.url]
         decode.load.request_started()
         self._by_id[("decode", request.request_id)] = request
-        if request.prefill is None:
+        if request.route.prefill is None:
             decode.post(lambda engine: self._admit(engine, request))
         else:
             decode.post(lambda engine: self._reserve(engine, request))
 
     def _admit(self, engine: LLMEngine, request: SimRequest) -> list[RequestOutput]:
-        engine.add_request(request.request_id, request.prompt, request.params)
+        try:
+            engine.add_request(request.request_id, request.prompt, request.params)
+        except InvalidRequestError as error:
+            self._refused(request, error)
         return []
+
+    def _refused(self, request: SimRequest, error: InvalidRequestError) -> None:
+        """The worker's 400 for a request its engine refuses (too long a prompt)."""
+        request.record.fail(f"HTTP 400: {error}", self.events.now)
+        self._ended(request, self.events.now)
 
     def _reserve(self, engine: LLMEngine, request: SimRequest) -> list[RequestOutput]:
         lease_s, margin_s = self.lease_s, release_margin(self.lease_s)
+        try:
+            engine.validate(request.prompt, request.params)
+        except InvalidRequestError as error:
+            self._refused(request, error)
+            return []
         reservation = engine.reserve(
             request.request_id, request.prompt, request.params, lease_s, margin_s
         )
         if reservation is None:
             return self._handoff_failed(engine, request, "no_blocks")
         request.reservation = reservation
-        assert request.prefill is not None
-        prefill = self.workers[request.prefill.url]
+        assert request.route.prefill is not None
+        prefill = self.workers[request.route.prefill.url]
         prefill.load.request_started()
         self._by_id[("prefill", request.request_id)] = request
         first = replaced(request.params, max_tokens=1, min_tokens=0)
@@ -259,7 +288,7 @@ class PoolSimulation:
             engine.release(request.request_id)
             return self._handoff_failed(engine, request, "prefill_failed")
 
-        self.workers[request.decode.url].post(settle)
+        self.workers[request.route.decode.url].post(settle)
 
     def _streamed(self, request: SimRequest, output: RequestOutput, now: float) -> None:
         record = request.record
@@ -269,6 +298,7 @@ class PoolSimulation:
             record.chunk_tokens.append(len(output.new_token_ids))
         if output.finished:
             record.usage_prompt_tokens = output.num_prompt_tokens
+            record.usage_cached_tokens = output.num_cached_tokens
             record.usage_completion_tokens = output.num_output_tokens
             record.finished = True
             self._ended(request, now)
@@ -284,7 +314,7 @@ class PoolSimulation:
         assert request.reservation is not None
         nbytes = len(request.reservation.block_ids) * worker.block_bytes
         first = Sampled(list(output.new_token_ids))
-        decode = self.workers[request.decode.url]
+        decode = self.workers[request.route.decode.url]
 
         def delivered(at: float) -> None:
             worker.post(lambda engine: _release(engine, request.request_id))

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import metadata
@@ -19,8 +20,9 @@ from pdserve.workers.engine.runner import resolve_kv_dtype
 from pdserve.workers.plan.costs import Profile
 from pdserve.workers.plan.fit import fit_with_error
 from pdserve.workers.plan.pair import PairSetup, measure_pair
-from pdserve.workers.plan.scenario import role_setup
+from pdserve.workers.plan.scenario import RoleSetup, role_setup
 from pdserve.workers.plan.sweep import DESIGNS, Sweep
+from pdserve.workers.server.worker import torch_threads
 
 # Prompt lengths the hand-off is measured at (those the model's context allows).
 HANDOFF_LENGTHS = (16, 128, 512, 1536)
@@ -42,7 +44,9 @@ def profile_model(run: ProfileRun, progress: Callable[[str], None] = lambda line
     a worker pair."""
     setup = role_setup("profile", ["--model", str(run.model), *run.worker_args])
     engine = LLMEngine(setup.engine)
-    measured = Sweep(engine).run(DESIGNS[run.sweep], progress)
+    with worker_threads(setup):
+        measured = Sweep(engine).run(DESIGNS[run.sweep], progress)
+        threads = torch.get_num_threads()
     cost, fit = fit_with_error(measured)
     profile = Profile(
         created=datetime.now(UTC).isoformat(timespec="seconds"),
@@ -50,7 +54,7 @@ def profile_model(run: ProfileRun, progress: Callable[[str], None] = lambda line
         model_json=json.loads((run.model / "config.json").read_text()),
         device=setup.engine.device,
         device_name=_device_name(setup.engine.device),
-        threads=torch.get_num_threads(),
+        threads=threads,
         versions=_versions(),
         engine_args=run.worker_args,
         step_cost=cost,
@@ -81,9 +85,23 @@ def profile_model(run: ProfileRun, progress: Callable[[str], None] = lambda line
         update={
             "handoff": figures.handoff,
             "request_overhead_s": figures.request_overhead_s,
+            "serving": figures.serving,
             "startup_s": figures.startup_s,
         }
     )
+
+
+@contextlib.contextmanager
+def worker_threads(setup: RoleSetup) -> Iterator[None]:
+    """Compute with the torch threads a worker with these flags computes with (a
+    sweep on more threads than the workers get measures another machine)."""
+    before = torch.get_num_threads()
+    threads = torch_threads(setup.options)
+    torch.set_num_threads(threads or before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _device_name(device: str) -> str:

@@ -1,5 +1,6 @@
 """A runner that computes nothing: each step takes the time the profile predicts for
-it, on the worker's simulated clock, and every request that reaches the end of its
+it (its compute, and what serving adds per step and per token streamed), on the
+worker's simulated clock, and every request that reaches the end of its
 tokens draws one token. The engine around it (scheduler, budget, KV cache, leases,
 fork and finish) is the real one."""
 
@@ -13,7 +14,7 @@ from pdserve.workers.engine.runner import BlockTables, RunnerFactory, StepOutput
 from pdserve.workers.engine.sampler import Sampled
 from pdserve.workers.engine.scheduler import SchedulerOutput
 from pdserve.workers.engine.step_cost import StepFeatures
-from pdserve.workers.plan.costs import StepCost
+from pdserve.workers.plan.costs import ServingOverhead, StepCost
 from pdserve.workers.plan.events import SimClock
 
 # What a simulated request draws: any token that ends nothing (requests replayed from
@@ -24,16 +25,16 @@ DRAWN_TOKEN = 3
 class SimulatedRunner:
     """The `StepRunner` of a simulated worker."""
 
-    def __init__(self, clock: SimClock, cost: StepCost) -> None:
+    def __init__(self, clock: SimClock, cost: StepCost, serving: ServingOverhead) -> None:
         self.clock = clock
         self.cost = cost
+        self.serving = serving
         self.kv_cache = torch.empty(0)  # no KV is computed, so none is held
 
     def execute(self, output: SchedulerOutput, block_tables: BlockTables) -> StepOutput:
         """Advance the clock by the step's predicted time; one token for each chunk
         that completes its request's tokens (n for a request that forks, none for one
         that samples nothing)."""
-        self.clock.advance(self.cost.seconds(StepFeatures.of(output.chunks)))
         sampled: list[tuple[Request, Sampled]] = []
         for chunk in output.chunks:
             if not chunk.samples:
@@ -41,18 +42,21 @@ class SimulatedRunner:
             request = chunk.request
             draws = (request.params.n if request.forks else 1) if request.samples else 0
             sampled.append((request, Sampled([DRAWN_TOKEN] * draws)))
+        streamed = sum(len(drawn.tokens) for _, drawn in sampled)
+        compute = self.cost.seconds(StepFeatures.of(output.chunks))
+        self.clock.advance(compute + self.serving.seconds(streamed))
         return StepOutput(sampled, [])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Nothing to copy: no KV is held."""
 
 
-def runner_factory(clock: SimClock, cost: StepCost) -> RunnerFactory:
+def runner_factory(clock: SimClock, cost: StepCost, serving: ServingOverhead) -> RunnerFactory:
     """The engine's `runner` argument for a worker on `clock`."""
 
     def build(
         config: EngineConfig, model: ModelConfig, num_blocks: int, block_size: int
     ) -> SimulatedRunner:
-        return SimulatedRunner(clock, cost)
+        return SimulatedRunner(clock, cost, serving)
 
     return build

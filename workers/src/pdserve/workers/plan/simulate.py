@@ -3,22 +3,28 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 from pdserve.workers.bench.config import BenchConfig
 from pdserve.workers.bench.plan import build_plan
+from pdserve.workers.bench.prefix_workloads import prefix_figures
+from pdserve.workers.model.tokenizer import Tokenizer
 from pdserve.workers.plan.costs import Profile
 from pdserve.workers.plan.pool import PoolSimulation, Traffic
 from pdserve.workers.plan.results import summarize_run
 from pdserve.workers.plan.scenario import Scenario
 
 
-def traffic_of(config: BenchConfig) -> Traffic:
+def traffic_of(config: BenchConfig, model_dir: Path | str | None = None) -> Traffic:
     """The requests `pdserve bench` would send with `config`, prompts made as it makes
-    them."""
+    them (text prompts tokenized with the tokenizer in `model_dir`)."""
+    plan = build_plan(config)
+    texts = any(planned.prefix is not None for planned in plan)
+    tokenizer = Tokenizer.from_dir(model_dir) if texts and model_dir is not None else None
     return Traffic(
-        build_plan(config), config.seed, config.vocab_size, config.drain_timeout_s,
-        config.horizon_s,
+        plan, config.seed, config.vocab_size, config.drain_timeout_s, config.horizon_s,
+        config.trace_length_scale, tokenizer,
     )  # fmt: skip
 
 
@@ -30,6 +36,7 @@ def simulate(scenario: Scenario, profile: Profile, traffic: Traffic) -> dict[str
     records = simulation.run()
     wall_s = time.perf_counter() - started
     summary = summarize_run(records, scenario.table.slo, scenario.percentiles, scenario.buckets)
+    reuse = prefix_figures(records)
     return {
         "name": scenario.name,
         "workers": {role: len(scenario.urls(role)) for role in scenario.roles},
@@ -37,5 +44,12 @@ def simulate(scenario: Scenario, profile: Profile, traffic: Traffic) -> dict[str
         "simulated_s": simulation.events.now,
         "steps": simulation.steps,
         "handoff_failures": simulation.handoff_failures,
+        "prefix_cache": None
+        if reuse is None
+        else {
+            "prompt_tokens": reuse.prompt_tokens,
+            "cached_tokens": reuse.cached_tokens,
+            "hit_rate": reuse.hit_rate,
+        },
         **summary,
     }

@@ -2,7 +2,8 @@
 engine's thread drives it. Commands that arrive while a step runs wait for its end;
 between steps they are applied in arrival order, leases and queued requests past
 their deadlines expire, and the next step runs if any request waits or runs. A
-step's outputs reach the pool when the step ends, at the time its profile gives."""
+step's outputs reach the pool when the step ends, at the time its profile gives, and
+so do the prefix-cache events the step produced (to the router's index, `feed`)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from pdserve.workers.engine.engine import LLMEngine, StepResult
 from pdserve.workers.engine.isolation import RequestFailedError
 from pdserve.workers.engine.runner import resolve_kv_dtype
 from pdserve.workers.engine.stats import RequestOutput
-from pdserve.workers.plan.costs import StepCost
+from pdserve.workers.plan.costs import ServingOverhead, StepCost
 from pdserve.workers.plan.events import EventQueue, SimClock
+from pdserve.workers.plan.routing import KVFeed
 from pdserve.workers.plan.runner import runner_factory
 from pdserve.workers.server.load import LoadTracker
 
@@ -34,7 +36,7 @@ class SimWorker:
         role: str,
         config: EngineConfig,
         model: ModelConfig,
-        cost: StepCost,
+        cost: tuple[StepCost, ServingOverhead],
         events: EventQueue,
         queue_timeout_s: float | None,
         on_step: Callable[[SimWorker, StepResult, float], None],
@@ -42,12 +44,13 @@ class SimWorker:
         self.url = url
         self.role = role
         self.clock = SimClock()
-        self.engine = LLMEngine(config, model, runner_factory(self.clock, cost), self.clock)
+        self.engine = LLMEngine(config, model, runner_factory(self.clock, *cost), self.clock)
         self.load = LoadTracker(self.engine, role)
         self.events = events
         self.queue_timeout_s = queue_timeout_s
         self.on_step = on_step
         self.num_steps = 0
+        self.feed: KVFeed | None = None  # its prefix cache in the router's index
         itemsize = resolve_kv_dtype(config, model).itemsize
         # Bytes of KV one block holds across all layers: what a hand-off sends per block.
         self.block_bytes = (
@@ -75,6 +78,7 @@ class SimWorker:
         outputs: list[RequestOutput] = []
         for command in self._drain():
             outputs += command(self.engine)
+        self._publish()
         self.engine.expire_leases()
         failed = [
             RequestFailedError(request_id, TimeoutError("waited too long in the queue"))
@@ -115,8 +119,13 @@ class SimWorker:
         commands, self._commands = self._commands, []
         return commands
 
+    def _publish(self) -> None:
+        if self.feed is not None:
+            self.feed.sync()
+
     def _step_ended(self, result: StepResult, now: float) -> None:
         self._stepping = False
+        self._publish()
         self.load.on_step(result)
         self.on_step(self, result, now)
         self._loop(now)

@@ -112,6 +112,16 @@ class KVIndex:
                 else:
                     self._masks[key] = mask & ~slot.bit
 
+    def apply(self, worker: str, kind: str, keys: Sequence[BlockKey]) -> None:
+        """One event of `worker`'s feed: `keys` stored or removed, or all cleared.
+        IndexFullError as `store`."""
+        if kind == "stored":
+            self.store(worker, keys)
+        elif kind == "removed":
+            self.remove(worker, keys)
+        else:
+            self.clear(worker)
+
     def clear(self, worker: str) -> None:
         """`worker` dropped every block (it stays indexed, holding none)."""
         slot = self._slots.get(worker)

@@ -20,14 +20,14 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from pdserve.protocol.routing import Mode, RoutingTable
+from pdserve.protocol.routing import Mode, Role, RoutingTable
 from pdserve.workers.engine.kv_events import prefix_hashes
-from pdserve.workers.router.kv_index import BlockKey, block_key
+from pdserve.workers.router.kv_index import BlockKey, KVIndex, block_key
 from pdserve.workers.router.kv_metrics import KVRoutingMetrics
-from pdserve.workers.router.kv_subscriber import KVFeeds
 from pdserve.workers.router.workers import KV_NEARLY_FULL, Worker, WorkerSet
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,16 @@ class KVPrompt:
         return cls(tuple(block_key(h) for h in hashes), len(token_ids), table)
 
 
+class KVIndexes(Protocol):
+    """Where the index of each role is kept: the router's feeds (`KVFeeds`), or a
+    simulated pool's router."""
+
+    @property
+    def indexes(self) -> Mapping[Role, KVIndex]:
+        """The index of each role."""
+        ...
+
+
 @dataclass(frozen=True)
 class KVChoice:
     """A worker chosen, the prompt tokens it holds, and why it was chosen."""
@@ -66,7 +76,7 @@ class KVScorer:
 
     def __init__(
         self,
-        feeds: KVFeeds,
+        feeds: KVIndexes,
         metrics: KVRoutingMetrics,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

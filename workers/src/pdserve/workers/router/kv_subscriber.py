@@ -197,12 +197,7 @@ class Subscription:
             hashes = event.hashes[len(event.hashes) - (event.seq - seq) :]
             keys = [block_key(bytes.fromhex(text)) for text in hashes]
             try:
-                if event.kind == "stored":
-                    self.index.store(self.url, keys)
-                elif event.kind == "removed":
-                    self.index.remove(self.url, keys)
-                else:
-                    self.index.clear(self.url)
+                self.index.apply(self.url, event.kind, keys)
             except IndexFullError as error:
                 log.warning("KV index of %s: %s; reading it again", self.url, error)
                 raise _Resync("overflow") from error

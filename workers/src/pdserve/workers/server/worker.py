@@ -91,15 +91,24 @@ def token_budget_config(options: WorkerOptions) -> TokenBudgetConfig:
     )
 
 
+def torch_threads(options: WorkerOptions) -> int | None:
+    """The torch threads a worker computes with (None: torch's own choice).
+
+    One by default on CPU: a worker shares the cores with the router, other workers
+    and clients, and OpenMP threads that spin while others hold the cores make every
+    step many times slower. Give --threads to use more."""
+    if options.threads or options.device == "cpu":
+        return options.threads or 1
+    return None
+
+
 def build_server(options: WorkerOptions, limits: RequestLimits) -> WorkerServer:
     """Load the model and tokenizer and assemble the server (not yet listening)."""
     import torch
 
-    # One thread by default on CPU: a worker shares the cores with the router, other
-    # workers and clients, and OpenMP threads that spin while others hold the cores
-    # make every step many times slower. Give --threads to use more.
-    if options.threads or options.device == "cpu":
-        torch.set_num_threads(options.threads or 1)
+    threads = torch_threads(options)
+    if threads is not None:
+        torch.set_num_threads(threads)
     token_file = options.internal_token_file
     credential = read_credential(token_file) if token_file is not None else None
     prefill_peers = PrefillAllowList(options.prefill_peer, options.prefill_peers_file)
