@@ -126,8 +126,11 @@ def test_planner_decisions_from_prometheus_reach_the_deployment_and_the_status(
                 pool = get_pool(cluster, namespace, "chat")
             decided = pool["status"]["autoscaling"]
             assert decided["decode"]["replicas"] >= 2
-            # Under the load the planner goes on adding workers up to maxReplicas (3).
-            assert decided["decode"]["reason"] in ("ITLAboveTarget", "AtMaxReplicas")
+            # Under the load the planner goes on adding workers up to maxReplicas (3), or
+            # holds while the worker it added starts (slow on a loaded machine); why it
+            # scaled up is the ScaledUp Event's, checked below.
+            reasons = ("ITLAboveTarget", "AtMaxReplicas", "WaitingForReplicas")
+            assert decided["decode"]["reason"] in reasons
             assert decided["decode"]["lastScaleTime"]
             assert decided["inputs"]["itlSeconds"] >= STALL_S
             assert condition(pool, "ScalingActive")["status"] == "True"
