@@ -28,9 +28,10 @@ from typing import Any
 import aiohttp
 
 from pdserve.operator import api, metrics, render
-from pdserve.operator.controller.reconcile import Reconciler, Recorder
+from pdserve.operator.controller.reconcile import Reconciler
 from pdserve.operator.controller.resync import PoolKey, Resync, pool_key
 from pdserve.operator.controller.status import ScalingReport
+from pdserve.operator.rollout.events import Recorder
 from pdserve.operator.scaling import planner
 from pdserve.operator.scaling.promql import PoolQueries
 from pdserve.operator.scaling.round import (
