@@ -32,6 +32,7 @@ from pdserve.operator.controller.kube import ApiError, KubeClient
 from pdserve.operator.controller.reconcile import Reconciler
 from pdserve.operator.controller.resync import PoolKey, Resync, pool_key
 from pdserve.operator.rollout import changes, decision, manual
+from pdserve.operator.rollout import events as rollout_events
 from pdserve.operator.rollout.decision import Analysis
 from pdserve.operator.rollout.events import Recorder
 from pdserve.operator.scaling.prometheus import Prometheus
@@ -92,8 +93,9 @@ def next_status(
 ) -> api.RolloutStatus | None:
     """The rollouts after a round (pure): each role in progress decided on its
     analysis (used only if made for the canary and step still in force) and the
-    command. A wait for the reason already recorded changes nothing (messages carry
-    live figures: rewriting them every round would be a write per round)."""
+    command. A wait changes nothing when the step's last decision is a promotion (it
+    stays what the status says moved the rollout) or a wait for the same reason
+    (messages carry live figures: rewriting them would be a write per round)."""
     if rollout is None:
         return None
     roles: dict[str, api.RoleRolloutStatus | None] = {}
@@ -114,13 +116,11 @@ def next_status(
 
 def _same_wait(old: api.RoleRolloutStatus, new: api.RoleRolloutStatus) -> bool:
     before, after = old.last_decision, new.last_decision
-    return (
-        after is not None
-        and after.action == "wait"
-        and before is not None
-        and (before.action, before.reason) == (after.action, after.reason)
-        and (old.phase, old.step) == (new.phase, new.step)
-    )
+    if after is None or after.action != "wait" or before is None:
+        return False
+    if (old.phase, old.step) != (new.phase, new.step):
+        return False
+    return before.action != "wait" or before.reason == after.reason
 
 
 @dataclass
@@ -163,6 +163,8 @@ class Rollouts:
         if pool["metadata"].get("deletionTimestamp"):
             self.forget(key)
             return
+        # The gauges hold from the status (after a restart, before any decision).
+        rollout_events.observe(key[0], key[1], self._reconciler.status_of(pool).rollout)
         loop = self._loops.get(key)
         if loop is None:
             loop = self._loops[key] = _Loop(pool)
