@@ -121,7 +121,7 @@ def test_a_rollback_is_a_warning_with_its_figures_and_counted() -> None:
     after = next_status(spec(), before, {"decode": ("decode-bbbbbbbbbb", 0, analysis)}, None, T0)
     recorder = Recorded()
     pool = {"metadata": {"namespace": "ns", "name": "events-pool"}}
-    labels = {"namespace": "ns", "pool": "events-pool", "role": "decode"}
+    labels = {"pool_namespace": "ns", "pool": "events-pool", "role": "decode"}
     counted = {**labels, "action": "rollback", "reason": "itlOverTarget"}
     assert metrics.ROLLOUT_DECISIONS.labels(**counted)._value.get() == 0
     events.announce(recorder, pool, before, after)

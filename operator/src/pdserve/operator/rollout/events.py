@@ -64,7 +64,7 @@ def announce(
         if decision.action == "wait" and decision.reason != "Started":
             continue
         metrics.ROLLOUT_DECISIONS.labels(
-            namespace=namespace, pool=name, role=role, action=decision.action,
+            pool_namespace=namespace, pool=name, role=role, action=decision.action,
             reason=decision.reason,
         ).inc()  # fmt: skip
         post = recorder.warning if decision.action in REFUSALS else recorder.normal
