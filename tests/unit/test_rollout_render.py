@@ -283,3 +283,25 @@ def test_status_counts_a_role_over_its_revisions() -> None:
     assert status.decode == api.RoleStatus(desired_replicas=4, ready_replicas=4)
     assert status.phase == "Ready"
     assert json.dumps(api.dump(status))  # serialisable as the status patch
+
+
+def test_an_autoscaler_scales_the_stable_revision() -> None:
+    hpa = {"enabled": True, "policy": {"type": "hpa"}}
+    patch = {"spec": {"decode": {"replicas": 4, "rollout": CANARY}, "autoscaling": hpa,
+                      "slo": {"ttft": {"seconds": 1}, "itl": {"seconds": 0.1}}}}  # fmt: skip
+    old = api.parse_pool(merged(example("tiny-colocated"), patch)).spec
+    new = old.model_copy(update={"image": "pdserve:0.2.0"})
+
+    def target(objects: list[Obj]) -> str:
+        (scaler,) = [o for o in objects if o["kind"] == "HorizontalPodAutoscaler"]
+        name: str = scaler["spec"]["scaleTargetRef"]["name"]
+        return name
+
+    assert target(render.render("tiny", NS, old)) == f"tiny-{revision(old)}"
+    rollout = changed(old, new)
+    live = deployments(render.render("tiny", NS, old))
+    objects = render.render("tiny", NS, new, rollout=rollout, live=live)
+    assert target(objects) == f"tiny-{revision(old)}"
+    found = deployments(objects)
+    assert "replicas" not in found[f"tiny-{revision(old)}"]["spec"]  # the HPA's
+    assert found[f"tiny-{revision(new)}"]["spec"]["replicas"] == 1  # 25% of the spec's 4

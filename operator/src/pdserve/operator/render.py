@@ -894,13 +894,19 @@ def worker_deployments(
 
 
 def scaled_deployment(
-    pool: str, spec: api.ServingPoolSpec, role: api.Role, rollout: api.RolloutStatus | None
+    pool: str,
+    namespace: str,
+    spec: api.ServingPoolSpec,
+    role: api.Role,
+    rollout: api.RolloutStatus | None,
 ) -> str:
     """The name of the Deployment an HPA or KEDA scales: the role's, or its stable
-    revision's."""
-    status = rollout.role(role) if rollout is not None else None
-    if not _canary(spec, role) or status is None:
+    revision's (the spec's before any rollout status)."""
+    if not _canary(spec, role):
         return object_name(pool, role)
+    status = rollout.role(role) if rollout is not None else None
+    if status is None:
+        return revision_deployment_name(pool, worker_revision(pool, namespace, spec, role))
     return revision_deployment_name(pool, status.stable_revision)
 
 
@@ -943,7 +949,7 @@ def render(
         objects.append(service_monitor(pool, namespace, spec))
     if external:
         for role in roles:
-            target = scaled_deployment(pool, spec, role, rollout)
+            target = scaled_deployment(pool, namespace, spec, role, rollout)
             obj = scaler(pool, namespace, spec, role, prometheus_url, target)
             if obj is not None:
                 objects.append(obj)
