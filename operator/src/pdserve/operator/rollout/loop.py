@@ -15,20 +15,17 @@ on from the step and the step's start it finds there.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import importlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, cast
-
-import aiohttp
 
 from pdserve.operator import api
 from pdserve.operator.controller import kube
 from pdserve.operator.controller.kube import ApiError, KubeClient
+from pdserve.operator.controller.loops import PoolLoops
 from pdserve.operator.controller.reconcile import Reconciler
 from pdserve.operator.controller.resync import PoolKey, Resync, pool_key
 from pdserve.operator.rollout import changes, decision, manual
@@ -124,16 +121,17 @@ def _same_wait(old: api.RoleRolloutStatus, new: api.RoleRolloutStatus) -> bool:
 
 
 @dataclass
-class _Loop:
-    pool: Obj
-    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task[None] | None = None
-    acted: str | None = None  # the command record as this loop last wrote it
+class _Commands:
+    """What a pool's loop remembers of its manual commands."""
+
+    acted: str | None = None  # the record as this loop last wrote it
     warned: str | None = None  # the invalid value last warned about
 
 
-class Rollouts:
+class Rollouts(PoolLoops):
     """The rollout loops of every pool (see the module's doc)."""
+
+    name = "rollouts"
 
     def __init__(
         self,
@@ -146,6 +144,7 @@ class Rollouts:
         analyse: Analyse | None = None,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
+        super().__init__()
         self._reconciler = reconciler
         self._resync = resync
         self._client = client
@@ -153,70 +152,47 @@ class Rollouts:
         self._url = prometheus_url
         self._analyse = analyse if analyse is not None else module_analyser()
         self._clock = clock
-        self._loops: dict[PoolKey, _Loop] = {}
-        self._session: aiohttp.ClientSession | None = None
+        self._commands: dict[PoolKey, _Commands] = {}
 
     def track(self, pool: Obj) -> None:
-        """Follow a pool (from its watch events): start its loop, or give it the pool's
-        latest state; a new spec, command or rollout status wakes it."""
+        """Follow a pool; its rollout gauges hold from its status (after a restart,
+        before any decision)."""
         key = pool_key(pool)
-        if pool["metadata"].get("deletionTimestamp"):
-            self.forget(key)
-            return
-        # The gauges hold from the status (after a restart, before any decision).
         rollout_events.observe(key[0], key[1], self._reconciler.status_of(pool).rollout)
-        loop = self._loops.get(key)
-        if loop is None:
-            loop = self._loops[key] = _Loop(pool)
-            loop.task = asyncio.create_task(self._run(key), name=f"rollouts {key[0]}/{key[1]}")
-            return
-        if _fingerprint(pool) != _fingerprint(loop.pool):
-            loop.wakeup.set()
-        loop.pool = pool
+        super().track(pool)
+
+    def wakes(self, old: Obj, new: Obj) -> bool:
+        """A new spec, command or rollout status is acted on at once."""
+        return _fingerprint(old) != _fingerprint(new)
 
     def forget(self, key: PoolKey) -> None:
         """Stop a deleted pool's loop."""
-        loop = self._loops.pop(key, None)
-        if loop is not None and loop.task is not None:
-            loop.task.cancel()
+        super().forget(key)
+        self._commands.pop(key, None)
 
-    async def close(self) -> None:
-        """Stop every loop and close the connections to Prometheus."""
-        tasks = [loop.task for loop in self._loops.values() if loop.task is not None]
-        self._loops.clear()
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        if self._session is not None:
-            await self._session.close()
-
-    async def _run(self, key: PoolKey) -> None:
-        while (loop := self._loops.get(key)) is not None:
-            loop.wakeup.clear()
-            interval = IDLE_SECONDS
+    async def run(self, key: PoolKey) -> None:
+        """A pool's rounds: every ROUND_SECONDS while a rollout is in progress."""
+        while (loop := self.loop(key)) is not None:
             try:
-                interval = await self.round(loop)
+                interval = await self.round(loop.pool)
             except ApiError as error:
                 log.warning("%s/%s: rollout round: %s", *key, error)
                 interval = ROUND_SECONDS
             except Exception:  # a bug must not end the loop
                 log.exception("%s/%s: rollout round", *key)
                 interval = ROUND_SECONDS
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(loop.wakeup.wait(), interval)
+            await self.sleep(loop, interval)
 
-    async def round(self, loop: _Loop) -> float:
+    async def round(self, pool: Obj) -> float:
         """One round for one pool; the seconds until the next."""
-        pool = loop.pool
+        commands = self._commands.setdefault(pool_key(pool), _Commands())
         try:
             spec = api.parse_spec(pool["spec"])
         except api.InvalidPoolError:
             return IDLE_SECONDS  # the pool's own handler says why
         rollout = self._reconciler.status_of(pool).rollout
         annotations = pool["metadata"].get("annotations") or {}
-        wanted = manual.pending(annotations, loop.acted)
+        wanted = manual.pending(annotations, commands.acted)
         active = changes.in_progress(rollout)
         now = self._clock().replace(microsecond=0)
         analyses = await self._analyses(pool, spec, rollout, active, now)
@@ -228,7 +204,7 @@ class Rollouts:
         if active and await self._reconciler.update_rollout(pool, update):
             self._resync.soon(pool_key(pool), "rollout")
         if wanted.changed:
-            await self._record(loop, wanted)
+            await self._record(pool, commands, wanted)
         return ROUND_SECONDS if active else IDLE_SECONDS
 
     async def _analyses(
@@ -244,14 +220,12 @@ class Rollouts:
         url = spec.autoscaling.policy.prometheus_url or self._url
         if rollout is None or url is None or self._analyse is None:
             return found
-        if self._session is None:
-            self._session = aiohttp.ClientSession()
         meta = pool["metadata"]
         for role in roles:
             status = rollout.role(role)
             assert status is not None
             request = AnalysisRequest(
-                Prometheus(url, self._session), meta["name"], meta["namespace"], role,
+                Prometheus(url, self.session()), meta["name"], meta["namespace"], role,
                 status, spec, now,
             )  # fmt: skip
             try:
@@ -262,12 +236,11 @@ class Rollouts:
             found[role] = (status.canary_revision, status.step, analysis)
         return found
 
-    async def _record(self, loop: _Loop, wanted: manual.Pending) -> None:
+    async def _record(self, pool: Obj, commands: _Commands, wanted: manual.Pending) -> None:
         """Record the command acted on (or its removal) on the pool."""
-        pool = loop.pool
         meta = pool["metadata"]
-        if wanted.invalid is not None and wanted.invalid != loop.warned:
-            loop.warned = wanted.invalid
+        if wanted.invalid is not None and wanted.invalid != commands.warned:
+            commands.warned = wanted.invalid
             self._recorder.warning(
                 pool, "InvalidRolloutCommand",
                 f"{manual.ANNOTATION}={wanted.invalid!r}: expected promote or abort",
@@ -276,7 +249,7 @@ class Rollouts:
             kube.SERVING_POOL, meta["namespace"], meta["name"],
             {manual.ACTED_ANNOTATION: wanted.record},
         )  # fmt: skip
-        loop.acted = wanted.record
+        commands.acted = wanted.record
 
 
 def _fingerprint(pool: Mapping[str, Any]) -> tuple[object, ...]:
