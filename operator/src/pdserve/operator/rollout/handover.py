@@ -97,10 +97,11 @@ def kept_deployments(
 
 
 def expected_counts(desired: Iterable[Obj]) -> dict[api.Role, dict[str, int | None]]:
-    """Each role's rendered Deployments and their replicas (None: an autoscaler's)."""
+    """Each canary role's rendered Deployments (one per revision) and their replicas
+    (None: an autoscaler's); a replace role's `<pool>-<role>` is counted as ever."""
     counts: dict[api.Role, dict[str, int | None]] = {}
     for obj in desired:
         role = role_of(obj)
-        if role is not None:
+        if role is not None and REVISION_LABEL in obj["metadata"].get("labels", {}):
             counts.setdefault(role, {})[obj["metadata"]["name"]] = obj["spec"].get("replicas")
     return counts
