@@ -116,13 +116,14 @@ def test_short_name_and_printer_columns(crd_ready: Cluster) -> None:
     patch = ["--subresource=status", "--type=merge", "-p", json.dumps(status)]
     crd_ready.kubectl("patch", "sp", "tiny", "-n", NAMESPACE, *patch)
     header, row = crd_ready.kubectl("get", "sp", "tiny", "-n", NAMESPACE).stdout.splitlines()
-    assert header.split() == ["NAME", "MODEL", "PREFILL", "DECODE", "PHASE", "AGE"]
+    assert header.split() == ["NAME", "MODEL", "PREFILL", "DECODE", "PHASE", "ROLLOUT", "AGE"]
     assert columns(header, row) == {
         "NAME": "tiny",
         "MODEL": "tiny-llama",
         "PREFILL": "",  # a colocated pool has no prefill workers
         "DECODE": "1/2",
         "PHASE": "Progressing",
+        "ROLLOUT": "",  # no rollout yet
         "AGE": columns(header, row)["AGE"],
     }
     # The status subresource keeps spec writes from touching status and vice versa.

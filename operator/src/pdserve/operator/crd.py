@@ -35,6 +35,12 @@ PRINTER_COLUMNS: tuple[Schema, ...] = (
         "description": "Ready/desired decode workers",
     },
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {
+        "name": "Rollout",
+        "type": "string",
+        "jsonPath": ".status.rollout.phase",
+        "description": "The most pressing of the roles' rollouts",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     {
         "name": "Endpoint",

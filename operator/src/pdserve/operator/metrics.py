@@ -3,7 +3,9 @@
 Label sets stay small: `trigger` is what started a reconcile (create, update, resume,
 child: an owned object changed, retry: a write was refused, resync: the periodic
 resync), `reason` a short error class, `verb` and `resource` the operator's API
-requests. No label names a pool: deleting one leaves no series behind.
+requests. No label names a pool, but for the rollouts' (`pdserve_rollout_*`, the same
+names a local pool exports; `pool_namespace` is the pool's namespace, as `namespace`
+is the operator's own once Prometheus scrapes it): a deleted pool's gauges go.
 """
 
 from __future__ import annotations
@@ -53,6 +55,25 @@ SCALING_DECISIONS = Counter(
     "pdserve_operator_scaling_decisions_total",
     "Replica changes the planner decided, by role, direction (up, down) and reason.",
     ["role", "direction", "reason"],
+)
+
+ROLLOUT_DECISIONS = Counter(
+    "pdserve_rollout_decisions_total",
+    "Rollout decisions other than waiting, by pool, role, action (promote, complete, "
+    "rollback, abort; wait for a rollout's start) and reason (the rollback condition "
+    "that fired, or why).",
+    ["pool_namespace", "pool", "role", "action", "reason"],
+)
+ROLLOUT_WEIGHT = Gauge(
+    "pdserve_rollout_weight",
+    "Percent of a role's requests each of its revisions takes (the stable revision "
+    "100 once no rollout is in progress).",
+    ["pool_namespace", "pool", "role", "revision"],
+)
+ROLLOUT_STEP = Gauge(
+    "pdserve_rollout_step",
+    "The step a role's rollout is at, from 1 (0: no rollout in progress).",
+    ["pool_namespace", "pool", "role"],
 )
 
 POOLS = Gauge(

@@ -16,7 +16,9 @@ Objects, in apply order (a role with 0 replicas, or without a pool, has none):
   NetworkPolicy   <pool>-workers    only the pool's pods (and a named monitoring
                                     namespace, on the http port) reach the workers;
                                     the workers reach only the pool's pods and DNS
-  Deployment      <pool>-prefill, <pool>-decode, <pool>-router
+  Deployment      <pool>-prefill, <pool>-decode, <pool>-router; a role whose
+                  rollout strategy is canary has one Deployment per revision
+                  instead, <pool>-<revision> (see "Revisions" below)
   PodDisruptionBudget (maxUnavailable 1) per Deployment
   ServiceMonitor  <pool>            when spec.monitoring.serviceMonitor.enabled
   HorizontalPodAutoscaler or ScaledObject <pool>-prefill, <pool>-decode
@@ -30,6 +32,16 @@ and the router and workers mount.
 
 routing.json (the router's `--config`): `pdserve.protocol.routing.RoutingTable`, the one
 schema the router parses (published as docs/routing.schema.json).
+
+Revisions: a role with the canary strategy names what its pods run
+(`worker_revision`: a digest of the pod template); its Deployments are named by
+revision, their pods labelled `pdserve.dev/revision` and started with `--revision`.
+While a rollout is in progress (`status.rollout`) the role has two Deployments, the
+stable revision's and the canary's, with the workers of the rollout's step, and the
+routing table splits the role's requests between them by the step's weight. The
+stable revision is no longer what the spec says: its Deployment keeps the pod
+template it runs (`live`), only its replica count is rendered. A role with the
+replace strategy renders exactly `<pool>-<role>`, as if rollouts did not exist.
 
 Command lines come from `worker_args` and `router_args` with a `Wiring`: where the
 processes listen and find each other, in the cluster (`cluster_wiring`) or on one
@@ -45,6 +57,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pdserve.operator import api
+from pdserve.operator.rollout import decision
+from pdserve.operator.rollout.revision import revision_name
 from pdserve.operator.scaling import scalers
 from pdserve.protocol import routing
 
@@ -64,6 +78,7 @@ TMP_DIR = "/tmp"
 HOME_DIR = "/home/pdserve"
 ROUTING_HASH_ANNOTATION = "pdserve.dev/routing-hash"
 POOL_LABEL = "pdserve.dev/pool"
+REVISION_LABEL = "pdserve.dev/revision"
 MANAGER = "pdserve-operator"
 RUN_AS = 1000
 ROLES = api.ROLES
@@ -229,12 +244,14 @@ def routing_table(
     namespace: str,
     spec: api.ServingPoolSpec,
     discovery: Mapping[str, Any] | None = None,
+    revisions: routing.Revisions | None = None,
 ) -> routing.RoutingTable:
     """The router's configuration, validated as the router will read it.
 
     Discovery defaults to the pool's headless Services; the local backend passes its
     own (e.g. static URLs). Replica counts are not part of it: scaling a role leaves
-    the router alone.
+    the router alone. `revisions` is the rollouts' split of each role's requests
+    (`revision_weights`; none: no split).
     """
     if discovery is None:
         services = {"decode": object_name(pool, "decode")}
@@ -263,7 +280,27 @@ def routing_table(
         "slo": _slo(spec.slo),
         "discovery": dict(discovery),
     }
+    if revisions is not None:
+        table["revisions"] = revisions.model_dump(mode="json", by_alias=True)
     return routing.RoutingTable.model_validate(table, by_name=False)
+
+
+def revision_weights(
+    spec: api.ServingPoolSpec, rollout: api.RolloutStatus | None
+) -> routing.Revisions:
+    """Each role's split between its stable and canary revisions while a canary
+    rollout is in progress: the step's weight to the canary, the rest to the stable
+    revision (so they add up to 100). An ended rollout splits nothing."""
+    split: dict[str, list[dict[str, Any]]] = {}
+    for role in ROLES:
+        status = rollout.role(role) if rollout is not None else None
+        if _canary(spec, role) and status is not None and _in_progress(status):
+            assert status.canary_revision is not None
+            split[role] = [
+                {"name": status.stable_revision, "weight": 100 - status.weight},
+                {"name": status.canary_revision, "weight": status.weight},
+            ]
+    return routing.Revisions.model_validate(split)
 
 
 def _slo(slo: api.SloSpec | None) -> Obj:
@@ -279,6 +316,15 @@ def _slo(slo: api.SloSpec | None) -> Obj:
 def routing_json(table: routing.RoutingTable) -> str:
     """The routing table as the bytes stored in the ConfigMap."""
     return routing.dump_table(table)
+
+
+def routing_digest(table: routing.RoutingTable) -> str:
+    """What rolls the router's pods when the table changes: everything but the
+    revisions' weights, which a rollout changes at every step and the router reads
+    from its file as it changes (restarting every router at each step would cut
+    their streams for nothing)."""
+    unsplit = table.model_copy(update={"revisions": routing.Revisions()})
+    return hashlib.sha256(routing_json(unsplit).encode()).hexdigest()[:16]
 
 
 # --- pods ------------------------------------------------------------------------------
@@ -444,27 +490,45 @@ def _deployment(
         "kubectl.kubernetes.io/default-container": component,
         **annotations,
     }
+    template = {"metadata": template_meta, "spec": pod}
+    return _deployment_of(pool, namespace, component, replicas, template)
+
+
+def _deployment_of(
+    pool: str,
+    namespace: str,
+    component: Component,
+    replicas: int | None,
+    template: Obj,
+    revision: str | None = None,
+) -> Obj:
+    """A Deployment of a pod template; with a revision, the Deployment of that
+    revision of a role: named after it and selecting only its pods."""
+    name, object_labels = object_name(pool, component), labels(pool, component)
+    selector = selector_labels(pool, component)
+    if revision is not None:
+        name = revision_deployment_name(pool, revision)
+        object_labels = {**object_labels, REVISION_LABEL: revision}
+        selector = {**selector, REVISION_LABEL: revision}
     counted = {} if replicas is None else {"replicas": replicas}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(object_name(pool, component), namespace, labels(pool, component)),
+        "metadata": _meta(name, namespace, object_labels),
         "spec": {
             **counted,
-            "selector": {"matchLabels": selector_labels(pool, component)},
+            "selector": {"matchLabels": selector},
             "strategy": {
                 "type": "RollingUpdate",
                 "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
             },
-            "template": {"metadata": template_meta, "spec": pod},
+            "template": template,
         },
     }
 
 
-def worker_deployment(
-    pool: str, namespace: str, spec: api.ServingPoolSpec, role: api.Role, replicas: int | None
-) -> Obj:
-    """The Deployment of one role's workers (`replicas` None: an HPA or KEDA sets it).
+def _worker_template(pool: str, namespace: str, spec: api.ServingPoolSpec, role: api.Role) -> Obj:
+    """The pod template of a role's workers (without a revision).
 
     A worker told to stop (SIGTERM) drains: readiness fails, it takes no new requests
     and ends those in flight and its KV hand-offs. The preStop pause lets the router
@@ -494,7 +558,46 @@ def worker_deployment(
     pod["automountServiceAccountToken"] = False  # workers never call the API server
     grace = PRE_STOP_SECONDS + workers.drain_seconds + EXIT_MARGIN_SECONDS
     pod["terminationGracePeriodSeconds"] = grace
-    return _deployment(pool, namespace, role, replicas, pod, _scrape_annotations(spec))
+    annotations = {"kubectl.kubernetes.io/default-container": role, **_scrape_annotations(spec)}
+    return {"metadata": {"labels": labels(pool, role), "annotations": annotations}, "spec": pod}
+
+
+def worker_revision(pool: str, namespace: str, spec: api.ServingPoolSpec, role: api.Role) -> str:
+    """The revision of a role's workers: `<role>-<digest>` of their pod template
+    (command line, image, environment, resources, volumes, placement), never of how
+    many run."""
+    return revision_name(role, _worker_template(pool, namespace, spec, role))
+
+
+def revision_deployment_name(pool: str, revision: str) -> str:
+    """The Deployment of one revision of a role: <pool>-<role>-<digest>."""
+    return f"{pool}-{revision}"
+
+
+def worker_deployment(
+    pool: str,
+    namespace: str,
+    spec: api.ServingPoolSpec,
+    role: api.Role,
+    replicas: int | None,
+    revision: str | None = None,
+) -> Obj:
+    """The Deployment of one role's workers (`replicas` None: an HPA or KEDA sets it);
+    with `revision` (the role's `worker_revision`), that revision's Deployment, its
+    pods labelled with it and started with `--revision`."""
+    template = _worker_template(pool, namespace, spec, role)
+    if revision is not None:
+        template["metadata"]["labels"][REVISION_LABEL] = revision
+        template["spec"]["containers"][0]["args"] += ["--revision", revision]
+    return _deployment_of(pool, namespace, role, replicas, template, revision)
+
+
+def kept_deployment(
+    pool: str, namespace: str, role: api.Role, revision: str, replicas: int | None, live: Obj
+) -> Obj:
+    """The Deployment of a revision the spec no longer describes (the stable one
+    during a rollout, or after a rollback): the pod template it runs, at `replicas`."""
+    return _deployment_of(pool, namespace, role, replicas, live["spec"]["template"], revision)
 
 
 def router_deployment(
@@ -520,8 +623,7 @@ def router_deployment(
     container = _container("router", spec, args, env, _resources(spec.router), mounts)
     pod = _pod_spec(spec.router, container, volumes)
     pod["serviceAccountName"] = object_name(pool, "router")
-    digest = hashlib.sha256(routing_json(table).encode()).hexdigest()[:16]
-    annotations = {ROUTING_HASH_ANNOTATION: digest, **_scrape_annotations(spec)}
+    annotations = {ROUTING_HASH_ANNOTATION: routing_digest(table), **_scrape_annotations(spec)}
     return _deployment(pool, namespace, "router", spec.router.replicas, pod, annotations)
 
 
@@ -675,20 +777,27 @@ def service_monitor(pool: str, namespace: str, spec: api.ServingPoolSpec) -> Obj
 
 
 def scaler(
-    pool: str, namespace: str, spec: api.ServingPoolSpec, role: api.Role, prometheus_url: str | None
+    pool: str,
+    namespace: str,
+    spec: api.ServingPoolSpec,
+    role: api.Role,
+    prometheus_url: str | None,
+    target: str | None = None,
 ) -> Obj | None:
-    """The HorizontalPodAutoscaler or KEDA ScaledObject of a role (see scalers.py); None
-    for KEDA without a Prometheus to ask."""
+    """The HorizontalPodAutoscaler or KEDA ScaledObject of a role (see scalers.py),
+    scaling the Deployment `target` (default: the role's); None for KEDA without a
+    Prometheus to ask."""
     name = object_name(pool, role)
+    deployment = target or name
     meta = _meta(name, namespace, labels(pool, role))
     if spec.autoscaling.policy.type == "hpa":
-        body = scalers.hpa_spec(pool, namespace, spec, role, name)
+        body = scalers.hpa_spec(pool, namespace, spec, role, deployment)
         return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
                 "metadata": meta, "spec": body}  # fmt: skip
     url = spec.autoscaling.policy.prometheus_url or prometheus_url
     if url is None:
         return None
-    body = scalers.scaled_object_spec(pool, namespace, spec, role, name, url)
+    body = scalers.scaled_object_spec(pool, namespace, spec, role, deployment, url)
     return {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": meta,
             "spec": body}  # fmt: skip
 
@@ -728,6 +837,82 @@ def rendered_roles(spec: api.ServingPoolSpec, counts: Mapping[Component, int]) -
     ]
 
 
+def _canary(spec: api.ServingPoolSpec, role: api.Role) -> bool:
+    workers = spec.pool(role)
+    return workers is not None and workers.rollout.type == "canary"
+
+
+def _in_progress(status: api.RoleRolloutStatus) -> bool:
+    return status.phase in decision.ACTIVE and status.canary_revision is not None
+
+
+def worker_deployments(
+    pool: str,
+    namespace: str,
+    spec: api.ServingPoolSpec,
+    role: api.Role,
+    replicas: int | None,
+    rollout: api.RoleRolloutStatus | None = None,
+    live: Mapping[str, Obj] | None = None,
+) -> list[Obj]:
+    """A role's Deployments: `<pool>-<role>` with the replace strategy; with canary,
+    one per revision: the stable and the canary's while a rollout is in progress
+    (the step's workers each), else the stable revision's alone. `live` holds the
+    live Deployments by name: a revision the spec no longer describes keeps the pod
+    template it runs there (absent there, it cannot be rendered: the spec's revision
+    takes its place)."""
+    if not _canary(spec, role):
+        return [worker_deployment(pool, namespace, spec, role, replicas)]
+    workers = spec.pool(role)
+    assert workers is not None
+    desired = worker_revision(pool, namespace, spec, role)
+    found = live or {}
+
+    def deployment(revision: str, count: int | None) -> Obj | None:
+        if revision == desired:
+            return worker_deployment(pool, namespace, spec, role, count, desired)
+        kept = found.get(revision_deployment_name(pool, revision))
+        if kept is None:
+            return None
+        return kept_deployment(pool, namespace, role, revision, count, kept)
+
+    if rollout is None:
+        return [worker_deployment(pool, namespace, spec, role, replicas, desired)]
+    if not _in_progress(rollout):
+        only = deployment(rollout.stable_revision, replicas)
+        return [only or worker_deployment(pool, namespace, spec, role, replicas, desired)]
+    assert rollout.canary_revision is not None
+    # An autoscaler (HPA, KEDA) scales the stable revision; the canary's share is of
+    # the spec's count.
+    total = workers.replicas if replicas is None else replicas
+    canary_count = decision.canary_workers(workers.rollout, rollout, total)
+    stable_count = None if replicas is None else decision.stable_workers(
+        workers.rollout, rollout, total
+    )  # fmt: skip
+    both = (
+        deployment(rollout.stable_revision, stable_count),
+        deployment(rollout.canary_revision, canary_count),
+    )
+    return [obj for obj in both if obj is not None]
+
+
+def scaled_deployment(
+    pool: str,
+    namespace: str,
+    spec: api.ServingPoolSpec,
+    role: api.Role,
+    rollout: api.RolloutStatus | None,
+) -> str:
+    """The name of the Deployment an HPA or KEDA scales: the role's, or its stable
+    revision's (the spec's before any rollout status)."""
+    if not _canary(spec, role):
+        return object_name(pool, role)
+    status = rollout.role(role) if rollout is not None else None
+    if status is None:
+        return revision_deployment_name(pool, worker_revision(pool, namespace, spec, role))
+    return revision_deployment_name(pool, status.stable_revision)
+
+
 def render(
     pool: str,
     namespace: str,
@@ -736,16 +921,19 @@ def render(
     *,
     prometheus_url: str | None = None,
     prometheus_namespace: str | None = None,
+    rollout: api.RolloutStatus | None = None,
+    live: Mapping[str, Obj] | None = None,
 ) -> list[Obj]:
     """Every object of a pool, in apply order. `replicas` overrides the spec's counts
     (the planner's decisions); `prometheus_url` is the Prometheus KEDA asks, and
     `prometheus_namespace` where the Prometheus scraping the pool runs, when the pool
-    names none."""
+    names none. `rollout` is the pool's `status.rollout` and `live` its live
+    Deployments by name (see `worker_deployments`)."""
     counts = desired_replicas(spec, replicas)
     roles = rendered_roles(spec, counts)
     external = externally_scaled(spec)
     with_router = counts["router"] > 0
-    table = routing_table(pool, namespace, spec)
+    table = routing_table(pool, namespace, spec, revisions=revision_weights(spec, rollout))
     objects: list[Obj] = []
     if with_router:
         objects += [routing_config_map(pool, namespace, table), *router_access(pool, namespace)]
@@ -753,14 +941,19 @@ def render(
     objects += [service(pool, namespace, c, spec) for c in components]
     if roles:
         objects.append(network_policy(pool, namespace, spec, prometheus_namespace))
-    objects += [
-        worker_deployment(pool, namespace, spec, r, None if external else counts[r]) for r in roles
-    ]
+    for role in roles:
+        count = None if external else counts[role]
+        status = rollout.role(role) if rollout is not None else None
+        objects += worker_deployments(pool, namespace, spec, role, count, status, live)
     if with_router:
         objects.append(router_deployment(pool, namespace, spec, table))
     objects += [pod_disruption_budget(pool, namespace, c) for c in components]
     if spec.monitoring.service_monitor.enabled:
         objects.append(service_monitor(pool, namespace, spec))
     if external:
-        objects += [obj for r in roles if (obj := scaler(pool, namespace, spec, r, prometheus_url))]
+        for role in roles:
+            target = scaled_deployment(pool, namespace, spec, role, rollout)
+            obj = scaler(pool, namespace, spec, role, prometheus_url, target)
+            if obj is not None:
+                objects.append(obj)
     return objects

@@ -27,6 +27,8 @@ from pdserve.operator.controller import kube
 from pdserve.operator.controller.kube import ApiError, Credentials, KubeClient
 from pdserve.operator.controller.reconcile import Reconciler
 from pdserve.operator.controller.resync import Resync, backoff
+from pdserve.operator.rollout import events as rollout_events
+from pdserve.operator.rollout.loop import Rollouts
 from pdserve.operator.scaling.autoscaler import Autoscaler
 
 Obj = dict[str, Any]
@@ -103,6 +105,12 @@ def resync(memo: Mapping[str, Any]) -> Resync:
     return found
 
 
+def rollouts(memo: Mapping[str, Any]) -> Rollouts:
+    """The pools' rollout loops that start-up put in the operator's memo."""
+    found: Rollouts = memo["rollouts"]
+    return found
+
+
 def autoscaler(memo: Mapping[str, Any]) -> Autoscaler:
     """The pools' autoscaler loops that start-up put in the operator's memo."""
     found: Autoscaler = memo["autoscaler"]
@@ -133,6 +141,9 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         found, client, namespaces=options.namespace, interval=options.resync_interval
     )
     memo["autoscaler"] = Autoscaler(found, loop, recorder, prometheus_url=options.prometheus_url)
+    memo["rollouts"] = Rollouts(
+        found, loop, client, recorder, prometheus_url=options.prometheus_url
+    )
     metrics.POOLS.set_function(lambda: len(found.tracked()))
     metrics.RETRIES_PENDING.set_function(loop.pending)
 
@@ -156,9 +167,11 @@ def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:
 
 @kopf.on.cleanup()
 async def stop(memo: kopf.Memo, **_: Any) -> None:
-    """Stop the autoscaler and resync loops; close the reconciler's connections."""
+    """Stop the autoscaler, rollout and resync loops; close the reconciler's connections."""
     if "autoscaler" in memo:
         await autoscaler(memo).close()
+    if "rollouts" in memo:
+        await rollouts(memo).close()
     if "resync" in memo:
         await resync(memo).close()
     if "reconciler" in memo:
@@ -224,16 +237,19 @@ async def pool_event(
 ) -> None:
     """Forget a deleted pool; start the resync loop once there is a pool to keep (a
     retry scheduled for a pool before its first event here waits for that); give the
-    autoscaler the pool's latest state."""
+    autoscaler and the rollout loop the pool's latest state."""
     if "resync" not in memo:
         return
     if type == "DELETED":
         reconciler(memo).forget(uid)
         resync(memo).forget((namespace or "", name))
         autoscaler(memo).forget((namespace or "", name))
+        rollouts(memo).forget((namespace or "", name))
+        rollout_events.forget(namespace or "", name)
     else:
         resync(memo).start()
         autoscaler(memo).track(plain(body))
+        rollouts(memo).track(plain(body))
 
 
 # --- children ------------------------------------------------------------------------------

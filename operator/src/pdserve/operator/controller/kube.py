@@ -382,6 +382,19 @@ class KubeClient:
             content_type=MERGE_CONTENT_TYPE,
         )
 
+    async def patch_annotations(
+        self, kind: Kind, namespace: str, name: str, annotations: Mapping[str, str | None]
+    ) -> None:
+        """Merge `annotations` into an object's (None values remove keys)."""
+        await self.request(
+            "PATCH",
+            kind.path(namespace, name),
+            verb="patch",
+            resource=kind.plural,
+            body={"metadata": {"annotations": dict(annotations)}},
+            content_type=MERGE_CONTENT_TYPE,
+        )
+
     async def serves(self, kind: Kind) -> bool:
         """Whether the cluster serves a kind (its CRD may be missing)."""
         answer = await self.request("GET", kind.root, verb="discover", resource=kind.plural)

@@ -10,17 +10,23 @@ nothing. One lock per pool keeps a pool's reconciles from interleaving.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from datetime import UTC, datetime
+from typing import Any
 
 from pdserve.operator import api, metrics, render
 from pdserve.operator.controller import drift, kube
 from pdserve.operator.controller import status as pool_status
 from pdserve.operator.controller.kube import ApiError, KubeClient
+from pdserve.operator.rollout import changes as revision_changes
+from pdserve.operator.rollout import events as rollout_events
+from pdserve.operator.rollout import handover
+from pdserve.operator.rollout.events import Recorder
 from pdserve.operator.scaling.round import planner_scales
 
 Obj = dict[str, Any]
@@ -29,16 +35,6 @@ Key = tuple[str, str]  # (kind, name)
 log = logging.getLogger(__name__)
 
 CREDENTIAL_CONFLICT = "SecretConflict"  # the reason of the condition naming it
-
-
-class Recorder(Protocol):
-    """Posts Kubernetes Events about a pool."""
-
-    def normal(self, pool: Mapping[str, Any], reason: str, message: str) -> None:
-        """An Event of type Normal."""
-
-    def warning(self, pool: Mapping[str, Any], reason: str, message: str) -> None:
-        """An Event of type Warning."""
 
 
 @dataclass
@@ -52,9 +48,12 @@ class _PoolState:
     generation: int | None = None  # the pool's generation the last reconcile applied
     # The planner's replica counts (None: not read from the status yet).
     replicas: dict[api.Role, int] | None = None
-    # The spec and rendered children of one generation and replica counts: child
-    # events need them often.
+    # The spec of one generation, and the rendered children of one generation,
+    # replica counts, rollout status and kept revisions: child events need them often.
+    spec: tuple[int | None, api.ServingPoolSpec] | None = None
     rendered: tuple[object, api.ServingPoolSpec, dict[Key, Obj]] | None = None
+    # The rollouts the last rendering was made for (written with the next status).
+    rollout: api.RolloutStatus | None = None
     # (generation, resourceVersion) of each child as the last write left it: tells
     # stale watch events and writes that changed nothing.
     written: dict[Key, tuple[int | None, str]] = field(default_factory=dict)
@@ -92,16 +91,35 @@ def desired_objects(
     replicas: Mapping[api.Role, int] | None = None,
     prometheus_url: str | None = None,
     prometheus_namespace: str | None = None,
+    rollout: api.RolloutStatus | None = None,
+    live: Mapping[str, Obj] | None = None,
 ) -> dict[Key, Obj]:
     """The pool's children as they should be: rendered (with the planner's replica
-    counts), owned, stamped with their hash."""
+    counts, the rollouts' revisions), owned, stamped with their hash."""
     meta = pool["metadata"]
     rendered = render.render(
         meta["name"], meta["namespace"], spec, replicas,
         prometheus_url=prometheus_url, prometheus_namespace=prometheus_namespace,
+        rollout=rollout, live=live,
     )  # fmt: skip
     objects = (drift.stamped(render.with_owner(obj, meta)) for obj in rendered)
     return {key_of(obj): obj for obj in objects}
+
+
+def labels_of(obj: Mapping[str, Any]) -> Mapping[str, str]:
+    """An object's labels."""
+    found: Mapping[str, str] = obj["metadata"].get("labels") or {}
+    return found
+
+
+def canary_revisions(pool: Mapping[str, Any], spec: api.ServingPoolSpec) -> dict[api.Role, str]:
+    """The revision each role with the canary strategy should run."""
+    meta = pool["metadata"]
+    return {
+        role: render.worker_revision(meta["name"], meta["namespace"], spec, role)
+        for role in render.ROLES
+        if (workers := spec.pool(role)) is not None and workers.rollout.type == "canary"
+    }
 
 
 def planned_replicas(pool: Mapping[str, Any]) -> dict[api.Role, int]:
@@ -135,8 +153,10 @@ class Reconciler:
         default_image: str | None = None,
         prometheus_url: str | None = None,
         prometheus_namespace: str | None = None,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         self._client = client
+        self._clock = clock
         self._recorder = recorder
         # The kinds of kube.OPTIONAL_KINDS the cluster serves (their CRDs are installed).
         self._served = [kind for kind in kube.OPTIONAL_KINDS if kind in served]
@@ -157,22 +177,48 @@ class Reconciler:
         return self._pools.setdefault(pool["metadata"]["uid"], _PoolState())
 
     def _rendered(
-        self, pool: Mapping[str, Any], state: _PoolState
+        self, pool: Mapping[str, Any], state: _PoolState, children: Iterable[Obj]
     ) -> tuple[api.ServingPoolSpec, dict[Key, Obj]]:
-        """The pool's parsed spec and desired children (cached per generation and
-        replica counts; callers must not modify them). Raises api.InvalidPoolError."""
+        """The pool's parsed spec and desired children (cached per generation, replica
+        counts, rollouts and kept revisions; callers must not modify them); a change
+        of a canary role's revision starts, restarts or ends its rollout
+        (`state.rollout`). Raises api.InvalidPoolError."""
         generation = pool["metadata"].get("generation")
         if state.replicas is None:
             state.replicas = planned_replicas(pool)
-        key = (generation, tuple(sorted(state.replicas.items())))
+        spec = self._spec(pool, state)
+        previous = pool_status.previous_status(self._last_status(pool, state)).rollout
+        revisions = canary_revisions(pool, spec)
+        now = self._clock().replace(microsecond=0)
+        rollout = revision_changes.pool_change(spec, previous, revisions, now)
+        live = {
+            obj["metadata"]["name"]: obj
+            for obj in children
+            if obj["kind"] == kube.DEPLOYMENT.kind and render.REVISION_LABEL in labels_of(obj)
+        }
+        key = (
+            generation,
+            tuple(sorted(state.replicas.items())),
+            None if rollout is None else json.dumps(api.dump(rollout), sort_keys=True),
+            tuple(sorted((name, obj["metadata"].get("generation")) for name, obj in live.items())),
+        )
         if state.rendered is None or state.rendered[0] != key or generation is None:
-            spec = api.with_image(api.parse_spec(pool["spec"]), self._default_image)
             planned = state.replicas if planner_scales(spec) else None
             desired = desired_objects(
-                pool, spec, planned, self._prometheus_url, self._prometheus_namespace
-            )
+                pool, spec, planned, self._prometheus_url, self._prometheus_namespace,
+                rollout, live,
+            )  # fmt: skip
             state.rendered = (key, spec, desired)
+        state.rollout = rollout
         return state.rendered[1], state.rendered[2]
+
+    def _spec(self, pool: Mapping[str, Any], state: _PoolState) -> api.ServingPoolSpec:
+        """The pool's spec, parsed once per generation (raises api.InvalidPoolError)."""
+        generation = pool["metadata"].get("generation")
+        if state.spec is None or state.spec[0] != generation or generation is None:
+            spec = api.with_image(api.parse_spec(pool["spec"]), self._default_image)
+            state.spec = (generation, spec)
+        return state.spec[1]
 
     def replicas(self, pool: Mapping[str, Any]) -> dict[api.Role, int]:
         """The planner's replica counts of a pool (from its status after a restart)."""
@@ -236,14 +282,16 @@ class Reconciler:
     async def _reconcile(
         self, pool: Mapping[str, Any], state: _PoolState, children: Iterable[Obj]
     ) -> None:
+        children = list(children)
         try:
-            spec, desired = self._rendered(pool, state)
+            spec, desired = self._rendered(pool, state, children)
         except api.InvalidPoolError as error:
             await self._refuse(pool, state, error)
             raise
         desired = self._servable(pool, desired)
         live = {key_of(obj): obj for obj in children}
         live.update(await self._optional_children(pool))
+        kept = handover.kept_deployments(spec, state.rollout, desired.values(), live.values())
         changes: list[tuple[str, Obj]] = []
         errors: list[ApiError] = []
         try:
@@ -263,6 +311,8 @@ class Reconciler:
             if changed:
                 changes.append(("updated" if before is not None else "created", obj))
         for key, obj in list(live.items()):
+            if key[0] == kube.DEPLOYMENT.kind and key[1] in kept:
+                continue  # its successors are not ready yet (handover.py)
             if key not in desired and owned_by(obj, pool["metadata"]["uid"]):
                 del live[key]
                 try:
@@ -289,20 +339,23 @@ class Reconciler:
         if pool["metadata"].get("deletionTimestamp"):
             return
         state = self._state(pool)
-        try:
-            spec, desired = self._rendered(pool, state)
-        except api.InvalidPoolError:
-            return  # the pool's own handler reports it
         key = key_of(child)
         live = {key_of(obj): obj for obj in children}
         if event == "DELETED":
             live.pop(key, None)
         else:
             live[key] = child
+        try:
+            spec, desired = self._rendered(pool, state, live.values())
+        except api.InvalidPoolError:
+            return  # the pool's own handler reports it
         async with state.lock:
             try:
-                if state.failure is not None and event == "DELETED":
-                    # The last reconcile had a write refused: this may have cleared the way.
+                if (state.failure is not None and event == "DELETED") or self._handed_over(
+                    pool, spec, state, desired, live.values()
+                ):
+                    # The last reconcile had a write refused: this may have cleared the
+                    # way; or a kept Deployment's successors are now ready.
                     metrics.RECONCILES.labels(trigger="child").inc()
                     await self._reconcile(pool, state, live.values())
                     return
@@ -320,6 +373,27 @@ class Reconciler:
                     live[key] = change[1]
             if change is not None or key[0] in (kube.DEPLOYMENT.kind, kube.POD.kind):
                 await self._write_status(pool, state, spec, live.values())
+
+    @staticmethod
+    def _handed_over(
+        pool: Mapping[str, Any],
+        spec: api.ServingPoolSpec,
+        state: _PoolState,
+        desired: Mapping[Key, Obj],
+        children: Iterable[Obj],
+    ) -> bool:
+        """Whether a worker Deployment kept for a handover may now go."""
+        uid = pool["metadata"]["uid"]
+        departing = {
+            key_of(obj)[1]
+            for obj in children
+            if handover.role_of(obj) is not None and key_of(obj) not in desired
+            and owned_by(obj, uid)
+        }  # fmt: skip
+        if not departing:
+            return False
+        kept = handover.kept_deployments(spec, state.rollout, desired.values(), children)
+        return bool(departing - kept)
 
     async def _repair(
         self, pool: Mapping[str, Any], state: _PoolState, want: Obj | None, child: Obj, event: str
@@ -472,8 +546,27 @@ class Reconciler:
             failure=state.failure,
             credential=state.credential,
             conflict=state.conflict,
+            expected=handover.expected_counts(state.rendered[2].values() if state.rendered else ()),
         )
-        await self._patch_status(pool, state, new)
+        await self._patch_status(pool, state, new.model_copy(update={"rollout": state.rollout}))
+
+    async def update_rollout(
+        self,
+        pool: Mapping[str, Any],
+        update: Callable[[api.RolloutStatus | None], api.RolloutStatus | None],
+    ) -> bool:
+        """Write a rollout round's decisions, `update` applied to the rollouts as the
+        status holds them now; whether they changed. The next reconcile renders the
+        revisions they call for."""
+        state = self._state(pool)
+        async with state.lock:
+            previous = pool_status.previous_status(self._last_status(pool, state))
+            rollout = update(previous.rollout)
+            if rollout == previous.rollout:
+                return False
+            await self._patch_status(pool, state, previous.model_copy(update={"rollout": rollout}))
+            state.rollout = rollout
+            return True
 
     @staticmethod
     def _last_status(pool: Mapping[str, Any], state: _PoolState) -> Mapping[str, Any]:
@@ -494,7 +587,9 @@ class Reconciler:
     def _announce(
         self, pool: Mapping[str, Any], old: api.ServingPoolStatus, new: api.ServingPoolStatus
     ) -> None:
-        """Events for the transitions a person watches for: Ready, and Degraded."""
+        """Events for the transitions a person watches for: Ready, Degraded, and the
+        rollouts' decisions (with their metrics)."""
+        rollout_events.announce(self._recorder, pool, old.rollout, new.rollout)
         types: tuple[api.ConditionType, ...] = ("Ready", "Degraded")
         for type_ in types:
             before, after = old.condition(type_), new.condition(type_)

@@ -76,19 +76,45 @@ def _problem(name: str, status: Obj) -> str | None:
     return None
 
 
+def combined(parts: Sequence[Rollout]) -> Rollout:
+    """The rollout of a role run by several Deployments (one per revision)."""
+    problems = [part.problem for part in parts if part.problem]
+    return Rollout(
+        desired=sum(part.desired for part in parts),
+        ready=sum(part.ready for part in parts),
+        settled=all(part.settled for part in parts),
+        problem=problems[0] if problems else None,
+    )
+
+
 def rollouts(
     pool: str,
     spec: api.ServingPoolSpec,
     deployments: Mapping[str, Obj],
     written: Mapping[str, int] | None = None,
     replicas: Mapping[api.Role, int] | None = None,
+    expected: Mapping[api.Role, Mapping[str, int | None]] | None = None,
 ) -> dict[render.Component, Rollout]:
     """The rollout of every component, keyed prefill/decode/router; `written` maps
     Deployment names to the generation of the operator's last write, `replicas` are
-    the planner's counts. Workers an HPA or KEDA scales want what their Deployment says."""
+    the planner's counts. Workers an HPA or KEDA scales want what their Deployment says.
+    `expected` names a role's rendered Deployments and their counts, where they are
+    not `<pool>-<role>` alone (a canary role: one per revision)."""
     counts = render.desired_replicas(spec, replicas)
     out = {}
     for component, desired in counts.items():
+        named = (expected or {}).get(component) if component != "router" else None
+        if named:
+            out[component] = combined([
+                rollout(
+                    deployments.get(name),
+                    deployments.get(name, {}).get("spec", {}).get("replicas", 0)
+                    if count is None else count,
+                    (written or {}).get(name, 0),
+                )
+                for name, count in named.items()
+            ])  # fmt: skip
+            continue
         name = render.object_name(pool, component)
         deployment = deployments.get(name)
         if component != "router" and deployment is not None and render.externally_scaled(spec):
@@ -200,13 +226,14 @@ def pool_status(
     replicas: Mapping[api.Role, int] | None = None,
     credential: api.CreatedSecret | None = None,
     conflict: str | None = None,
+    expected: Mapping[api.Role, Mapping[str, int | None]] | None = None,
 ) -> api.ServingPoolStatus:
     """The status after applying `spec` (generation `generation`); `written` and
     `replicas` as for rollouts(); `failure` says why the last apply failed, if it did;
     `pods` tell why replicas are not ready; `credential` is the credential Secret the
     operator made (None: the one recorded stays), `conflict` why a Secret of its name
-    is not the pool's."""
-    components = rollouts(pool, spec, deployments, written, replicas)
+    is not the pool's; `expected` as for rollouts(). The rollouts are kept as they were."""
+    components = rollouts(pool, spec, deployments, written, replicas, expected)
     ready = all(r.settled for r in components.values())
     problems = [r.problem for r in components.values() if r.problem]
     summary = _summary(components)
@@ -252,6 +279,7 @@ def pool_status(
         router_endpoint=render.router_endpoint(pool, namespace) if spec.router.replicas else None,
         credential_secret=credential or previous.credential_secret,
         autoscaling=previous.autoscaling,
+        rollout=previous.rollout,
     )
 
 

@@ -1,0 +1,109 @@
+"""What the operator says about a rollout's decisions: a Kubernetes Event per
+decision other than waiting (and per start), its reason the decision's and its
+message the figures it was made on, and the rollout metrics (operator's /metrics)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from pdserve.operator import api, metrics
+
+REFUSALS: frozenset[api.RolloutAction] = frozenset({"rollback", "abort"})
+# The label sets of the weight series each role has (to remove those of old revisions).
+_WEIGHTS: dict[tuple[str, str, str], set[str]] = {}
+
+
+class Recorder(Protocol):
+    """Posts Kubernetes Events about a pool."""
+
+    def normal(self, pool: Mapping[str, Any], reason: str, message: str) -> None:
+        """An Event of type Normal."""
+
+    def warning(self, pool: Mapping[str, Any], reason: str, message: str) -> None:
+        """An Event of type Warning."""
+
+
+def figures(revision: api.RevisionFigures) -> str:
+    """ "120 requests, itlP99Seconds 0.082, ..." for the figures a revision has."""
+    known = api.dump(revision)
+    parts = [f"{known.pop('requests', 0):.0f} requests"]
+    parts += [f"{name} {value:.4g}" for name, value in known.items()]
+    return ", ".join(parts)
+
+
+def describe(role: api.Role, decision: api.RolloutDecision) -> str:
+    """A decision as an Event's message: what, why, and on which figures."""
+    text = f"{role}: {decision.action}: {decision.message}"
+    if decision.bucket is not None:
+        text += f" (bucket {decision.bucket})"
+    if decision.canary is not None:
+        text += f"; canary: {figures(decision.canary)}"
+    if decision.baseline is not None:
+        text += f"; stable: {figures(decision.baseline)}"
+    return text
+
+
+def announce(
+    recorder: Recorder,
+    pool: Mapping[str, Any],
+    old: api.RolloutStatus | None,
+    new: api.RolloutStatus | None,
+) -> None:
+    """An Event and a count for every role whose last decision is new and not a wait
+    (a start counts); the gauges set to the new status."""
+    meta = pool["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    for role in api.ROLES:
+        before = old.role(role) if old is not None else None
+        after = new.role(role) if new is not None else None
+        decision = after.last_decision if after is not None else None
+        if decision is None or (before is not None and before.last_decision == decision):
+            continue
+        if decision.action == "wait" and decision.reason != "Started":
+            continue
+        metrics.ROLLOUT_DECISIONS.labels(
+            pool_namespace=namespace, pool=name, role=role, action=decision.action,
+            reason=decision.reason,
+        ).inc()  # fmt: skip
+        post = recorder.warning if decision.action in REFUSALS else recorder.normal
+        post(pool, decision.reason, describe(role, decision))
+    observe(namespace, name, new)
+
+
+def observe(namespace: str, pool: str, rollout: api.RolloutStatus | None) -> None:
+    """Set the weight and step gauges of a pool's roles from its rollout status."""
+    for role in api.ROLES:
+        status = rollout.role(role) if rollout is not None else None
+        weights: dict[str, int] = {}
+        step = 0
+        if status is not None and status.phase in ("Progressing", "Paused"):
+            weights[status.stable_revision] = 100 - status.weight
+            if status.canary_revision is not None:
+                weights[status.canary_revision] = status.weight
+            step = status.step + 1
+        elif status is not None:
+            weights[status.stable_revision] = 100
+        key = (namespace, pool, role)
+        for gone in _WEIGHTS.get(key, set()) - set(weights):
+            metrics.ROLLOUT_WEIGHT.remove(namespace, pool, role, gone)
+        for revision, weight in weights.items():
+            metrics.ROLLOUT_WEIGHT.labels(namespace, pool, role, revision).set(weight)
+        _WEIGHTS[key] = set(weights)
+        if status is None:
+            _remove_step(namespace, pool, role)
+        else:
+            metrics.ROLLOUT_STEP.labels(namespace, pool, role).set(step)
+
+
+def forget(namespace: str, pool: str) -> None:
+    """Remove a deleted pool's rollout gauges."""
+    observe(namespace, pool, None)
+    for role in api.ROLES:
+        _WEIGHTS.pop((namespace, pool, role), None)
+
+
+def _remove_step(namespace: str, pool: str, role: str) -> None:
+    with contextlib.suppress(KeyError):
+        metrics.ROLLOUT_STEP.remove(namespace, pool, role)
