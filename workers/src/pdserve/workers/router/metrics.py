@@ -26,7 +26,10 @@ class RouterMetrics:
         self.registry = reg = registry or CollectorRegistry()
         self.pool = pool
         base = ("pool", "role")
-        labeled = (*base, "bucket", "mode")
+        decided = (*base, "bucket", "mode")
+        # Per request: the revisions of the workers that served it (empty: none, or no
+        # rollout), so a canary's figures are told from the stable revision's.
+        labeled = (*decided, "prefill_revision", "decode_revision")
 
         def histogram(name: str, text: str) -> Histogram:
             return Histogram(name, text, labeled, buckets=LATENCY_BUCKETS, registry=reg)
@@ -58,7 +61,7 @@ class RouterMetrics:
         self.decisions = Counter(
             "pdserve_router_decisions_total",
             "Routing decisions: the path the routing table chose for each request.",
-            labeled, registry=reg,
+            decided, registry=reg,
         )  # fmt: skip
         self.retries = Counter(
             "pdserve_router_retries_total",
@@ -131,12 +134,18 @@ class RouterMetrics:
         ended: float,
         slo: Slo,
         output_tokens: int | None = None,
+        revisions: tuple[str, str] = ("", ""),
     ) -> None:
         """Record a request that ended. `streams`: for each choice that streamed tokens,
         the times they left the router (none for an answer sent whole, which gives
         `output_tokens`, per choice). TTFT is the first token of any choice, ITL every
-        gap within a choice, TPOT the mean of the choices'."""
-        labels = self._labels(bucket=bucket, mode=mode)
+        gap within a choice, TPOT the mean of the choices'. `revisions`: the prefill
+        and decode workers' that served it."""
+        prefill_revision, decode_revision = revisions
+        labels = self._labels(
+            bucket=bucket, mode=mode, prefill_revision=prefill_revision,
+            decode_revision=decode_revision,
+        )  # fmt: skip
         self.requests.labels(**labels, outcome=outcome).inc()
         if outcome != "ok":
             return
