@@ -211,11 +211,7 @@ async def revision_figures(
     """One revision's figures over the range, by bucket (`grouped`) or over all of
     them (key `all`); PrometheusError when it cannot be asked."""
     key = "bucket" if grouped else ""
-    (
-        outcomes,
-        (met, itl, ttft95, ttft99, e2e95),
-        (preempted, timeouts, usage),
-    ) = await asyncio.gather(
+    outcomes, latencies, workers = await asyncio.gather(
         prometheus.query(queries.outcomes(grouped)),
         asyncio.gather(
             prometheus.by_label(queries.slo_met(grouped), key),
