@@ -75,6 +75,7 @@ class LocalScaler:
         self.status_file = status_file
         self.status = api.ServingPoolStatus()
         self._clock = clock
+        self._status_lock = threading.Lock()  # the rollouts' thread writes it too
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -121,8 +122,10 @@ class LocalScaler:
                 self._clock(),
             )  # fmt: skip
             memory = outcome.memory
-        autoscaling = outcome.autoscaling if outcome is not None else self.status.autoscaling
-        self.status = with_scaling(self.status, ScalingReport(reading.conditions, autoscaling))
+        with self._status_lock:
+            autoscaling = outcome.autoscaling if outcome is not None else self.status.autoscaling
+            report = ScalingReport(reading.conditions, autoscaling)
+            self.status = with_scaling(self.status, report)
         self._write()
         if outcome is not None:
             await self._act(outcome)
@@ -137,10 +140,17 @@ class LocalScaler:
             await asyncio.to_thread(self.fleet.scale, role, count)
             self._write()
 
+    def record_rollout(self, rollout: api.RolloutStatus) -> None:
+        """A rollout's progress, into the status file."""
+        with self._status_lock:
+            self.status = self.status.model_copy(update={"rollout": rollout})
+        self._write()
+
     def _write(self) -> None:
         """The status file, with the replicas as they are now."""
-        self._record_replicas()
-        write_status(self.status_file, self.status)
+        with self._status_lock:
+            self._record_replicas()
+            write_status(self.status_file, self.status)
 
     def _record_replicas(self) -> None:
         counts: Mapping[api.Role, planner.Replicas] = self.fleet.replicas()
