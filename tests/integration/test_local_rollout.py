@@ -85,7 +85,7 @@ def test_a_budget_that_breaks_the_itl_target_is_rolled_back_without_a_failed_req
     assert served_by_canary > 0
     assert load.outcomes.failed == []
     print(
-        f"rolled back {rolled_back_s:.1f}s after the change; the canary served {served_by_canary:.0f}"
+        f"rolled back {rolled_back_s:.1f}s after the change; canary served {served_by_canary:.0f}"
     )
 
 
@@ -116,7 +116,8 @@ def test_a_harmless_change_is_promoted_through_every_step_to_completion(
             wait_until(lambda: not local.of_revision("decode", old), 120, "the old revision gone")
             completed_s = time.monotonic() - started
     assert ended.stable_revision == new and ended.canary_revision is None
-    assert decisions(rollouts, "promote") == 1 and decisions(rollouts, "complete") == 1
+    assert decisions(rollouts, "promote", "AnalysisPassed") == 1
+    assert decisions(rollouts, "complete", "AnalysisPassed") == 1
     assert local.stable["decode"] == new and local.weights["decode"] == ()
     assert [local.revision_of(w) for w in local.workers["decode"]] == [new]
     assert load.outcomes.failed == [] and load.outcomes.ok > 0
