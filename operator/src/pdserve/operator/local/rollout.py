@@ -276,6 +276,8 @@ class LocalRollouts:
     def _manual(self, status: api.RoleRolloutStatus) -> decision.Manual | None:
         """The annotation's command, once per value and canary."""
         value = self.local.pool.metadata.annotations.get(ANNOTATION)
+        if value is None:
+            self._acted.clear()  # removed: set again, it acts again
         if value not in ("promote", "abort") or status.canary_revision is None:
             return None
         key = (value, status.canary_revision)
