@@ -13,11 +13,12 @@ import time
 from pathlib import Path
 
 from pdserve.operator.local.pool import role_revision
-from pdserve.workers.faults import Fault, environment
 from support.prom import total
 from support.rollouts import (
     ITL_TARGET_S,
-    SLOW_STEP_S,
+    QUIET,
+    SHORT,
+    SLOW_WHEN_BUDGET_RAISED,
     STABLE_BUDGET,
     decisions,
     decode_rollout,
@@ -27,19 +28,6 @@ from support.rollouts import (
 )
 from support.scaling import Load
 from support.waiting import wait_until
-
-SHORT = [5, 6, 7, 8, 9, 10, 11, 12]
-SLOW_WHEN_BUDGET_RAISED = {
-    "decode": environment({"engine.step": Fault(delay_s=SLOW_STEP_S, budget_over=STABLE_BUDGET)})
-}
-# Only the ITL target and the error rates judge these canaries: the other conditions
-# compare tail latencies of a few requests, which a busy machine can double.
-QUIET = {
-    "preemptionsWithTtft": {"enabled": False},
-    "shortRequestsSlowed": {"enabled": False},
-    "utilisationUpGoodputDown": {"enabled": False},
-    "itlOverTarget": {"durationSeconds": 30},
-}
 
 
 def test_a_budget_that_breaks_the_itl_target_is_rolled_back_without_a_failed_request(

@@ -13,6 +13,7 @@ import yaml
 from pdserve.operator import api
 from pdserve.operator.local.pool import LocalPool, Monitoring, watched
 from pdserve.operator.local.rollout import LocalRollouts, rolling_out
+from pdserve.workers.faults import Fault, environment
 from support.prometheus import SCRAPE_INTERVAL_S
 from support.router import pool_manifest
 from support.scaling import status
@@ -23,6 +24,19 @@ ITL_TARGET_S = 1.5
 # every gap between its tokens is over the ITL target, whatever the machine's speed.
 SLOW_STEP_S = 2.5
 STABLE_BUDGET = 64
+
+SHORT = [5, 6, 7, 8, 9, 10, 11, 12]
+SLOW_WHEN_BUDGET_RAISED = {
+    "decode": environment({"engine.step": Fault(delay_s=SLOW_STEP_S, budget_over=STABLE_BUDGET)})
+}
+# Only the ITL target and the error rates judge these canaries: the other conditions
+# compare tail latencies of a few requests, which a busy machine can double.
+QUIET = {
+    "preemptionsWithTtft": {"enabled": False},
+    "shortRequestsSlowed": {"enabled": False},
+    "utilisationUpGoodputDown": {"enabled": False},
+    "itlOverTarget": {"durationSeconds": 30},
+}
 
 
 def rollout_pool(
