@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from pdserve.operator.local.pool import role_revision
+from pdserve.operator.local.rollout import ANNOTATION
 from support.prom import total
 from support.rollouts import (
     ITL_TARGET_S,
@@ -110,3 +111,36 @@ def test_a_harmless_change_is_promoted_through_every_step_to_completion(
     assert [local.revision_of(w) for w in local.workers["decode"]] == [new]
     assert load.outcomes.failed == [] and load.outcomes.ok > 0
     print(f"completed {completed_s:.1f}s after the change")
+
+
+def test_an_abort_by_annotation_restores_the_stable_revision_and_replace_swaps_every_worker(
+    small_model_dir: Path, tmp_path: Path
+) -> None:
+    canary_rollout = {"type": "canary", "steps": [{"weight": 50, "analysisSeconds": 600}]}
+    pool = rollout_pool("manual", small_model_dir, canary_rollout)
+    changed = rollout_pool("manual", small_model_dir, canary_rollout, maxNumSeqs=12)
+    with rolling_pool(pool, tmp_path) as (local, rollouts, manifest):
+        old, new = local.stable["decode"], role_revision(changed, "decode")
+        with Load(local.url, 2, SHORT, 2, vary=True) as load:
+            write_manifest(manifest, changed)
+            wait_until(lambda: local.of_revision("decode", new), 120, "the canary's worker")
+            aborted = changed.model_copy(deep=True)
+            aborted.metadata.annotations[ANNOTATION] = "abort"
+            write_manifest(manifest, aborted)
+            ended = wait_until(
+                lambda: (r := decode_rollout(local)) is not None and r.phase == "Aborted" and r,
+                120, "the rollout aborted",
+            )  # fmt: skip
+            wait_until(lambda: not local.of_revision("decode", new), 120, "the canary gone")
+            assert local.stable["decode"] == old
+            replaced = rollout_pool("manual", small_model_dir, {"type": "replace"}, maxNumSeqs=12)
+            write_manifest(manifest, replaced)
+            wait_until(
+                lambda: [local.revision_of(w) for w in local.workers["decode"]] == [new], 120,
+                "every decode worker replaced",
+            )  # fmt: skip
+    decision = ended.last_decision
+    assert decision is not None and (decision.action, decision.reason) == ("abort", "ManualAbort")
+    assert decisions(rollouts, "abort", "ManualAbort") == 1
+    assert local.stable["decode"] == new and local.weights["decode"] == ()
+    assert load.outcomes.failed == [] and load.outcomes.ok > 0

@@ -87,22 +87,8 @@ def decode_rollout(local: LocalPool) -> api.RoleRolloutStatus | None:
     return rollout.decode if rollout is not None else None
 
 
-def decisions(rollouts: LocalRollouts, action: str) -> float:
-    """Decisions of `action` the rollout metrics counted for the decode role."""
-    value = rollouts.metrics.registry.get_sample_value(
-        "pdserve_rollout_decisions_total",
-        {
-            "pool": rollouts.local.name,
-            "role": "decode",
-            "action": action,
-            "reason": "AnalysisPassed",
-        }
-        if action in ("promote", "complete")
-        else {
-            "pool": rollouts.local.name,
-            "role": "decode",
-            "action": action,
-            "reason": "itlOverTarget",
-        },
-    )
+def decisions(rollouts: LocalRollouts, action: str, reason: str) -> float:
+    """Decisions of `action` for `reason` the rollout metrics counted (decode role)."""
+    labels = {"pool": rollouts.local.name, "role": "decode", "action": action, "reason": reason}
+    value = rollouts.metrics.registry.get_sample_value("pdserve_rollout_decisions_total", labels)
     return value or 0.0

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -39,6 +38,7 @@ from pdserve.operator.local.pool import (
     role_revision,
     with_model_path,
 )
+from pdserve.operator.local.rounds import Rounds
 from pdserve.operator.local.scaling import LocalScaler
 from pdserve.operator.rollout import decision
 from pdserve.operator.rollout.analysis import analyse
@@ -118,41 +118,22 @@ class LocalRollouts:
         self.strategies: dict[api.Role, api.RolloutStrategy] = {}
         self._record = record
         self._read = read
-        self._interval_s = interval_s
         self._clock = clock
         self._seen = manifest.read_bytes() if manifest is not None else b""
         self._acted: set[tuple[str, str]] = set()  # (annotation value, canary) acted on
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    # -- the thread -----------------------------------------------------------------------
+        self._rounds = Rounds("local rollouts", self._next_round, lambda: interval_s)
 
     def start(self) -> None:
         """Watch and decide in a thread of its own."""
-        self._thread = threading.Thread(target=self._run, name="local rollouts", daemon=True)
-        self._thread.start()
+        self._rounds.start()
 
     def stop(self) -> None:
         """Stop after the round under way."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        self._rounds.stop()
 
-    def _run(self) -> None:
-        try:
-            asyncio.run(self._rounds())
-        except Exception:
-            log.exception("local rollouts stopped")
-
-    async def _rounds(self) -> None:
-        async with aiohttp.ClientSession() as session:
-            while not self._stop.is_set():
-                try:
-                    await asyncio.to_thread(self.check_manifest)
-                    await self.round(session)
-                except Exception:  # a bug must not end the loop
-                    log.exception("local rollout round")
-                await asyncio.to_thread(self._stop.wait, self._interval_s)
+    async def _next_round(self, session: aiohttp.ClientSession) -> None:
+        await asyncio.to_thread(self.check_manifest)
+        await self.round(session)
 
     # -- the manifest ---------------------------------------------------------------------
 
