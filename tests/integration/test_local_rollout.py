@@ -66,6 +66,11 @@ def test_a_budget_that_breaks_the_itl_target_is_rolled_back_without_a_failed_req
     assert decision.canary is not None and decision.canary.itl_p99_seconds is not None
     assert decision.canary.itl_p99_seconds > ITL_TARGET_S
     assert "P99 ITL" in decision.message
+    # Both revisions' figures, from the router's and the workers' metrics by revision.
+    assert decision.baseline is not None and decision.baseline.requests > 0
+    for figures in (decision.canary, decision.baseline):
+        assert figures.kv_cache_usage is not None and figures.goodput is not None
+        assert figures.ttft_p95_seconds is not None and figures.error_rate == 0
     assert ended.step_started_time is not None
     assert (decision.time - ended.step_started_time).total_seconds() < window_s
     assert ended.stable_revision == stable and ended.weight == 0

@@ -16,6 +16,7 @@ from support.prom import total
 from support.rollouts import rollout_pool
 from support.router import known_workers
 from support.waiting import wait_until
+from support.worker import metric
 
 OTHER = "decode-other"
 
@@ -75,6 +76,9 @@ def test_requests_follow_their_conversations_revision_and_fall_back(
                 assert after[wanted or ""] == before[wanted or ""] + 1, (i, turn, wanted)
                 chosen.add(wanted)
         assert chosen == {stable, OTHER}  # eight conversations, both revisions
+        # The workers' own metrics carry their revision too.
+        (other_worker,) = local.of_revision("decode", OTHER)
+        assert metric(other_worker, "pdserve_requests_total", revision=OTHER) > 0
         local.remove("decode", OTHER)
         for i in range(8):
             assert complete(local.url, conversation(i, 0), 2) == 200
