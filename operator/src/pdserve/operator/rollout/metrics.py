@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pdserve.operator.api import RoleRolloutStatus
@@ -44,3 +46,8 @@ class RolloutMetrics:
         self.weight.labels(pool=pool, role=role, revision=status.stable_revision).set(100 - weight)
         if canary is not None and canary != status.stable_revision:
             self.weight.labels(pool=pool, role=role, revision=canary).set(weight)
+
+    def forget(self, pool: str, role: Role, revision: str) -> None:
+        """A revision whose workers are gone takes no traffic: its weight goes."""
+        with contextlib.suppress(KeyError):
+            self.weight.remove(pool, role, revision)
