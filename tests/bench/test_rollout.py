@@ -79,9 +79,8 @@ def test_rollout_times_and_goodput(small_model_dir: Path, tmp_path: Path) -> Non
     ):
         wait_until(lambda: load.outcomes.ok >= 8, 120, "the pool serving")
         finish = time.monotonic() + BASELINE_S
-        rows.append(
-            {"phase": "no rollout", **measured(local, lambda: time.monotonic() > finish, 120)}
-        )
+        quiet = measured(local, lambda: time.monotonic() > finish, 120)
+        rows.append({"phase": "no rollout", **quiet, "canary_requests": None})
         canary = role_revision(bad, "decode")
         write_manifest(manifest, bad)
         phase = measured(
@@ -100,7 +99,7 @@ def test_rollout_times_and_goodput(small_model_dir: Path, tmp_path: Path) -> Non
             and not local.of_revision("decode", old),
             300,
         )  # fmt: skip
-        rows.append({"phase": "harmless, completed", **phase})
+        rows.append({"phase": "harmless, completed", **phase, "canary_requests": None})
     baseline = rows[0]["goodput_per_s"]
     for row in rows:
         row["goodput_vs_no_rollout"] = row["goodput_per_s"] / baseline if baseline else None
