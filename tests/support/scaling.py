@@ -111,11 +111,17 @@ class Outcomes:
 
 class Load:
     """`clients` clients, each sending one streamed request after the other, until
-    stopped; every answer counted. Runs in a thread of its own."""
+    stopped; every answer counted. Runs in a thread of its own. With `vary`, each
+    request's prompt starts with a token of its own (conversations of their own: a
+    rollout's split sends them to either revision)."""
 
-    def __init__(self, url: str, clients: int, prompt: list[int], tokens: int) -> None:
+    def __init__(
+        self, url: str, clients: int, prompt: list[int], tokens: int, vary: bool = False
+    ) -> None:
         self.url, self.prompt, self.tokens = url, prompt, tokens
         self.clients = clients
+        self.vary = vary
+        self.sent = 0
         self.outcomes = Outcomes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
@@ -133,10 +139,16 @@ class Load:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             await asyncio.gather(*(self._client(session) for _ in range(self.clients)))
 
+    def _prompt(self) -> list[int]:
+        self.sent += 1
+        if not self.vary:
+            return self.prompt
+        return [5 + self.sent % 1000, *self.prompt[1:]]
+
     async def _client(self, session: aiohttp.ClientSession) -> None:
         while not self._stop.is_set():
             try:
-                code, ids, error = await stream(session, self.url, self.prompt, self.tokens)
+                code, ids, error = await stream(session, self.url, self._prompt(), self.tokens)
             except (aiohttp.ClientError, TimeoutError) as broken:
                 self.outcomes.failed.append(repr(broken))
                 continue

@@ -71,7 +71,8 @@ class LocalOptions:
 
     file: Path = option(
         parse=Path, short="-f", metavar="POOL.yaml",
-        help="the ServingPool manifest (as for kubectl apply)",
+        help="the ServingPool manifest (as for kubectl apply); edits to it are applied while "
+        "the pool runs, a change to a role's workers rolled out by its strategy",
     )  # fmt: skip
     model_dir: Path | None = option(
         None, parse=Path, metavar="PATH",
@@ -134,7 +135,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "local",
         help="run a ServingPool as processes on this machine",
         description="Run a ServingPool's router and workers as local processes, with the "
-        "command lines the operator renders for a cluster; prints the router's URL. "
+        "command lines the operator renders for a cluster; prints the router's URL. Edits "
+        "to the manifest are applied while it runs (a bad one is refused, the pool kept). "
         "Ctrl-C stops them all.",
     )
     add_options(parser, LocalOptions)

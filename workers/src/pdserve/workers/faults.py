@@ -13,8 +13,10 @@ acts only for the request a client sent with that `X-Request-Id` (at the points 
 concern single requests: `engine.prepare`, `engine.forward`, `engine.sample`,
 `server.detokenize`), so a test can make one request of a batch fail. A fault with
 `hold_while` set stalls for as long as that file exists: the test decides when the
-stall ends, whatever the machine's speed. Each point is named where it is called;
-`POINTS` lists them.
+stall ends, whatever the machine's speed. A fault with `budget_over` set acts only in
+an engine whose step token budget (`--max-num-batched-tokens`) is larger
+(`engine.step`), so a change of the budget is what makes a worker slow, by
+construction. Each point is named where it is called; `POINTS` lists them.
 """
 
 from __future__ import annotations
@@ -72,11 +74,14 @@ class Fault:
     delay_per_request_s: float = 0.0  # more stall per request the point is told of
     request: str | None = None  # acts only for the request with this client id
     hold_while: str | None = None  # a path: stall for as long as this file exists
+    budget_over: int | None = None  # acts only in an engine with a larger token budget
 
-    def active(self, labels: Collection[str | None] = ()) -> bool:
+    def active(self, labels: Collection[str | None] = (), budget: int | None = None) -> bool:
         """Whether the fault acts now, for work carrying the requests `labels` (their
-        clients' ids)."""
+        clients' ids), in an engine whose step token budget is `budget`."""
         if self.request is not None and self.request not in labels:
+            return False
+        if self.budget_over is not None and (budget is None or budget <= self.budget_over):
             return False
         return self.when is None or os.path.exists(self.when)
 
@@ -111,12 +116,18 @@ async def point(name: str) -> None:
             raise InjectedFault(fault.error)
 
 
-def blocking_point(name: str, requests: int = 0, labels: Collection[str | None] = ()) -> None:
+def blocking_point(
+    name: str,
+    requests: int = 0,
+    labels: Collection[str | None] = (),
+    budget: int | None = None,
+) -> None:
     """An injection point on a thread of its own (or in synchronous code); `requests`
     is how many requests the work that follows carries (for `delay_per_request_s`),
-    `labels` their clients' ids (for faults aimed at one request)."""
+    `labels` their clients' ids (for faults aimed at one request), `budget` the
+    engine's step token budget (for `budget_over`)."""
     for fault in configured().get(name, ()):
-        if not fault.active(labels):
+        if not fault.active(labels, budget):
             continue
         log.warning(MESSAGE, name, fault)
         delay = fault.delay_s + fault.delay_per_request_s * requests

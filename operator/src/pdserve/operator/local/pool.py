@@ -12,6 +12,10 @@ Scaling (`scale`, driven by the planner in local/scaling.py): a new worker joins
 router's table once ready (a prefill worker joins the decode workers' peers first); a
 worker leaves the table first, and once the router has let it go it is told to stop,
 which it does after draining its requests and hand-offs in flight.
+
+Revisions (driven by local/rollout.py): every worker runs a revision of its role (its
+`--revision`, named from what it runs); a rollout starts and stops the workers of each
+revision (`add`, `remove`) and sets the routing table's weights between them.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ from pdserve.base.process import ServerProcess, spawn, stop_all
 from pdserve.operator import api, render
 from pdserve.operator.local.promserver import PrometheusServer
 from pdserve.operator.local.scaling import STATUS_FILE, LocalScaler
+from pdserve.operator.rollout.revision import revision_name
 from pdserve.operator.scaling import planner
+from pdserve.protocol.routing import RevisionWeight
 
 CREDENTIAL_FILE = "credential"
 ROUTING_FILE = "routing.json"
@@ -67,6 +73,30 @@ def load_manifest(path: Path) -> api.ServingPool:
     if not isinstance(manifest, dict):
         raise LocalPoolError(f"{path}: not a ServingPool manifest")
     return api.parse_pool(manifest)
+
+
+def role_revision(pool: api.ServingPool, role: api.Role) -> str:
+    """The revision of `role` that `pool`'s spec describes: a digest of its workers'
+    command line (wired alike for every worker, so only the spec counts), environment
+    and resources; never of how many run."""
+    workers = pool.spec.pool(role)
+    assert workers is not None, f"no {role} pool"
+    wiring = render.Wiring(host=LOOPBACK, port=0, credential_file=CREDENTIAL_FILE)
+    args = render.worker_args(pool.metadata.name, pool.spec, role, wiring)
+    content = {
+        "args": _without_revision(args),
+        "env": [api.dump(var) for var in workers.env],
+        "resources": api.dump(workers.resources),
+    }
+    return revision_name(role, content)
+
+
+def _without_revision(args: list[str]) -> list[str]:
+    """A worker's arguments less `--revision NAME`."""
+    if "--revision" not in args:
+        return args
+    at = args.index("--revision")
+    return args[:at] + args[at + 2 :]
 
 
 def with_model_path(pool: api.ServingPool, model_dir: Path) -> api.ServingPool:
@@ -105,6 +135,18 @@ class LocalPool:
         self._lock = threading.Lock()  # the worker lists: the scaler changes them
         self._spawned: dict[api.Role, int] = {"prefill": 0, "decode": 0}
         self._gone: list[ServerProcess] = []  # exited workers, taken off the lists
+        # Each role's revisions: the spec each runs, each worker's (by pid), and the
+        # routing table's split (empty: none, every worker of the role takes traffic).
+        self.specs: dict[str, api.ServingPoolSpec] = {}
+        self.stable: dict[api.Role, str] = {}
+        for role in render.ROLES:
+            if pool.spec.pool(role) is not None:
+                self.stable[role] = role_revision(pool, role)
+                self.specs[self.stable[role]] = pool.spec
+        self._revision_of: dict[int, str] = {}
+        self.weights: dict[api.Role, tuple[RevisionWeight, ...]] = {"prefill": (), "decode": ()}
+        self.rolling: set[api.Role] = set()  # roles in a rollout: scaling leaves them be
+        self.extra_targets: list[str] = []  # host:port of the pool's own metrics, if served
 
     @property
     def name(self) -> str:
@@ -148,18 +190,32 @@ class LocalPool:
         for _ in range(count):
             self.workers[role].append(self._spawn(role))
 
-    def _spawn(self, role: api.Role) -> ServerProcess:
-        """Start one more `role` worker (not waiting for it)."""
+    def _spawn(self, role: api.Role, revision: str | None = None) -> ServerProcess:
+        """Start one more `role` worker of `revision` (default: the stable one; not
+        waiting for it)."""
         wiring = render.Wiring(
             host=self.host,
             port=0,
             credential_file=str(self.credential_file),
             prefill_peers_file=str(self.peers_file),
         )
-        args = render.worker_args(self.name, self.pool.spec, role, wiring)
+        revision = revision or self.stable[role]
+        args = render.worker_args(self.name, self.specs[revision], role, wiring)
+        args = [*_without_revision(args), "--revision", revision]
         log = self.run_dir / "logs" / f"{role}-{self._spawned[role]}.log"
         self._spawned[role] += 1
-        return spawn(args, log, self.host, self._env.get(role))
+        worker = spawn(args, log, self.host, self._env.get(role))
+        self._revision_of[worker.process.pid] = revision
+        return worker
+
+    def revision_of(self, worker: ServerProcess) -> str:
+        """The revision a worker runs."""
+        return self._revision_of.get(worker.process.pid, "")
+
+    def of_revision(self, role: api.Role, revision: str) -> list[ServerProcess]:
+        """The live workers of `role` that run `revision`, oldest first."""
+        with self._lock:
+            return [w for w in self.workers[role] if self.revision_of(w) == revision]
 
     def _write_peers(self) -> None:
         """The prefill workers' URLs, for the decode workers' allow-list."""
@@ -176,6 +232,9 @@ class LocalPool:
             }
         discovery = {"kind": "static", "decode": named["decode"], "prefill": named["prefill"]}
         table = render.routing_table(self.name, "local", self.pool.spec, discovery)
+        split = {"prefill": self.weights["prefill"], "decode": self.weights["decode"]}
+        revisions = table.revisions.model_copy(update=split)
+        table = table.model_copy(update={"revisions": revisions})
         _write_atomically(self.routing_file, render.routing_json(table))
 
     def _start_router(self, timeout_s: float) -> None:
@@ -216,7 +275,8 @@ class LocalPool:
 
     def targets(self) -> list[str]:
         """host:port of every live process, for Prometheus."""
-        return [f"{p.host}:{p.port}" for p in self.processes if p.running() and p.port]
+        live = [f"{p.host}:{p.port}" for p in self.processes if p.running() and p.port]
+        return live + self.extra_targets
 
     def scale(self, role: api.Role, count: int, timeout_s: float = 300.0) -> None:
         """Start or stop `role` workers until `count` run (blocks until done). A pool
@@ -224,6 +284,8 @@ class LocalPool:
         refuses such buckets without one."""
         if role == "prefill" and self.pool.spec.routing.disaggregated:
             count = max(count, 1)
+        if role in self.rolling:
+            return
         self._reap()
         while len(self.workers[role]) < count:
             self._add(role, timeout_s)
@@ -238,9 +300,29 @@ class LocalPool:
                 self.workers[role] = [w for w in workers if w.running()]
                 self._gone += dead
 
-    def _add(self, role: api.Role, timeout_s: float) -> None:
+    def rewrite_routing(self) -> None:
+        """The routing file again, from the pool's spec as it is now."""
+        self._write_routing()
+
+    def set_weights(self, role: api.Role, weights: tuple[RevisionWeight, ...]) -> None:
+        """Split `role`'s traffic between its revisions (empty: no split), in the
+        routing table the router re-reads."""
+        self.weights[role] = weights
+        self._write_routing()
+
+    def add(self, role: api.Role, revision: str, timeout_s: float = 300.0) -> None:
+        """One more worker of `revision`, once ready known to the router."""
+        self._add(role, timeout_s, revision)
+
+    def remove(self, role: api.Role, revision: str, timeout_s: float = 300.0) -> None:
+        """The newest worker of `revision` leaves the router's table, then drains."""
+        workers = self.of_revision(role, revision)
+        if workers:
+            self._remove(role, timeout_s, workers[-1])
+
+    def _add(self, role: api.Role, timeout_s: float, revision: str | None = None) -> None:
         """A new worker, ready, then known to the decode workers and the router."""
-        worker = self._spawn(role)
+        worker = self._spawn(role, revision)
         try:
             worker.wait_ready(timeout_s)
         except BaseException:
@@ -254,18 +336,20 @@ class LocalPool:
         self._router_knows(worker.url, True, timeout_s)
         self._targets_changed()
 
-    def _remove(self, role: api.Role, timeout_s: float) -> None:
-        """The newest worker leaves the router's table; once the router has let it go it
-        is told to stop, and drains before it exits."""
+    def _remove(
+        self, role: api.Role, timeout_s: float, worker: ServerProcess | None = None
+    ) -> None:
+        """A worker (default: the newest) leaves the router's table; once the router
+        has let it go it is told to stop, and drains before it exits."""
         with self._lock:
-            worker = self.workers[role][-1]
+            worker = worker or self.workers[role][-1]
         self._write_routing(leaving=worker)
         self._router_knows(worker.url, False, timeout_s)
         with self._lock:
             self.workers[role] = [w for w in self.workers[role] if w is not worker]
         if role == "prefill":
             self._write_peers()
-        workers = self.pool.spec.pool(role)
+        workers = self.specs[self.revision_of(worker) or self.stable[role]].pool(role)
         drain_s = workers.drain_seconds if workers is not None else 0
         worker.stop(timeout_s=drain_s + EXIT_MARGIN_S)
         self._targets_changed()
@@ -325,7 +409,10 @@ def serve(
     api_key_file: Path | None = None,
     monitoring: Monitoring = Monitoring(),
 ) -> int:
-    """Run a pool until Ctrl-C (or SIGTERM); the exit code."""
+    """Run a pool until Ctrl-C (or SIGTERM); the exit code. Changes to the manifest
+    while it runs are applied (see local/rollout.py)."""
+    from pdserve.operator.local.rollout import rolling_out  # it builds on this module
+
     try:
         pool = load_manifest(manifest)
         check_port_free(host, port)  # the router's, before any worker starts
@@ -346,7 +433,7 @@ def serve(
         print(f"pdserve local: the pool did not start: {error}", file=sys.stderr)
         return 1
     try:
-        with watched(local, monitoring):
+        with watched(local, monitoring) as scaler, rolling_out(local, scaler, manifest, model_dir):
             if port_file is not None:
                 announce_port(port_file, int(url.rsplit(":", 1)[1]))
             print(f"pool {local.name}: serving model {pool.spec.model.name} at {url}", flush=True)

@@ -22,6 +22,7 @@ import aiohttp
 
 from pdserve.operator import api, render
 from pdserve.operator.controller.status import ScalingReport, with_scaling
+from pdserve.operator.local.rounds import Rounds
 from pdserve.operator.scaling import planner
 from pdserve.operator.scaling.promql import PoolQueries
 from pdserve.operator.scaling.round import Outcome, change_text, decide, planner_scales, read_pool
@@ -75,37 +76,23 @@ class LocalScaler:
         self.status_file = status_file
         self.status = api.ServingPoolStatus()
         self._clock = clock
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._status_lock = threading.Lock()  # the rollouts' thread writes it too
+        self._memory = planner.Memory()
+        self._rounds = Rounds("local autoscaler", self._next_round, self._interval_s)
 
     def start(self) -> None:
         """Start the rounds in a thread of their own."""
-        self._thread = threading.Thread(target=self._run, name="local autoscaler", daemon=True)
-        self._thread.start()
+        self._rounds.start()
 
     def stop(self) -> None:
         """Stop after the round under way (a worker starting or draining finishes)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        self._rounds.stop()
 
-    def _run(self) -> None:
-        try:
-            asyncio.run(self._rounds())
-        except Exception:
-            log.exception("local autoscaler stopped")
+    def _interval_s(self) -> float:
+        return float(self.pool.spec.autoscaling.policy.interval_seconds)
 
-    async def _rounds(self) -> None:
-        spec = self.pool.spec
-        interval = spec.autoscaling.policy.interval_seconds
-        memory = planner.Memory()
-        async with aiohttp.ClientSession() as session:
-            while not self._stop.is_set():
-                try:
-                    memory = await self.round(session, memory)
-                except Exception:  # a bug must not end the loop
-                    log.exception("local autoscaler round")
-                await asyncio.to_thread(self._stop.wait, interval)
+    async def _next_round(self, session: aiohttp.ClientSession) -> None:
+        self._memory = await self.round(session, self._memory)
 
     async def round(self, session: aiohttp.ClientSession, memory: planner.Memory) -> planner.Memory:
         """Read, decide, write the status, start or stop workers, write the status
@@ -121,8 +108,10 @@ class LocalScaler:
                 self._clock(),
             )  # fmt: skip
             memory = outcome.memory
-        autoscaling = outcome.autoscaling if outcome is not None else self.status.autoscaling
-        self.status = with_scaling(self.status, ScalingReport(reading.conditions, autoscaling))
+        with self._status_lock:
+            autoscaling = outcome.autoscaling if outcome is not None else self.status.autoscaling
+            report = ScalingReport(reading.conditions, autoscaling)
+            self.status = with_scaling(self.status, report)
         self._write()
         if outcome is not None:
             await self._act(outcome)
@@ -137,10 +126,17 @@ class LocalScaler:
             await asyncio.to_thread(self.fleet.scale, role, count)
             self._write()
 
+    def record_rollout(self, rollout: api.RolloutStatus) -> None:
+        """A rollout's progress, into the status file."""
+        with self._status_lock:
+            self.status = self.status.model_copy(update={"rollout": rollout})
+        self._write()
+
     def _write(self) -> None:
         """The status file, with the replicas as they are now."""
-        self._record_replicas()
-        write_status(self.status_file, self.status)
+        with self._status_lock:
+            self._record_replicas()
+            write_status(self.status_file, self.status)
 
     def _record_replicas(self) -> None:
         counts: Mapping[api.Role, planner.Replicas] = self.fleet.replicas()

@@ -223,7 +223,8 @@ class AsyncEngine:
                     self._wake.wait(timeout=self._idle_wait())
                     self._wake.clear()
                     continue
-                faults.blocking_point("engine.step", self._batch_size())
+                budget = self.engine.config.scheduler.max_num_batched_tokens
+                faults.blocking_point("engine.step", self._batch_size(), budget=budget)
                 self._deliver(self.engine.step())
         except BaseException as error:  # the loop must report, not vanish
             log.exception("engine step loop failed")

@@ -43,6 +43,7 @@ from pdserve.workers.router.kv_subscriber import KVFeeds
 from pdserve.workers.router.metrics import RouterMetrics
 from pdserve.workers.router.openapi import router_openapi
 from pdserve.workers.router.proxy import Forwarder, Routed
+from pdserve.workers.router.revisions import RevisionSplit
 from pdserve.workers.router.workers import WorkersAnswer, WorkerSet, WorkerState
 
 log = logging.getLogger(__name__)
@@ -157,6 +158,7 @@ class RouterServer:
             else 0,
             generates=params.max_tokens != 0,
             kv=KVPrompt.of(tokens, table) if self.kv_feeds is not None else None,
+            split=RevisionSplit.of(table, tokens, parsed.user),
         )
         return await self.forwarder.serve(request, routed)
 
@@ -190,6 +192,7 @@ class RouterServer:
                     in_flight=worker.in_flight,
                     published=worker.published,
                     kv=None if self.kv_feeds is None else self.kv_feeds.status(role, worker.url),
+                    revision=worker.revision,
                 )
                 for worker in workers
             ]

@@ -22,10 +22,9 @@ ROLE = "router"
 
 @dataclass(frozen=True)
 class _PathChildren:
-    """The metrics of one bucket and mode, their labels bound once (a label lookup
-    per request and per token is a large share of the router's time)."""
+    """The metrics of one bucket, mode and pair of revisions, their labels bound once
+    (a label lookup per request and per token is a large share of the router's time)."""
 
-    decisions: Counter
     ttft: Histogram
     itl: Histogram
     tpot: Histogram
@@ -41,7 +40,10 @@ class RouterMetrics:
         self.registry = reg = registry or CollectorRegistry()
         self.pool = pool
         base = ("pool", "role")
-        labeled = (*base, "bucket", "mode")
+        decided = (*base, "bucket", "mode")
+        # Per request: the revisions of the workers that served it (empty: none, or no
+        # rollout), so a canary's figures are told from the stable revision's.
+        labeled = (*decided, "prefill_revision", "decode_revision")
 
         def histogram(name: str, text: str) -> Histogram:
             return Histogram(name, text, labeled, buckets=LATENCY_BUCKETS, registry=reg)
@@ -73,7 +75,7 @@ class RouterMetrics:
         self.decisions = Counter(
             "pdserve_router_decisions_total",
             "Routing decisions: the path the routing table chose for each request.",
-            labeled, registry=reg,
+            decided, registry=reg,
         )  # fmt: skip
         self.retries = Counter(
             "pdserve_router_retries_total",
@@ -107,26 +109,35 @@ class RouterMetrics:
             "Re-reads of a changed routing file, by result (applied or refused).",
             (*base, "result"), registry=reg,
         )  # fmt: skip
-        self._paths: dict[tuple[str, str], _PathChildren] = {}
+        self._paths: dict[tuple[str, str, str, str], _PathChildren] = {}
+        self._decisions: dict[tuple[str, str], Counter] = {}
 
     def _labels(self, **extra: str) -> dict[str, str]:
         return {"pool": self.pool, "role": ROLE, **extra}
 
-    def _path(self, bucket: str, mode: str) -> _PathChildren:
-        children = self._paths.get((bucket, mode))
+    def _path(self, bucket: str, mode: str, revisions: tuple[str, str]) -> _PathChildren:
+        key = (bucket, mode, *revisions)
+        children = self._paths.get(key)
         if children is None:
-            labels = self._labels(bucket=bucket, mode=mode)
-            children = _PathChildren(
-                self.decisions.labels(**labels), self.ttft.labels(**labels),
-                self.itl.labels(**labels), self.tpot.labels(**labels),
-                self.e2e.labels(**labels), self.slo_met.labels(**labels), {},
+            labels = self._labels(
+                bucket=bucket, mode=mode, prefill_revision=revisions[0],
+                decode_revision=revisions[1],
             )  # fmt: skip
-            self._paths[(bucket, mode)] = children
+            children = _PathChildren(
+                self.ttft.labels(**labels), self.itl.labels(**labels),
+                self.tpot.labels(**labels), self.e2e.labels(**labels),
+                self.slo_met.labels(**labels), {},
+            )  # fmt: skip
+            self._paths[key] = children
         return children
 
     def decided(self, bucket: str, mode: str) -> None:
-        """Count a routing decision."""
-        self._path(bucket, mode).decisions.inc()
+        """Count a routing decision (made before a worker, so a revision, is chosen)."""
+        counter = self._decisions.get((bucket, mode))
+        if counter is None:
+            labels = self._labels(bucket=bucket, mode=mode)
+            counter = self._decisions[(bucket, mode)] = self.decisions.labels(**labels)
+        counter.inc()
 
     def retried(self, reason: str) -> None:
         """Count a retry."""
@@ -159,15 +170,20 @@ class RouterMetrics:
         ended: float,
         slo: Slo,
         output_tokens: int | None = None,
+        revisions: tuple[str, str] = ("", ""),
     ) -> None:
         """Record a request that ended. `streams`: for each choice that streamed tokens,
         the times they left the router (none for an answer sent whole, which gives
         `output_tokens`, per choice). TTFT is the first token of any choice, ITL every
-        gap within a choice, TPOT the mean of the choices'."""
-        path = self._path(bucket, mode)
+        gap within a choice, TPOT the mean of the choices'. `revisions`: the prefill
+        and decode workers' that served it."""
+        path = self._path(bucket, mode, revisions)
         requests = path.requests.get(outcome)
         if requests is None:
-            labels = self._labels(bucket=bucket, mode=mode, outcome=outcome)
+            labels = self._labels(
+                bucket=bucket, mode=mode, prefill_revision=revisions[0],
+                decode_revision=revisions[1], outcome=outcome,
+            )  # fmt: skip
             requests = path.requests[outcome] = self.requests.labels(**labels)
         requests.inc()
         if outcome != "ok":

@@ -37,6 +37,7 @@ class RequestOutcome:
         self.stream: TokenStream | None = None  # the stream relayed, once it has begun
         self.output_tokens: int | None = None  # per choice, of an answer sent whole
         self.outcome: Outcome | None = None
+        self.revisions = ("", "")  # the prefill and decode workers' revisions, as served
 
     def ended(self, outcome: Outcome) -> None:
         """The request ended with `outcome`."""
@@ -93,5 +94,5 @@ def counted(metrics: RouterMetrics, routed: Routed) -> Iterator[RequestOutcome]:
         streams = record.stream.streams if record.stream is not None else ()
         metrics.observe_request(
             routed.bucket, record.mode, record.outcome or "error", routed.arrival, streams,
-            time.monotonic(), routed.slo, record.output_tokens,
+            time.monotonic(), routed.slo, record.output_tokens, record.revisions,
         )  # fmt: skip

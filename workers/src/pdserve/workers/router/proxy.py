@@ -43,6 +43,7 @@ from pdserve.workers.network.bodies import BUSY_CODES
 from pdserve.workers.router.kv_scoring import KVPrompt, KVScorer
 from pdserve.workers.router.metrics import RouterMetrics
 from pdserve.workers.router.outcome import RequestOutcome, counted
+from pdserve.workers.router.revisions import RevisionSplit, revision_of
 from pdserve.workers.router.sse import TokenStream, error_event
 from pdserve.workers.router.workers import Worker, WorkerSet
 
@@ -73,6 +74,7 @@ class Routed:
     echo_tokens: int = 0  # the prompt's tokens, when the answer echoes them
     generates: bool = True  # False: max_tokens 0, the prompt scored, nothing generated
     kv: KVPrompt | None = None  # its blocks, when the table routes KV-aware
+    split: RevisionSplit | None = None  # its revision, when a rollout splits the traffic
 
     def token_stream(self) -> TokenStream:
         """A watcher of this request's relayed stream."""
@@ -183,11 +185,13 @@ class Forwarder:
         self, workers: WorkerSet, routed: Routed, tried: set[str]
     ) -> tuple[Worker, int] | None:
         """A worker of `workers` not tried yet, and the prompt tokens it holds cached
-        (KV-aware, when the table says so; else by load, holding none known)."""
+        (KV-aware, when the table says so; else by load, holding none known), within
+        the request's revision when a rollout splits the traffic."""
+        exclude = tried if routed.split is None else tried | routed.split.outside(workers, tried)
         if self.kv is None or routed.kv is None:
-            worker = workers.choose(exclude=tried)
+            worker = workers.choose(exclude=exclude)
             return None if worker is None else (worker, 0)
-        choice = self.kv.choose(workers, routed.kv, exclude=tried)
+        choice = self.kv.choose(workers, routed.kv, exclude=exclude)
         return None if choice is None else (choice.worker, choice.cached_tokens)
 
     def _note_failure(
@@ -230,6 +234,7 @@ class Forwarder:
         }
         if prefill is not None:
             headers[PREFILL_URL_HEADER] = prefill.url
+        outcome.revisions = (revision_of(prefill), revision_of(decode))
         try:
             with self._outstanding(routed, decode, prefill, predicted) as answered:
                 async with self.session.post(

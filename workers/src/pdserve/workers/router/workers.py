@@ -82,6 +82,7 @@ class WorkerState(BaseModel):
     in_flight: int  # requests the router sent it that have not ended
     published: PublishedLoad | None  # its /load, as last read
     kv: KVFeedStatus | None = None  # its KV event feed (KV-aware routing only)
+    revision: str | None = None  # its revision, as it published it
 
 
 # The body of GET /workers: the workers of each role.
@@ -98,6 +99,7 @@ class Worker:
     published: PublishedLoad | None = None
     in_flight: int = 0  # requests the router has sent and not seen end
     prefill_tokens: int = 0  # prompt tokens the router sent it to prefill, not yet done
+    revision: str | None = None  # its --revision as it last published it (None: not yet)
 
     def fresh(self, now: float) -> PublishedLoad | None:
         """The published load, if recent enough to go by."""
@@ -107,6 +109,8 @@ class Worker:
     def read(self, body: Any, at: float) -> None:
         """Record a /load answer read at `at`, beside the router's own counts then."""
         self.published = PublishedLoad.of(body, at, self.in_flight, self.prefill_tokens)
+        revision = body.get("revision", "") if isinstance(body, dict) else ""
+        self.revision = revision if isinstance(revision, str) else ""
 
     def requests(self, now: float) -> int:
         """Requests it holds: the router's own, and others it published lately."""

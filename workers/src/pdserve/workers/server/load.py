@@ -28,14 +28,16 @@ class WorkerLoad:
     waiting: int  # requests waiting for their first engine step
     kv_cache_usage: float  # fraction of KV blocks in use
     prefill_tokens: int  # prompt tokens admitted and not yet computed
+    revision: str = ""  # its --revision: the router splits a rollout's traffic by it
 
 
 class LoadTracker:
     """Keeps a worker's load; an engine observer and a server middleware."""
 
-    def __init__(self, engine: LLMEngine, role: str) -> None:
+    def __init__(self, engine: LLMEngine, role: str, revision: str = "") -> None:
         self._engine = engine
         self._role = role
+        self._revision = revision
         self._in_flight = 0
         self._running = 0
         self._kv_usage = 0.0
@@ -61,6 +63,7 @@ class LoadTracker:
             waiting=waiting,
             kv_cache_usage=self._kv_usage,
             prefill_tokens=0 if idle else self._prefill_tokens,
+            revision=self._revision,
         )
 
     def request_started(self) -> None:

@@ -46,10 +46,18 @@ def input_bucket(num_prompt_tokens: int, edges: Sequence[int] = INPUT_LENGTH_BUC
 class WorkerMetrics:
     """All metrics of one worker, in a registry of their own."""
 
-    def __init__(self, pool: str, role: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        pool: str,
+        role: str,
+        registry: CollectorRegistry | None = None,
+        revision: str = "",
+    ) -> None:
         self.registry = registry or CollectorRegistry()
-        self._labels = {"pool": pool, "role": role}
-        names, labeled = ("pool", "role"), ("pool", "role", "bucket", "mode")
+        # The revision (`--revision`) tells a canary's figures from the stable one's.
+        self._labels = {"pool": pool, "role": role, "revision": revision}
+        names = ("pool", "role", "revision")
+        labeled = (*names, "bucket", "mode")
         reg = self.registry
         self.ttft = Histogram(
             "pdserve_time_to_first_token_seconds",

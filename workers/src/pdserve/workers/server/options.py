@@ -50,6 +50,11 @@ class WorkerOptions:
         "worker; prefill: only prefill for decode workers",
     )  # fmt: skip
     pool: str = option("local", help="pool name for metric labels")
+    revision: str = option(
+        "", metavar="NAME",
+        help="the revision of its role this worker runs (a rollout's canary or stable one): "
+        "published at /load for the router's split and as the metrics' revision label",
+    )  # fmt: skip
     served_model_name: str | None = option(
         None, help="model id in the API (default: the model directory's name)"
     )

@@ -115,8 +115,8 @@ def build_server(options: WorkerOptions, limits: RequestLimits) -> WorkerServer:
     engine = LLMEngine(engine_config(options))
     weights = weights_digest(options.model)
     tokenizer = Tokenizer.from_dir(options.model)
-    metrics = WorkerMetrics(options.pool, options.role)
-    load = LoadTracker(engine, options.role)
+    metrics = WorkerMetrics(options.pool, options.role, revision=options.revision)
+    load = LoadTracker(engine, options.role, options.revision)
     async_engine = AsyncEngine(
         engine, [metrics, load], queue_timeout_s=options.queue_timeout,
         max_stream_buffer_tokens=options.max_stream_buffer_tokens,
