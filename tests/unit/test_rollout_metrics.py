@@ -16,7 +16,9 @@ STRATEGY = RolloutStrategy.model_validate(
 
 
 def sample(metrics: RolloutMetrics, name: str, **labels: str) -> float | None:
-    return metrics.registry.get_sample_value(name, {"pool": "p", "role": "decode", **labels})
+    return metrics.registry.get_sample_value(
+        name, {"pool_namespace": "", "pool": "p", "role": "decode", **labels}
+    )
 
 
 def test_weights_step_and_decisions_follow_the_rollout() -> None:
@@ -25,13 +27,13 @@ def test_weights_step_and_decisions_follow_the_rollout() -> None:
     metrics.record("p", "decode", started, decided=True)
     assert sample(metrics, "pdserve_rollout_weight", revision="old") == 80
     assert sample(metrics, "pdserve_rollout_weight", revision="new") == 20
-    assert sample(metrics, "pdserve_rollout_step") == 0
+    assert sample(metrics, "pdserve_rollout_step") == 1
     assert sample(metrics, "pdserve_rollout_decisions_total", action="wait", reason="Started") == 1
     aborted = decision.decide(STRATEGY, started, None, NOW, manual="abort")
     metrics.record("p", "decode", aborted, decided=True)
     metrics.forget("p", "decode", "new")
     assert sample(metrics, "pdserve_rollout_weight", revision="old") == 100
     assert sample(metrics, "pdserve_rollout_weight", revision="new") is None
-    assert sample(metrics, "pdserve_rollout_step") == -1
+    assert sample(metrics, "pdserve_rollout_step") == 0
     labels = {"action": "abort", "reason": "ManualAbort"}
     assert sample(metrics, "pdserve_rollout_decisions_total", **labels) == 1

@@ -11,7 +11,16 @@ is the operator's own once Prometheus scrapes it): a deleted pool's gauges go.
 from __future__ import annotations
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from pdserve.operator.rollout.metrics import RolloutMetrics
 
 RECONCILES = Counter(
     "pdserve_operator_reconciles_total",
@@ -57,24 +66,7 @@ SCALING_DECISIONS = Counter(
     ["role", "direction", "reason"],
 )
 
-ROLLOUT_DECISIONS = Counter(
-    "pdserve_rollout_decisions_total",
-    "Rollout decisions other than waiting, by pool, role, action (promote, complete, "
-    "rollback, abort; wait for a rollout's start) and reason (the rollback condition "
-    "that fired, or why).",
-    ["pool_namespace", "pool", "role", "action", "reason"],
-)
-ROLLOUT_WEIGHT = Gauge(
-    "pdserve_rollout_weight",
-    "Percent of a role's requests each of its revisions takes (the stable revision "
-    "100 once no rollout is in progress).",
-    ["pool_namespace", "pool", "role", "revision"],
-)
-ROLLOUT_STEP = Gauge(
-    "pdserve_rollout_step",
-    "The step a role's rollout is at, from 1 (0: no rollout in progress).",
-    ["pool_namespace", "pool", "role"],
-)
+ROLLOUT = RolloutMetrics(REGISTRY)
 
 POOLS = Gauge(
     "pdserve_operator_pools",

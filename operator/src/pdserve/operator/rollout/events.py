@@ -63,7 +63,7 @@ def announce(
             continue
         if decision.action == "wait" and decision.reason != "Started":
             continue
-        metrics.ROLLOUT_DECISIONS.labels(
+        metrics.ROLLOUT.decisions.labels(
             pool_namespace=namespace, pool=name, role=role, action=decision.action,
             reason=decision.reason,
         ).inc()  # fmt: skip
@@ -87,14 +87,14 @@ def observe(namespace: str, pool: str, rollout: api.RolloutStatus | None) -> Non
             weights[status.stable_revision] = 100
         key = (namespace, pool, role)
         for gone in _WEIGHTS.get(key, set()) - set(weights):
-            metrics.ROLLOUT_WEIGHT.remove(namespace, pool, role, gone)
+            metrics.ROLLOUT.weight.remove(namespace, pool, role, gone)
         for revision, weight in weights.items():
-            metrics.ROLLOUT_WEIGHT.labels(namespace, pool, role, revision).set(weight)
+            metrics.ROLLOUT.weight.labels(namespace, pool, role, revision).set(weight)
         _WEIGHTS[key] = set(weights)
         if status is None:
             _remove_step(namespace, pool, role)
         else:
-            metrics.ROLLOUT_STEP.labels(namespace, pool, role).set(step)
+            metrics.ROLLOUT.step.labels(namespace, pool, role).set(step)
 
 
 def forget(namespace: str, pool: str) -> None:
@@ -106,4 +106,4 @@ def forget(namespace: str, pool: str) -> None:
 
 def _remove_step(namespace: str, pool: str, role: str) -> None:
     with contextlib.suppress(KeyError):
-        metrics.ROLLOUT_STEP.remove(namespace, pool, role)
+        metrics.ROLLOUT.step.remove(namespace, pool, role)

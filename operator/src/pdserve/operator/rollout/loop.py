@@ -7,28 +7,27 @@ complete, roll back or abort. A decision other than a wait with the same reason 
 written to `status.rollout` (which the reconciler's Events and metrics announce), and
 the pool is reconciled at once so its Deployments and routing table follow.
 
-No analysis (no Prometheus configured or reachable, no figures, or the analysis
-module absent): the rollout waits and is never promoted on no evidence; a manual
+No analysis (no Prometheus configured or reachable, or no figures yet): the rollout
+waits and is never promoted on no evidence; a manual
 command still acts. The status is the loop's only memory: a restarted operator goes
 on from the step and the step's start it finds there.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any
 
-from pdserve.operator import api
+from pdserve.operator import api, render
 from pdserve.operator.controller import kube
 from pdserve.operator.controller.kube import ApiError, KubeClient
 from pdserve.operator.controller.loops import PoolLoops
 from pdserve.operator.controller.reconcile import Reconciler
 from pdserve.operator.controller.resync import PoolKey, Resync, pool_key
-from pdserve.operator.rollout import changes, decision, manual
+from pdserve.operator.rollout import analysis, changes, decision, manual
 from pdserve.operator.rollout import events as rollout_events
 from pdserve.operator.rollout.decision import Analysis
 from pdserve.operator.rollout.events import Recorder
@@ -58,27 +57,18 @@ class AnalysisRequest:
 Analyse = Callable[[AnalysisRequest], Awaitable[Analysis | None]]
 
 
-def module_analyser() -> Analyse | None:
-    """`pdserve.operator.rollout.analysis.analyse` behind the request this loop makes
-    (None where that module is not installed)."""
-    try:
-        module = importlib.import_module("pdserve.operator.rollout.analysis")
-    except ModuleNotFoundError:
+async def analyse_step(request: AnalysisRequest) -> Analysis | None:
+    """The analysis of a role's step from Prometheus, with the SLO and the bucket
+    labels of the routing table the pool's routers read."""
+    workers = request.spec.pool(request.role)
+    if workers is None:
         return None
-    analyse = getattr(module, "analyse", None)
-    if analyse is None:
-        return None
-
-    async def call(request: AnalysisRequest) -> Analysis | None:
-        workers = request.spec.pool(request.role)
-        assert workers is not None
-        result = await analyse(
-            request.prometheus, request.pool, request.role, request.status, workers.rollout,
-            request.spec.slo, request.spec.routing.buckets, request.now,
-        )  # fmt: skip
-        return cast(Analysis | None, result)
-
-    return call
+    table = render.routing_table(request.pool, request.namespace, request.spec)
+    buckets = [table.bucket_label(index) for index in range(len(table.buckets))]
+    return await analysis.analyse(
+        request.prometheus, request.pool, request.role, request.status, workers.rollout,
+        table.slo, buckets, request.now, namespace=request.namespace,
+    )  # fmt: skip
 
 
 def next_status(
@@ -150,7 +140,7 @@ class Rollouts(PoolLoops):
         self._client = client
         self._recorder = recorder
         self._url = prometheus_url
-        self._analyse = analyse if analyse is not None else module_analyser()
+        self._analyse = analyse if analyse is not None else analyse_step
         self._clock = clock
         self._commands: dict[PoolKey, _Commands] = {}
 
