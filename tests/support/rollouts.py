@@ -89,6 +89,7 @@ def decode_rollout(local: LocalPool) -> api.RoleRolloutStatus | None:
 
 def decisions(rollouts: LocalRollouts, action: str, reason: str) -> float:
     """Decisions of `action` for `reason` the rollout metrics counted (decode role)."""
-    labels = {"pool": rollouts.local.name, "role": "decode", "action": action, "reason": reason}
+    labels = {"pool_namespace": "", "pool": rollouts.local.name, "role": "decode"}
+    labels |= {"action": action, "reason": reason}
     value = rollouts.metrics.registry.get_sample_value("pdserve_rollout_decisions_total", labels)
     return value or 0.0

@@ -123,20 +123,20 @@ def test_a_rollback_is_a_warning_with_its_figures_and_counted() -> None:
     pool = {"metadata": {"namespace": "ns", "name": "events-pool"}}
     labels = {"pool_namespace": "ns", "pool": "events-pool", "role": "decode"}
     counted = {**labels, "action": "rollback", "reason": "itlOverTarget"}
-    assert metrics.ROLLOUT_DECISIONS.labels(**counted)._value.get() == 0
+    assert metrics.ROLLOUT.decisions.labels(**counted)._value.get() == 0
     events.announce(recorder, pool, before, after)
     ((kind, reason, message),) = recorder.posted
     assert (kind, reason) == ("Warning", "itlOverTarget")
     assert "decode: rollback: ITL p99 0.3s" in message and "(bucket le512)" in message
     assert "canary: 80 requests, itlP99Seconds 0.3" in message
     assert "stable: 700 requests, itlP99Seconds 0.04" in message
-    assert metrics.ROLLOUT_DECISIONS.labels(**counted)._value.get() == 1
+    assert metrics.ROLLOUT.decisions.labels(**counted)._value.get() == 1
     # Rolled back: the stable revision takes every request, no step is in force.
     stable = {**labels, "revision": "decode-aaaaaaaaaa"}
-    assert metrics.ROLLOUT_WEIGHT.labels(**stable)._value.get() == 100
-    assert metrics.ROLLOUT_STEP.labels(**labels)._value.get() == 0
+    assert metrics.ROLLOUT.weight.labels(**stable)._value.get() == 100
+    assert metrics.ROLLOUT.step.labels(**labels)._value.get() == 0
     events.announce(recorder, pool, after, after)  # no new decision: nothing said
     assert len(recorder.posted) == 1
     events.forget("ns", "events-pool")
-    names = {s.labels.get("pool") for m in metrics.ROLLOUT_WEIGHT.collect() for s in m.samples}
+    names = {s.labels.get("pool") for m in metrics.ROLLOUT.weight.collect() for s in m.samples}
     assert "events-pool" not in names

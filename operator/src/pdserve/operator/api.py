@@ -311,11 +311,12 @@ class KvCacheSpec(ApiModel):
 
     block_size: int = Field(default=16, ge=1, le=1024, description="Tokens per KV cache block.")
     dtype: KvCacheDtype = Field(default="auto", description="KV cache dtype (auto: the model's).")
-    hash_seed: str = Field(
-        default="",
+    hash_seed: str | None = Field(
+        default=None,
+        min_length=1,
         max_length=256,
         description="Seed of the prefix-cache block hashes, given to every worker and the "
-        "router (empty: none). A worker whose seed differs is refused for KV-aware "
+        "router (unset: none). A worker whose seed differs is refused for KV-aware "
         "routing; changing it starts every cache afresh.",
     )
 

@@ -274,7 +274,7 @@ def routing_table(
         "routingPolicy": {
             "type": spec.routing.policy,
             "blockSize": spec.kv_cache.block_size,
-            "hashSeed": spec.kv_cache.hash_seed,
+            "hashSeed": spec.kv_cache.hash_seed or "",
             "loadWeightTokens": spec.routing.load_weight_tokens,
         },
         "slo": _slo(spec.slo),
