@@ -8,7 +8,7 @@ import json
 from collections.abc import Iterator
 
 import pytest
-from bench.test_operator_scale import get_node
+from bench.test_operator_scale import READY_TIMEOUT, get_node
 from bench.test_operator_scale import test_operator_scale as test_operator_scale_on_node
 
 from pdserve.devcluster import DevCluster
@@ -16,7 +16,8 @@ from pdserve.devcluster.node import NodeCluster
 from pdserve.devcluster.nodes import gpu_node, node_schedulable
 from support.waiting import wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
+# Creation and the resync each wait up to READY_TIMEOUT, the cluster's start besides.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(max(3600, int(3 * READY_TIMEOUT)))]
 __all__ = ["test_operator_scale_on_node"]
 
 
