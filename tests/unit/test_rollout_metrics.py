@@ -31,7 +31,6 @@ def test_weights_step_and_decisions_follow_the_rollout() -> None:
     assert sample(metrics, "pdserve_rollout_decisions_total", action="wait", reason="Started") == 1
     aborted = decision.decide(STRATEGY, started, None, NOW, manual="abort")
     metrics.record("p", "decode", aborted, decided=True)
-    metrics.forget("p", "decode", "new")
     assert sample(metrics, "pdserve_rollout_weight", revision="old") == 100
     assert sample(metrics, "pdserve_rollout_weight", revision="new") is None
     assert sample(metrics, "pdserve_rollout_step") == 0

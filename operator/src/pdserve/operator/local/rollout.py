@@ -309,7 +309,6 @@ class LocalRollouts:
             local.remove(role, gone)
         local.set_weights(role, ())
         local.rolling.discard(role)
-        self.metrics.forget(local.name, role, gone)
         self._say(f"{role}: {kept} serves every request")
 
     def _set(self, role: api.Role, status: api.RoleRolloutStatus, decided: bool) -> None:

@@ -4,15 +4,12 @@ message the figures it was made on, and the rollout metrics (operator's /metrics
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 from pdserve.operator import api, metrics
 
 REFUSALS: frozenset[api.RolloutAction] = frozenset({"rollback", "abort"})
-# The label sets of the weight series each role has (to remove those of old revisions).
-_WEIGHTS: dict[tuple[str, str, str], set[str]] = {}
 
 
 class Recorder(Protocol):
@@ -76,34 +73,9 @@ def observe(namespace: str, pool: str, rollout: api.RolloutStatus | None) -> Non
     """Set the weight and step gauges of a pool's roles from its rollout status."""
     for role in api.ROLES:
         status = rollout.role(role) if rollout is not None else None
-        weights: dict[str, int] = {}
-        step = 0
-        if status is not None and status.phase in ("Progressing", "Paused"):
-            weights[status.stable_revision] = 100 - status.weight
-            if status.canary_revision is not None:
-                weights[status.canary_revision] = status.weight
-            step = status.step + 1
-        elif status is not None:
-            weights[status.stable_revision] = 100
-        key = (namespace, pool, role)
-        for gone in _WEIGHTS.get(key, set()) - set(weights):
-            metrics.ROLLOUT.weight.remove(namespace, pool, role, gone)
-        for revision, weight in weights.items():
-            metrics.ROLLOUT.weight.labels(namespace, pool, role, revision).set(weight)
-        _WEIGHTS[key] = set(weights)
-        if status is None:
-            _remove_step(namespace, pool, role)
-        else:
-            metrics.ROLLOUT.step.labels(namespace, pool, role).set(step)
+        metrics.ROLLOUT.observe(pool, role, status, namespace)
 
 
 def forget(namespace: str, pool: str) -> None:
     """Remove a deleted pool's rollout gauges."""
     observe(namespace, pool, None)
-    for role in api.ROLES:
-        _WEIGHTS.pop((namespace, pool, role), None)
-
-
-def _remove_step(namespace: str, pool: str, role: str) -> None:
-    with contextlib.suppress(KeyError):
-        metrics.ROLLOUT.step.remove(namespace, pool, role)

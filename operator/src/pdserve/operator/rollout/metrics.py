@@ -10,6 +10,7 @@ import contextlib
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pdserve.operator.api import RoleRolloutStatus
+from pdserve.operator.rollout.decision import ACTIVE
 from pdserve.protocol.routing import Role
 
 
@@ -36,24 +37,43 @@ class RolloutMetrics:
             "The step a role's rollout is at, from 1 (0: no rollout in progress).",
             ("pool_namespace", "pool", "role"), registry=reg,
         )  # fmt: skip
+        # The revisions each role has a weight series for (to remove those gone).
+        self._revisions: dict[tuple[str, str, str], set[str]] = {}
 
     def record(
         self, pool: str, role: Role, status: RoleRolloutStatus, decided: bool, namespace: str = ""
     ) -> None:
         """A round's status; `decided`: its last decision is new (counted)."""
         decision = status.last_decision
-        labels = {"pool_namespace": namespace, "pool": pool, "role": role}
         if decided and decision is not None:
+            labels = {"pool_namespace": namespace, "pool": pool, "role": role}
             self.decisions.labels(**labels, action=decision.action, reason=decision.reason).inc()
-        active = status.phase in ("Progressing", "Paused")
-        self.step.labels(**labels).set(status.step + 1 if active else 0)
-        canary = status.canary_revision
-        weight = status.weight if active else 0
-        self.weight.labels(**labels, revision=status.stable_revision).set(100 - weight)
-        if canary is not None and canary != status.stable_revision:
-            self.weight.labels(**labels, revision=canary).set(weight)
+        self.observe(pool, role, status, namespace)
 
-    def forget(self, pool: str, role: Role, revision: str, namespace: str = "") -> None:
-        """A revision whose workers are gone takes no traffic: its weight goes."""
-        with contextlib.suppress(KeyError):
-            self.weight.remove(namespace, pool, role, revision)
+    def observe(
+        self, pool: str, role: Role, status: RoleRolloutStatus | None, namespace: str = ""
+    ) -> None:
+        """The weight and step gauges of a role from its rollout status: the stable and
+        the canary revision's shares while it is in progress, the stable revision's 100
+        once it has ended; none (series removed) without a status."""
+        key = (namespace, pool, role)
+        weights: dict[str, int] = {}
+        active = status is not None and status.phase in ACTIVE
+        if status is not None and active:
+            weights[status.stable_revision] = 100 - status.weight
+            if status.canary_revision is not None:
+                weights[status.canary_revision] = status.weight
+        elif status is not None:
+            weights[status.stable_revision] = 100
+        for gone in self._revisions.get(key, set()) - set(weights):
+            with contextlib.suppress(KeyError):
+                self.weight.remove(*key, gone)
+        for revision, weight in weights.items():
+            self.weight.labels(*key, revision).set(weight)
+        self._revisions[key] = set(weights)
+        if status is None:
+            self._revisions.pop(key, None)
+            with contextlib.suppress(KeyError):
+                self.step.remove(*key)
+        else:
+            self.step.labels(*key).set(status.step + 1 if active else 0)
