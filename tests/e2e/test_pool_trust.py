@@ -6,13 +6,16 @@ which cannot read a Secret at all (tests/e2e/test_chart.py asks `kubectl auth ca
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from pdserve.operator.controller.kube import ApiError, KubeClient, load_credentials
+from pdserve.operator.controller.reconcile import Reconciler
 from support.operator import Cluster, OperatorProcess, get_json, running
 from support.policy import rule_pods, selected_pods
 from support.pool_cluster import apply_pool, condition, get_pool, make_namespace, pool_manifest
@@ -149,3 +152,49 @@ def test_a_foreign_secret_is_never_adopted(
     }  # fmt: skip
     assert secret["metadata"]["ownerReferences"][0]["uid"] == pool["metadata"]["uid"]
     assert secret["metadata"]["labels"]["pdserve.dev/pool"] == "taken"
+
+
+class Silent:
+    """Events go nowhere: the test reads the API server, not the Events."""
+
+    def normal(self, pool: Mapping[str, Any], reason: str, message: str) -> None:
+        pass
+
+    def warning(self, pool: Mapping[str, Any], reason: str, message: str) -> None:
+        pass
+
+
+async def reconcile_late(kubeconfig: Path, pool: dict[str, Any]) -> None:
+    """One reconcile of `pool` under the operator's identity, as a retry that was
+    already running when the pool was deleted would end."""
+    client = KubeClient(load_credentials(kubeconfig))
+    try:
+        await Reconciler(client, Silent()).reconcile(pool, [], trigger="retry")
+    except ApiError:
+        pass  # e.g. its RoleBinding's Role, owned by no pool, already collected
+    finally:
+        await client.close()
+
+
+def test_a_reconcile_that_outlives_its_pool_never_writes_the_next_pools_status(
+    cluster: Cluster, namespace: str, kubeconfig: Path
+) -> None:
+    # No operator runs: the late reconcile is the only writer, and its ordering is the
+    # test's (the pool deleted and one of its name created before the reconcile ends).
+    apply_pool(cluster, namespace, pool_manifest("reused", decode={"replicas": 1}))
+    deleted = get_pool(cluster, namespace, "reused")
+    cluster.kubectl("delete", "servingpool", "reused", "-n", namespace, "--wait=true")
+    apply_pool(cluster, namespace, pool_manifest("reused", decode={"replicas": 2}))
+    current = get_pool(cluster, namespace, "reused")
+    assert current["metadata"]["uid"] != deleted["metadata"]["uid"]
+
+    asyncio.run(reconcile_late(kubeconfig, deleted))
+
+    after = get_pool(cluster, namespace, "reused")
+    assert after["metadata"]["uid"] == current["metadata"]["uid"]
+    assert "status" not in after, "the deleted pool's reconcile wrote the new pool's status"
+    # What it created names the deleted pool as owner, so the garbage collector takes it.
+    secret = get_json(cluster, "secret", "reused-internal", "-n", namespace)
+    if secret is not None:
+        owners = {ref["uid"] for ref in secret["metadata"]["ownerReferences"]}
+        assert owners == {deleted["metadata"]["uid"]}

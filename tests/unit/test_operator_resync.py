@@ -79,10 +79,14 @@ class FakeApi:
             return [] if self.pool is None else [copy.deepcopy(self.pool)]
         return [copy.deepcopy(o) for o in self.objects.values() if o["kind"] == kind.kind]
 
-    async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+    async def patch_status(
+        self, namespace: str, name: str, uid: str, status: Mapping[str, Any]
+    ) -> bool:
         self.requests.append(f"patch ServingPool/{name}")
-        merged = {**self.status, **copy.deepcopy(dict(status))}
-        self.status = {key: value for key, value in merged.items() if value is not None}
+        if self.pool is None or self.pool["metadata"]["uid"] != uid:
+            return False
+        self.status = copy.deepcopy(dict(status))
+        return True
 
     def condition(self, type_: str) -> Obj:
         return next(c for c in self.status.get("conditions", []) if c["type"] == type_)
@@ -189,6 +193,24 @@ async def test_a_pool_forgotten_during_its_reconcile_is_not_brought_back() -> No
     reconciler.forget("pool-uid")
     api.hold.set()
     await reconciling
+    assert reconciler.tracked() == frozenset()
+
+
+async def test_a_pool_replaced_during_its_reconcile_keeps_the_new_pools_status() -> None:
+    api, reconciler, _, _ = operator()
+    deleted = copy.deepcopy(api.pool or {})
+    api.hold = asyncio.Event()
+    reconciling = asyncio.create_task(reconciler.reconcile(deleted, [], trigger="retry"))
+    while not api.requests:
+        await asyncio.sleep(0)
+
+    # Deleted, and a pool of the same name created, before the reconcile ends.
+    replacement = servingpool()
+    replacement["metadata"]["uid"] = "new-pool-uid"
+    api.pool, api.status = replacement, {"phase": "Pending"}
+    api.hold.set()
+    await reconciling
+    assert api.status == {"phase": "Pending"}
     assert reconciler.tracked() == frozenset()
 
 

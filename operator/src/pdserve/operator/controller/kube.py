@@ -28,6 +28,7 @@ FIELD_MANAGER = "pdserve"
 HEADER_REFRESH_SECONDS = 60.0
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"  # JSON is YAML
 MERGE_CONTENT_TYPE = "application/merge-patch+json"
+JSON_PATCH_CONTENT_TYPE = "application/json-patch+json"
 LIST_PAGE = 500  # objects per list request
 
 
@@ -371,16 +372,38 @@ class KubeClient:
                 return items
             params = {**params, "continue": more}
 
-    async def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
-        """Merge `status` into the pool's status subresource (None values remove keys)."""
-        await self.request(
-            "PATCH",
-            SERVING_POOL.path(namespace, name) + "/status",
-            verb="patch",
-            resource=f"{SERVING_POOL.plural}/status",
-            body={"status": status},
-            content_type=MERGE_CONTENT_TYPE,
-        )
+    async def patch_status(
+        self, namespace: str, name: str, uid: str, status: Mapping[str, Any]
+    ) -> bool:
+        """Replace the status of the pool with this uid; False when the name now holds
+        another pool (or none).
+
+        A merge patch goes to whatever object holds the name, so a reconcile of a
+        deleted pool that ends after a pool of the same name was created would write
+        the new pool's status. The JSON patch's `test` of the uid makes the API server
+        refuse it instead (422, as for any failed test); a read tells that refusal
+        from a status the schema refuses."""
+        patch = [
+            {"op": "test", "path": "/metadata/uid", "value": uid},
+            {"op": "add", "path": "/status", "value": dict(status)},  # add replaces
+        ]
+        try:
+            await self.request(
+                "PATCH",
+                SERVING_POOL.path(namespace, name) + "/status",
+                verb="patch",
+                resource=f"{SERVING_POOL.plural}/status",
+                body=patch,
+                content_type=JSON_PATCH_CONTENT_TYPE,
+            )
+        except ApiError as error:
+            if error.status != 422:
+                raise
+            live = await self.get(SERVING_POOL, namespace, name)
+            if live is not None and live["metadata"]["uid"] == uid:
+                raise
+            return False
+        return True
 
     async def patch_annotations(
         self, kind: Kind, namespace: str, name: str, annotations: Mapping[str, str | None]

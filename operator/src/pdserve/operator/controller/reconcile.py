@@ -576,12 +576,16 @@ class Reconciler:
         self, pool: Mapping[str, Any], state: _PoolState, new: api.ServingPoolStatus
     ) -> None:
         old = self._last_status(pool, state)
-        patch = pool_status.status_patch(old, new)
-        if patch is None:
+        wanted = pool_status.status_change(old, new)
+        if wanted is None:
             return
         meta = pool["metadata"]
-        await self._client.patch_status(meta["namespace"], meta["name"], patch)
-        state.status = api.dump(new)
+        if not await self._client.patch_status(meta["namespace"], meta["name"], meta["uid"], wanted):
+            # A reconcile that outlived its pool: the name is another pool's now.
+            log.info("%s/%s: deleted, its status not written", meta["namespace"], meta["name"])
+            self.forget(meta["uid"])
+            return
+        state.status = wanted
         self._announce(pool, pool_status.previous_status(old), new)
 
     def _announce(

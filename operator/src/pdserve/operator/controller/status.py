@@ -307,15 +307,11 @@ def invalid_status(
     )
 
 
-def status_patch(old: Mapping[str, Any], new: api.ServingPoolStatus) -> dict[str, Any] | None:
-    """The merge patch taking status `old` to `new` (None: nothing to change).
-
-    Keys of `old` that `new` lacks are set to null, which a merge patch removes.
-    """
+def status_change(old: Mapping[str, Any], new: api.ServingPoolStatus) -> dict[str, Any] | None:
+    """The status to write in place of `old` (None: nothing to change). It replaces the
+    whole status: keys of `old` that `new` lacks go."""
     wanted = api.dump(new)
-    if wanted == dict(old):
-        return None
-    return {**{key: None for key in old if key not in wanted}, **wanted}
+    return None if wanted == dict(old) else wanted
 
 
 # --- what the autoscaler writes ---------------------------------------------------------
