@@ -378,45 +378,61 @@ class KubeClient:
         """Replace the status of the pool with this uid; False when the name now holds
         another pool (or none).
 
-        A merge patch goes to whatever object holds the name, so a reconcile of a
-        deleted pool that ends after a pool of the same name was created would write
-        the new pool's status. The JSON patch's `test` of the uid makes the API server
-        refuse it instead (422, as for any failed test); a read tells that refusal
-        from a status the schema refuses."""
+        A patch goes to whatever object holds the name, so a reconcile of a deleted pool
+        that ends after a pool of the same name was created would write the new pool's
+        status. The JSON patch's `test` of the uid makes the API server refuse it
+        instead (the status subresource ignores metadata in a merge patch)."""
         patch = [
             {"op": "test", "path": "/metadata/uid", "value": uid},
             {"op": "add", "path": "/status", "value": dict(status)},  # add replaces
         ]
+        return await self._patch_this(
+            SERVING_POOL, namespace, name, uid, patch, JSON_PATCH_CONTENT_TYPE, "/status"
+        )
+
+    async def patch_annotations(
+        self,
+        kind: Kind,
+        namespace: str,
+        name: str,
+        uid: str,
+        annotations: Mapping[str, str | None],
+    ) -> bool:
+        """Merge `annotations` into the object with this uid (None values remove keys);
+        False when the name now holds another object (or none). The uid in the patch
+        makes the API server refuse it for another object (uid is immutable)."""
+        patch = {"metadata": {"uid": uid, "annotations": dict(annotations)}}
+        return await self._patch_this(kind, namespace, name, uid, patch, MERGE_CONTENT_TYPE)
+
+    async def _patch_this(
+        self,
+        kind: Kind,
+        namespace: str,
+        name: str,
+        uid: str,
+        patch: Any,
+        content_type: str,
+        subresource: str = "",
+    ) -> bool:
+        """A patch that the API server refuses (422) unless `name` holds the object with
+        `uid`; False for that refusal, which a read tells from any other 422."""
         try:
             await self.request(
                 "PATCH",
-                SERVING_POOL.path(namespace, name) + "/status",
+                kind.path(namespace, name) + subresource,
                 verb="patch",
-                resource=f"{SERVING_POOL.plural}/status",
+                resource=kind.plural + subresource,
                 body=patch,
-                content_type=JSON_PATCH_CONTENT_TYPE,
+                content_type=content_type,
             )
         except ApiError as error:
             if error.status != 422:
                 raise
-            live = await self.get(SERVING_POOL, namespace, name)
+            live = await self.get(kind, namespace, name)
             if live is not None and live["metadata"]["uid"] == uid:
                 raise
             return False
         return True
-
-    async def patch_annotations(
-        self, kind: Kind, namespace: str, name: str, annotations: Mapping[str, str | None]
-    ) -> None:
-        """Merge `annotations` into an object's (None values remove keys)."""
-        await self.request(
-            "PATCH",
-            kind.path(namespace, name),
-            verb="patch",
-            resource=kind.plural,
-            body={"metadata": {"annotations": dict(annotations)}},
-            content_type=MERGE_CONTENT_TYPE,
-        )
 
     async def serves(self, kind: Kind) -> bool:
         """Whether the cluster serves a kind (its CRD may be missing)."""

@@ -580,7 +580,10 @@ class Reconciler:
         if wanted is None:
             return
         meta = pool["metadata"]
-        if not await self._client.patch_status(meta["namespace"], meta["name"], meta["uid"], wanted):
+        written = await self._client.patch_status(
+            meta["namespace"], meta["name"], meta["uid"], wanted
+        )
+        if not written:
             # A reconcile that outlived its pool: the name is another pool's now.
             log.info("%s/%s: deleted, its status not written", meta["namespace"], meta["name"])
             self.forget(meta["uid"])

@@ -235,11 +235,12 @@ class Rollouts(PoolLoops):
                 pool, "InvalidRolloutCommand",
                 f"{manual.ANNOTATION}={wanted.invalid!r}: expected promote or abort",
             )  # fmt: skip
-        await self._client.patch_annotations(
-            kube.SERVING_POOL, meta["namespace"], meta["name"],
+        written = await self._client.patch_annotations(
+            kube.SERVING_POOL, meta["namespace"], meta["name"], meta["uid"],
             {manual.ACTED_ANNOTATION: wanted.record},
         )  # fmt: skip
-        commands.acted = wanted.record
+        if written:  # else the pool was deleted: its DELETED event forgets it
+            commands.acted = wanted.record
 
 
 def _fingerprint(pool: Mapping[str, Any]) -> tuple[object, ...]:
