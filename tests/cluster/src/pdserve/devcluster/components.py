@@ -167,6 +167,11 @@ def controller_manager_args(layout: Layout) -> list[str]:
         f"--cluster-signing-key-file={pki.ca.key}",
         f"--service-cluster-ip-range={SERVICE_CIDR}",
         "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics",
+        # Its client's default rate (20 requests/s) paces every Deployment's ReplicaSet,
+        # pods and status writes: with hundreds of pools that limit, not the operator,
+        # would set how fast pools become Ready. Clusters of that size raise it too.
+        "--kube-api-qps=300",
+        "--kube-api-burst=600",
     ]
 
 
