@@ -15,6 +15,13 @@ from support.llama_tokenizer import write_llama_checkpoint
 # OpenMP from spinning against them.
 torch.set_num_threads(1)
 
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files marked `starts_first` go to the front (in their order): the test processes
+    take files in this order, and the longest started last would end the run alone."""
+    items.sort(key=lambda item: item.get_closest_marker("starts_first") is None)
+
+
 # Small enough for many engine instances per test run, big enough for GQA and chunking
 # to matter (two layers, 4 query heads over 2 KV heads).
 SMALL_SPEC = TinyModelSpec(

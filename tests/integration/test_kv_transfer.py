@@ -18,6 +18,8 @@ from pdserve.workers.kv_transfer.blocks import runs
 from pdserve.workers.kv_transfer.layout import segments
 from support.kv_agents import AgentCallError, AgentProcess, CacheSpec, agent_process
 
+pytestmark = pytest.mark.starts_first  # among the longest files of the run
+
 BACKENDS = ["nixl", "torch"]
 DECODE_SPEC = CacheSpec(num_blocks=24)
 PREFILL_SPEC = CacheSpec(num_blocks=20)  # each side sizes its own cache

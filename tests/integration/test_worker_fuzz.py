@@ -37,7 +37,7 @@ MUTANTS = 4  # cheap mutations sent beside each generated body
 MAX_TOKENS = 6  # generated requests are cut to this, so the run stays short
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 
-pytestmark = pytest.mark.timeout(1800)
+pytestmark = [pytest.mark.timeout(1800), pytest.mark.starts_first]
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),

@@ -18,6 +18,8 @@ from pdserve.workers.model.tokenizer import Tokenizer
 from support.scoring import LOGPROB_ATOL, reference_logprobs, reference_model
 from support.worker import ServerProcess, metric, running_worker
 
+pytestmark = pytest.mark.starts_first  # among the longest files of the run
+
 N = 4
 CHAT = {"messages": [{"role": "user", "content": "x"}]}
 
