@@ -64,6 +64,7 @@ def scenario_line(
     num_prefill: int = 0,
     buckets: Sequence[dict[str, Any]] = ({"mode": "colocated"},),
     slo: dict[str, float] | None = None,
+    placement: str = "node-per-worker",
 ) -> str:
     """A scenario as `pdserve simulate` reads it."""
     routing = {
@@ -80,4 +81,5 @@ def scenario_line(
     workers = {"decode": ["--model", "/models/sim", *decode_args]}
     if num_prefill:
         workers["prefill"] = ["--model", "/models/sim", "--role", "prefill", *prefill_args]
-    return json.dumps({"name": name, "routing": routing, "workers": workers})
+    scenario = {"name": name, "routing": routing, "workers": workers, "placement": placement}
+    return json.dumps(scenario)

@@ -18,6 +18,7 @@ from pdserve.workers.engine.runner import resolve_kv_dtype
 from pdserve.workers.engine.stats import RequestOutput
 from pdserve.workers.plan.costs import ServingOverhead, StepCost
 from pdserve.workers.plan.events import EventQueue, SimClock
+from pdserve.workers.plan.hosts import SharedHost
 from pdserve.workers.plan.routing import KVFeed
 from pdserve.workers.plan.runner import runner_factory
 from pdserve.workers.server.load import LoadTracker
@@ -40,11 +41,15 @@ class SimWorker:
         events: EventQueue,
         queue_timeout_s: float | None,
         on_step: Callable[[SimWorker, StepResult, float], None],
+        host: tuple[SharedHost, int] | None = None,
     ) -> None:
         self.url = url
         self.role = role
         self.clock = SimClock()
-        self.engine = LLMEngine(config, model, runner_factory(self.clock, *cost), self.clock)
+        # On a shared host (with the worker's torch threads) its steps take its pace.
+        pace = None if host is None else host[0].pace(url, host[1])
+        runner = runner_factory(self.clock, *cost, pace)
+        self.engine = LLMEngine(config, model, runner, self.clock)
         self.load = LoadTracker(self.engine, role)
         self.events = events
         self.queue_timeout_s = queue_timeout_s
