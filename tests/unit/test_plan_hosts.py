@@ -64,8 +64,21 @@ def test_workers_on_nodes_of_their_own_do_not_slow_each_other(model_dir: Path) -
 
 def test_two_busy_workers_on_a_two_core_host_slow_each_other_down(model_dir: Path) -> None:
     times = first_token_times(two_core_profile(model_dir), "one-host", 2, 2)
-    # The second step starts while the first runs: two busy threads on two cores.
-    assert times == [STEP_S, pytest.approx(STEP_S * (1 + SLOPE * 1 / CORES))]
+    # Both steps run together from the start: two busy threads on two cores.
+    assert times == [pytest.approx(STEP_S * (1 + SLOPE * 1 / CORES))] * 2
+
+
+def test_a_step_goes_faster_once_the_step_beside_it_ends(model_dir: Path) -> None:
+    # One request of one token, one of two: the one-token worker's step ends while
+    # the other's second step is under way, which then runs alone.
+    profile = two_core_profile(model_dir)
+    line = scenario_line("hosts", [], num_decode=2, placement="one-host")
+    plan = [PlannedRequest(0, 0.0, 16, 2, "t"), PlannedRequest(1, 0.0, 16, 1, "t")]
+    simulation = PoolSimulation(parse_scenario(line), profile, Traffic(plan, 0, 256, 60.0, None))
+    two, one = simulation.run()
+    shared = STEP_S * (1 + SLOPE / CORES)
+    assert one.chunk_times == [pytest.approx(shared)]
+    assert two.chunk_times == [pytest.approx(shared), pytest.approx(shared + STEP_S)]
 
 
 def test_a_profile_without_the_machines_cores_models_no_sharing(model_dir: Path) -> None:

@@ -1,14 +1,16 @@
 """The machines a simulated pool runs on. A ServingPool's workers run a pod a node
 (no worker shares its cores); `pdserve local` and the bench on this machine run every
-worker, the router and the load generator on one machine's cores. There, each step is
-stretched by the contention at its start (`costs.Contention`): the threads of the
-other workers stepping meanwhile, each counted for the share of the step it overlaps,
-and the CPU the router and the clients spent over the last moment."""
+worker, the router and the load generator on one machine's cores. There, the steps
+running at once share the cores: each step's work (its time alone) goes at the pace
+the contention of the moment allows (`costs.Contention`: the threads of every worker
+stepping, and the CPU the router and the clients spent over the last moment), and
+whenever a step starts or ends on the host the others' ends move accordingly."""
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 from pdserve.workers.plan.costs import Profile
@@ -18,8 +20,21 @@ PLACEMENTS: tuple[Placement, ...] = ("node-per-worker", "one-host")
 # The router's and the clients' CPU is spread over this window before a step.
 CLIENT_WINDOW_S = 1.0
 
-# A step's time on its host: (start, seconds alone) -> seconds.
+# A step's time on its host, as foreseen at its start: (start, seconds alone) -> seconds.
 Pace = Callable[[float, float], float]
+# Tells a worker that its running step now ends at this time.
+Moved = Callable[[float], None]
+
+
+@dataclass
+class _Step:
+    """A step running on the host."""
+
+    threads: float
+    work_s: float  # of its time alone, what is left
+    rate: float  # of its time alone done per second now
+    since: float  # when `work_s` was last brought up to date
+    moved: Moved
 
 
 class SharedHost:
@@ -29,29 +44,45 @@ class SharedHost:
         self.cores = cores
         self.contention = profile.contention
         self.clients = profile.clients
-        self._steps: dict[str, tuple[float, float]] = {}  # worker -> (threads, step's end)
+        self._steps: dict[str, _Step] = {}  # by worker
         self._client_work: deque[tuple[float, float]] = deque()  # (when, CPU seconds)
         self._client_cpu_s = 0.0  # of the work in the window
 
-    def pace(self, worker: str, threads: float) -> Pace:
-        """The pace of `worker`'s steps, computed on `threads` threads."""
-        return lambda start, alone_s: self._step(worker, threads, start, alone_s)
+    def pace(self, worker: str, threads: float, moved: Moved) -> Pace:
+        """The pace of `worker`'s steps on `threads` threads; `moved` is told when a
+        running step's end moves."""
 
-    def _step(self, worker: str, threads: float, start: float, alone_s: float) -> float:
-        demand = threads + self._beside(worker, start, alone_s) + self.client_threads(start)
-        seconds = alone_s * self.contention.stretch(demand, threads, self.cores)
-        self._steps[worker] = (threads, start + seconds)
-        return seconds
+        def started(start: float, alone_s: float) -> float:
+            self._settle(start)
+            step = _Step(threads, alone_s, 1.0, start, moved)
+            self._steps[worker] = step
+            self._rerate(start, started=worker)
+            return step.work_s / step.rate
 
-    def _beside(self, worker: str, start: float, alone_s: float) -> float:
-        """Threads of the other workers stepping during a step from `start`, each by
-        the share of the step it overlaps."""
-        total = 0.0
-        for other, (threads, end) in self._steps.items():
-            if other == worker or end <= start:
+        return started
+
+    def ended(self, worker: str, now: float) -> None:
+        """`worker`'s step is over: the others go faster."""
+        self._settle(now)
+        self._steps.pop(worker, None)
+        self._rerate(now)
+
+    def _settle(self, now: float) -> None:
+        """Bring every running step's work up to `now`."""
+        for step in self._steps.values():
+            step.work_s = max(0.0, step.work_s - (now - step.since) * step.rate)
+            step.since = now
+
+    def _rerate(self, now: float, started: str | None = None) -> None:
+        """Every step's pace under the contention now; the ends that move are told."""
+        demand = sum(step.threads for step in self._steps.values()) + self.client_threads(now)
+        for worker, step in self._steps.items():
+            rate = 1.0 / self.contention.stretch(demand, step.threads, self.cores)
+            if rate == step.rate:
                 continue
-            total += threads * (min(1.0, (end - start) / alone_s) if alone_s > 0 else 1.0)
-        return total
+            step.rate = rate
+            if worker != started:
+                step.moved(now + step.work_s / rate)
 
     def request_arrived(self, now: float) -> None:
         """The router and the client took a request in."""
