@@ -10,10 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.operator import api
+from pdserve.operator.planning.candidates import Candidate
+from pdserve.operator.planning.simulator import scenario_line as plan_scenario_line
 from pdserve.workers.bench.plan import PlannedRequest
 from pdserve.workers.plan.contention import fit_slope, levels
 from pdserve.workers.plan.costs import ClientCost, Contention, Profile
-from pdserve.workers.plan.hosts import CLIENT_WINDOW_S
+from pdserve.workers.plan.hosts import CLIENT_WINDOW_S, PLACEMENTS
 from pdserve.workers.plan.pool import PoolSimulation, Traffic
 from pdserve.workers.plan.scenario import parse_scenario
 from support.plan import constant_profile, scenario_line
@@ -35,10 +38,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def two_core_profile(model_dir: Path, clients: ClientCost | None = None) -> Profile:
     """Steps of STEP_S alone, on a 2-core machine whose contention slope is SLOPE."""
-    return constant_profile(model_dir, STEP_S).model_copy(
+    profile: Profile = constant_profile(model_dir, STEP_S).model_copy(
         update={"cores": CORES, "contention": Contention(slope=SLOPE),
                 "clients": clients or ClientCost()}
     )  # fmt: skip
+    return profile
 
 
 def first_token_times(
@@ -50,7 +54,7 @@ def first_token_times(
     simulation = PoolSimulation(parse_scenario(line), profile, Traffic(plan, 0, 256, 60.0, None))
     records = simulation.run()
     assert all(record.finished for record in records)
-    return sorted(record.chunk_times[0] - record.sent_at for record in records)
+    return sorted(record.chunk_times[0] - (record.sent_at or 0.0) for record in records)
 
 
 def test_one_worker_alone_on_a_shared_host_steps_at_the_profiles_pace(model_dir: Path) -> None:
@@ -108,3 +112,16 @@ def test_the_fitted_slope_reproduces_the_measured_slowdowns() -> None:
     assert [n for n, _ in samples] == [1, 2, 3]  # one more worker than the cores hold
     assert fit_slope(samples, CORES, threads=1) == pytest.approx(0.8)
     assert fit_slope([(1, 1.0), (2, 0.9)], CORES, threads=1) == 0.0  # never negative
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_plan_places_workers_a_node_each_unless_told_one_host(placement: str) -> None:
+    manifest = {
+        "apiVersion": "pdserve.dev/v1alpha1", "kind": "ServingPool", "metadata": {"name": "p"},
+        "spec": {"model": {"name": "m", "path": "/models/m"}},
+    }  # fmt: skip
+    candidate = Candidate("colocated", 0, 2, "", None, api.parse_pool(manifest).spec)
+    default = parse_scenario(plan_scenario_line("p", candidate, (50,), (256,)))
+    assert default.placement == "node-per-worker"
+    told = parse_scenario(plan_scenario_line("p", candidate, (50,), (256,), placement))
+    assert told.placement == placement
