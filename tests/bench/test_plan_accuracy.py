@@ -202,8 +202,11 @@ def test_measure_a_workload(workload: str, tiny_model_dir: Path, tmp_path: Path)
     runs: list[dict[str, Any]] = []
     with local_pool(pool, tmp_path / "pool") as local:
         workers = local.workers["prefill"] + local.workers["decode"]
-        for rate in rates_of(workload):
-            for seed, (routing, buckets) in enumerate(ROUTINGS.items()):
+        for rate_index, rate in enumerate(rates_of(workload)):
+            for routing_index, (routing, buckets) in enumerate(ROUTINGS.items()):
+                # A seed of its own per run: no run finds another's prompts cached,
+                # which the simulator, starting each run empty, would not see.
+                seed = rate_index * len(ROUTINGS) + routing_index
                 use_buckets(local, buckets)
                 config = bench_config(workload, rate, tmp_path, seed, local.url, vocab)
                 before = load_average()
