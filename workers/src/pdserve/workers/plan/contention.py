@@ -27,7 +27,6 @@ from pdserve.workers.plan.sweep import Sweep, SweepPoint, worker_threads
 # 128 prompt tokens.
 POINT = SweepPoint(context=128, decodes=4, prefill=128, start=0)
 WARM_UP_S = 1.0
-LEVEL_S = 4.0  # each level's stepping, every worker of it at once
 MOST_WORKERS = 4
 START_TIMEOUT_S = 300.0
 SLOPES = np.linspace(0.0, 4.0, 401)  # the slopes tried
@@ -45,9 +44,11 @@ def measure_contention(
     worker_args: Sequence[str],
     cores: int,
     threads: int,
+    level_s: float,
     progress: Callable[[str], None] = lambda line: None,
 ) -> Contention:
-    """Step workers alone and together; the fitted contention."""
+    """Step workers alone and together, `level_s` seconds at each level; the fitted
+    contention."""
     counts = levels(cores, threads)
     spawn = multiprocessing.get_context("spawn")
     pipes: list[Connection] = []
@@ -68,7 +69,7 @@ def measure_contention(
         medians: list[float] = []
         for count in counts:
             for pipe in pipes[:count]:
-                pipe.send(LEVEL_S)
+                pipe.send(level_s)
             medians.append(statistics.median(statistics.median(p.recv()) for p in pipes[:count]))
             progress(f"profile: {count} workers stepping together: {medians[-1] * 1e3:.1f} ms")
     finally:

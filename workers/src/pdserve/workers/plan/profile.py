@@ -63,7 +63,9 @@ def profile_model(run: ProfileRun, progress: Callable[[str], None] = lambda line
         steps=tuple(sample for _, sample in measured),
     )
     if run.contention:
-        contention = measure_contention(run.model, run.worker_args, cores, threads, progress)
+        contention = measure_contention(
+            run.model, run.worker_args, cores, threads, DESIGNS[run.sweep].together_s, progress
+        )
         profile = profile.model_copy(update={"contention": contention})
     if not run.handoff:
         return profile

@@ -40,10 +40,11 @@ class SweepDesign:
     prefills: tuple[int, ...]
     starts: tuple[int, ...]
     repeats: int
+    together_s: float = 4.0  # workers step together this long at each level (`contention`)
 
 
 DESIGNS = {
-    "quick": SweepDesign((32, 128), (0, 4), (0, 32), (0, 64), 2),
+    "quick": SweepDesign((32, 128), (0, 4), (0, 32), (0, 64), 2, together_s=1.0),
     "full": SweepDesign((64, 256, 1024), (0, 1, 4, 16, 32), (0, 32, 128, 512), (0, 512), 3),
 }
 
