@@ -21,6 +21,18 @@ CPU_LIKE = StepCost(
 )
 
 
+def model_config_dir(directory: Path) -> Path:
+    """`directory` holding a small model's config.json: all the simulator reads of a
+    model."""
+    config = {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "max_position_embeddings": 2048, "torch_dtype": "float32",
+    }  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
 def constant_profile(model_dir: Path, step_s: float, handoff_s: float = 0.0) -> Profile:
     """A profile in which every step takes `step_s` and a hand-off `handoff_s`."""
     zero = {"per_decode_token_s": 0.0, "per_prefill_token_s": 0.0}

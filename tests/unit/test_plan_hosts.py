@@ -5,7 +5,6 @@ profile's pace. And the contention model's slope, fitted to measured slowdowns."
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -19,21 +18,14 @@ from pdserve.workers.plan.costs import ClientCost, Contention, Profile
 from pdserve.workers.plan.hosts import CLIENT_WINDOW_S, PLACEMENTS
 from pdserve.workers.plan.pool import PoolSimulation, Traffic
 from pdserve.workers.plan.scenario import parse_scenario
-from support.plan import constant_profile, scenario_line
+from support.plan import constant_profile, model_config_dir, scenario_line
 
 STEP_S, SLOPE, CORES = 0.01, 0.6, 2
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("model")
-    config = {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "max_position_embeddings": 2048, "torch_dtype": "float32",
-    }  # fmt: skip
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
+    return model_config_dir(tmp_path_factory.mktemp("model"))
 
 
 def two_core_profile(model_dir: Path, clients: ClientCost | None = None) -> Profile:
