@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import statistics
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
@@ -102,7 +103,13 @@ def fit_slope(samples: Sequence[tuple[int, float]], cores: int, threads: int) ->
 
 def _step_loop(model: str, worker_args: tuple[str, ...], pipe: Connection) -> None:
     """A contention worker: build the engine, warm up, say so, then step for as long
-    as each message says, answering the pairs' seconds, until told None."""
+    as each message says, answering the pairs' seconds, until told None.
+
+    It runs in a session of its own, as a pool's workers do (`base.process`): a
+    kernel that shares the CPU between sessions (Linux's autogroups) shares it between
+    these workers as between a pool's, not as threads of one session."""
+    with contextlib.suppress(OSError):  # a session's leader already
+        os.setsid()
     setup = role_setup("profile", ["--model", model, *worker_args])
     with worker_threads(setup):
         sweep = Sweep(LLMEngine(setup.engine))
