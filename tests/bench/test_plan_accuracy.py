@@ -2,14 +2,16 @@
 that each take under fifteen minutes, so that each can run while the machine is quiet:
 
 - `test_profile_this_machine`: the tiny model profiled here (`pdserve profile`: the
-  full sweep and a worker pair), written to out/bench/plan_profile.json;
+  full sweep, workers stepping together, a worker pair and a router in front of it),
+  written to out/bench/plan_profile.json;
 - `test_measure_a_workload[azure|mooncake]`: one pool (the demo's: one prefill and
   one decode worker, KV-aware routing) serves a slice of the Azure conversation trace
   or of the Mooncake synthetic trace (prefixes shared as the trace says), scaled to
   this machine, routed three ways (colocated, bucketed, disaggregated) at two rates;
   the measured figures go to out/bench/plan_measured_<workload>.json;
 - `test_predicted_against_measured`: the simulator replays each run's traffic on the
-  same pool's configuration with that profile. Per run: measured and predicted TTFT
+  same pool's configuration with that profile, every process on this machine's cores
+  as they ran (placement one-host). Per run: measured and predicted TTFT
   P50/P99, ITL P99, goodput and prefix-cache hit rate, the error of each, whether the
   ranking of the routings agrees, and the simulator's speed.
 
@@ -49,12 +51,12 @@ TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 TRACE = TRACES / "azure_llm_2023_conv.csv"
 MOONCAKE = TRACES / "mooncake_synthetic.jsonl"
 START_S = 600.0  # past the trace's sparse first minutes
-SECONDS = 60.0  # of arrivals per run
+SECONDS = 30.0  # of arrivals per run
 LENGTH_SCALE = 0.25
 MAX_OUTPUT_TOKENS = 128
 RATES = {"slow": 6.0, "fast": 3.0}  # trace seconds stretched by these factors
 # The Mooncake trace: its first requests, blocks of 512 tokens scaled to 32.
-MOONCAKE_REQUESTS = 60
+MOONCAKE_REQUESTS = 30
 MOONCAKE_LENGTH_SCALE = 1 / 16
 MOONCAKE_MAX_OUTPUT_TOKENS = 32
 MOONCAKE_RATES = {"slow": 8.0, "fast": 4.0}
@@ -185,7 +187,9 @@ def test_profile_this_machine(tiny_model_dir: Path) -> None:
     print(
         f"profile: step fit error mean {profile.step_fit.mean_abs:.1%} "
         f"(held out {profile.step_fit.holdout_mean_abs}), cost {profile.step_cost}, "
-        f"serving {profile.serving}, handoff {profile.handoff.fixed_s:.4f}s + "
+        f"serving {profile.serving}, cores {profile.cores} threads {profile.threads}, "
+        f"contention {profile.contention}, clients {profile.clients}, "
+        f"handoff {profile.handoff.fixed_s:.4f}s + "
         f"{profile.handoff.per_byte_s:.3g}s/B, request overhead {profile.request_overhead_s:.4f}s; "
         f"load average before {before}, after {load_average()}"
     )
@@ -198,8 +202,11 @@ def test_measure_a_workload(workload: str, tiny_model_dir: Path, tmp_path: Path)
     runs: list[dict[str, Any]] = []
     with local_pool(pool, tmp_path / "pool") as local:
         workers = local.workers["prefill"] + local.workers["decode"]
-        for rate in rates_of(workload):
-            for seed, (routing, buckets) in enumerate(ROUTINGS.items()):
+        for rate_index, rate in enumerate(rates_of(workload)):
+            for routing_index, (routing, buckets) in enumerate(ROUTINGS.items()):
+                # A seed of its own per run: no run finds another's prompts cached,
+                # which the simulator, starting each run empty, would not see.
+                seed = rate_index * len(ROUTINGS) + routing_index
                 use_buckets(local, buckets)
                 config = bench_config(workload, rate, tmp_path, seed, local.url, vocab)
                 before = load_average()
@@ -228,7 +235,7 @@ def simulated(
     buckets = ROUTINGS[run["routing"]]
     spec = api.parse_spec({**api.dump(pool.spec), "routing": {"buckets": buckets}})
     candidate = Candidate("bucketed", 1, 1, "", None, spec)
-    line = scenario_line(pool.metadata.name, candidate, (50, 99), (BUCKET_BOUNDARY,))
+    line = scenario_line(pool.metadata.name, candidate, (50, 99), (BUCKET_BOUNDARY,), "one-host")
     return simulate(parse_scenario(line), profile, traffic_of(config, profile.model))
 
 
@@ -267,6 +274,7 @@ def test_predicted_against_measured(tiny_model_dir: Path, tmp_path: Path) -> Non
         "plan_accuracy", rows,
         {"step_fit": profile.step_fit.model_dump(), "handoff": profile.handoff.model_dump(),
          "serving": profile.serving.model_dump(),
+         "contention": profile.contention.model_dump(), "clients": profile.clients.model_dump(),
          "request_overhead_s": profile.request_overhead_s,
          "ranking_by_ttft_p99_agrees": ranking,
          "errors_within_10_percent": f"{sum(e <= 10 for e in errors)}/{len(errors)}",

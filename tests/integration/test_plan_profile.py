@@ -1,10 +1,11 @@
 """`pdserve profile` on the small model: the engine's steps over the designed sweep,
-the fit and its error written with the model, device and versions, and a file the
-simulator runs a pool on."""
+the fit and its error written with the model, device and versions, workers timed
+stepping together on the machine's cores, and a file the simulator runs a pool on."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 
 from pdserve.base.process import pdserve_command
 from pdserve.workers.bench.config import BenchConfig
+from pdserve.workers.plan.contention import levels
 from pdserve.workers.plan.costs import load_profile
 from pdserve.workers.plan.fit import relative_errors
 from pdserve.workers.plan.scenario import parse_scenario
@@ -47,6 +49,13 @@ def test_profile_sweeps_the_engine_and_the_simulator_runs_on_it(
     assert len({s.prefill_keys for s in steps if s.prefill_tokens}) > 1
     errors = relative_errors(profile.step_cost, steps)
     assert float(np.mean(errors)) == profile.step_fit.mean_abs
+    # The machine the workers share: its cores, a worker's threads, and workers timed
+    # alone and together up to one more than the cores hold.
+    assert profile.cores == len(os.sched_getaffinity(0))
+    assert profile.threads == 1  # a worker's default on a CPU
+    together = [count for count, _ in profile.contention.samples]
+    assert together == list(levels(profile.cores, profile.threads))
+    assert profile.contention.samples[0] == (1, 1.0)
 
     # Simulated time costs next to nothing: a drain long enough for a profile taken on
     # the slowest machine lets every request finish, whatever the steps cost.

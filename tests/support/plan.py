@@ -21,6 +21,18 @@ CPU_LIKE = StepCost(
 )
 
 
+def model_config_dir(directory: Path) -> Path:
+    """`directory` holding a small model's config.json: all the simulator reads of a
+    model."""
+    config = {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "max_position_embeddings": 2048, "torch_dtype": "float32",
+    }  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
 def constant_profile(model_dir: Path, step_s: float, handoff_s: float = 0.0) -> Profile:
     """A profile in which every step takes `step_s` and a hand-off `handoff_s`."""
     zero = {"per_decode_token_s": 0.0, "per_prefill_token_s": 0.0}
@@ -64,6 +76,7 @@ def scenario_line(
     num_prefill: int = 0,
     buckets: Sequence[dict[str, Any]] = ({"mode": "colocated"},),
     slo: dict[str, float] | None = None,
+    placement: str = "node-per-worker",
 ) -> str:
     """A scenario as `pdserve simulate` reads it."""
     routing = {
@@ -80,4 +93,5 @@ def scenario_line(
     workers = {"decode": ["--model", "/models/sim", *decode_args]}
     if num_prefill:
         workers["prefill"] = ["--model", "/models/sim", "--role", "prefill", *prefill_args]
-    return json.dumps({"name": name, "routing": routing, "workers": workers})
+    scenario = {"name": name, "routing": routing, "workers": workers, "placement": placement}
+    return json.dumps(scenario)

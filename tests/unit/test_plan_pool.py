@@ -4,7 +4,6 @@ every figure is known exactly)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import pytest
 from pdserve.workers.bench.plan import PlannedRequest
 from pdserve.workers.plan.pool import PoolSimulation, Traffic
 from pdserve.workers.plan.scenario import ScenarioError, parse_scenario
-from support.plan import constant_profile, scenario_line
+from support.plan import constant_profile, model_config_dir, scenario_line
 
 STEP_S, HANDOFF_S = 0.01, 0.05
 SPLIT = [{"maxInputTokens": 64, "mode": "colocated"}, {"mode": "disaggregated"}]
@@ -20,15 +19,7 @@ SPLIT = [{"maxInputTokens": 64, "mode": "colocated"}, {"mode": "disaggregated"}]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A model's config.json: all the simulator reads of a model."""
-    directory = tmp_path_factory.mktemp("model")
-    config = {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "max_position_embeddings": 2048, "torch_dtype": "float32",
-    }  # fmt: skip
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
+    return model_config_dir(tmp_path_factory.mktemp("model"))
 
 
 def run(model_dir: Path, line: str, requests: list[tuple[float, int, int]]) -> PoolSimulation:

@@ -50,6 +50,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         help="try no role with more than N workers")  # fmt: skip
     parser.add_argument("--json", type=Path, metavar="OUT.json",
                         help="every trial's figures")  # fmt: skip
+    parser.add_argument("--one-host", action="store_true",
+                        help="simulate every worker, the router and the clients on one "
+                        "machine like the profiled one, sharing its cores (as `pdserve "
+                        "local` runs them); default: a node per worker, as a ServingPool's "
+                        "pods")  # fmt: skip
     parser.set_defaults(handler=_run)
 
 
@@ -67,12 +72,13 @@ def _run(args: argparse.Namespace) -> int:
     from pdserve.operator.api import InvalidPoolError
     from pdserve.operator.local.pool import LocalPoolError
     from pdserve.operator.planning.plan import run_plan
-    from pdserve.operator.planning.simulator import PlanError
+    from pdserve.operator.planning.simulator import PLACEMENTS, PlanError
 
     output = args.output or args.file.with_suffix(".plan.yaml")
     try:
+        placement = PLACEMENTS[1] if args.one_host else PLACEMENTS[0]
         return run_plan(args.file, args.profile, traffic_args(args), output, args.max_workers,
-                        args.json, _progress)  # fmt: skip
+                        args.json, _progress, placement)  # fmt: skip
     except (InvalidPoolError, LocalPoolError, PlanError) as error:
         print(f"pdserve plan: {error}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ from pdserve.operator.local.pool import load_manifest
 from pdserve.operator.planning.candidates import Bounds
 from pdserve.operator.planning.recommend import recommended, recommended_pool, table, verdict
 from pdserve.operator.planning.search import SearchSpace, Trial, search, targets_of
-from pdserve.operator.planning.simulator import PlanError, Simulator
+from pdserve.operator.planning.simulator import PLACEMENTS, PlanError, Simulator
 
 # Input-length buckets the figures are broken down by, beside the pool's own bounds.
 REPORT_BUCKETS = (256, 1024, 4096)
@@ -28,15 +28,17 @@ def run_plan(
     max_workers: int | None,
     json_path: Path | None,
     progress: Callable[[Trial], None],
+    placement: str = PLACEMENTS[0],
 ) -> int:
-    """Plan the pool in `file`; 0 with a recommendation written, 1 without one."""
+    """Plan the pool in `file` with its workers placed as `placement` says; 0 with a
+    recommendation written, 1 without one."""
     pool = load_manifest(file)
     targets = targets_of(pool.spec.slo)
     if not targets:
         raise PlanError(f"{file}: spec.slo names no target (ttft or itl) to plan for")
     space = SearchSpace(
         pool.metadata.name, pool.spec, Bounds.of(pool.spec, max_workers), tuple(targets),
-        _report_buckets(pool.spec),
+        _report_buckets(pool.spec), placement,
     )  # fmt: skip
     started = time.perf_counter()
     with Simulator(profile, traffic) as simulator:

@@ -15,7 +15,7 @@ from pdserve.operator.planning.candidates import (
     largest_total,
     smallest_total,
 )
-from pdserve.operator.planning.simulator import Simulator, scenario_line
+from pdserve.operator.planning.simulator import PLACEMENTS, Simulator, scenario_line
 
 ALL = "all"  # the bucket label of figures over every request
 
@@ -115,6 +115,7 @@ class SearchSpace:
     bounds: Bounds
     targets: tuple[Target, ...]
     buckets: tuple[int, ...]
+    placement: str = PLACEMENTS[0]  # where the workers run (`simulator.PLACEMENTS`)
 
     @property
     def percentiles(self) -> list[float]:
@@ -133,7 +134,9 @@ def search(
         for candidate in candidates(space.spec, space.bounds, total):
             if candidate.family in met:
                 continue
-            line = scenario_line(space.pool, candidate, space.percentiles, space.buckets)
+            line = scenario_line(
+                space.pool, candidate, space.percentiles, space.buckets, space.placement
+            )
             trial = judge(candidate, simulator.run(line), space.targets)
             trials.append(trial)
             progress(trial)

@@ -16,6 +16,9 @@ from pdserve.operator import api, render
 from pdserve.operator.planning.candidates import Candidate
 
 PORT = render.PORT
+# Where the simulated workers run: a node each (pods of a ServingPool), or all on one
+# machine like the profiled one, with the router and the clients (`pdserve local`).
+PLACEMENTS = ("node-per-worker", "one-host")
 
 
 class PlanError(RuntimeError):
@@ -27,9 +30,11 @@ def scenario_line(
     candidate: Candidate,
     percentiles: Sequence[float],
     buckets: Sequence[int],
+    placement: str = PLACEMENTS[0],
 ) -> str:
     """A candidate as `pdserve simulate` reads it: each worker named by a URL of its
-    own, every role's arguments as the operator renders them for its pods."""
+    own, every role's arguments as the operator renders them for its pods, on the
+    machines `placement` says."""
     spec = candidate.spec
     urls = {
         "decode": [f"http://decode-{i}.plan:{PORT}" for i in range(candidate.decode)],
@@ -49,6 +54,7 @@ def scenario_line(
         "workers": workers,
         "percentiles": list(percentiles),
         "buckets": list(buckets),
+        "placement": placement,
     }
     return json.dumps(scenario)
 

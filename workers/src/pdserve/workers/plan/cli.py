@@ -42,6 +42,11 @@ def _register_profile(subparsers: Subparsers) -> None:
         help="skip the worker pair (hand-off time and start-up are then not measured)",
     )  # fmt: skip
     parser.add_argument(
+        "--no-contention", action="store_true",
+        help="skip timing workers stepping together (steps on a shared machine are then "
+        "only stretched by the cores shared out)",
+    )  # fmt: skip
+    parser.add_argument(
         "--kv-transfer", choices=("nixl", "torch"), default="nixl",
         help="the pair's KV transfer backend (default nixl)",
     )  # fmt: skip
@@ -77,8 +82,9 @@ def _run_profile(args: argparse.Namespace) -> int:
     from pdserve.workers.plan.profile import ProfileRun, profile_model
 
     run = ProfileRun(
-        args.model, args.sweep, not args.no_handoff, args.kv_transfer, tuple(args.worker_arg)
-    )
+        args.model, args.sweep, not args.no_handoff, args.kv_transfer, tuple(args.worker_arg),
+        not args.no_contention,
+    )  # fmt: skip
     profile = profile_model(run, progress=lambda line: print(line, file=sys.stderr))
     write_profile(profile, args.output)
     fit = profile.step_fit

@@ -6,6 +6,11 @@ decode tokens, prefill tokens and the keys attention reads, with every cost
 non-negative; a serving worker adds a fixed time per step and a time per token it
 streams. A hand-off costs a fixed time plus a time per byte of KV sent; a request
 pays a fixed overhead on its way in (HTTP, tokenization, the router's hop).
+
+Workers that share a machine's cores slow each other down: a step runs longer by the
+contention while it runs (the threads computing beside it, and the CPU the router and
+the load generator spend on requests and streamed tokens), as the profile measured
+on this machine with workers stepping together.
 """
 
 from __future__ import annotations
@@ -121,6 +126,37 @@ class ServingOverhead(_Model):
         return self.fixed_s + self.per_token_s * tokens
 
 
+class Contention(_Model):
+    """How much longer a step takes while other threads compute on the same cores.
+
+    Demand is busy threads: the step's own worker's, the other workers' stepping
+    meanwhile, and the CPU seconds per second the router and the clients spend. A
+    step takes `1 + slope * (demand - own) / cores` times its time alone (the slope
+    measured with workers stepping together), and never less than the cores shared
+    out (`demand / cores`, once they are all taken)."""
+
+    slope: float = Field(default=0.0, ge=0)
+    # (workers stepping together, their step time over one worker's alone).
+    samples: tuple[tuple[int, float], ...] = ()
+
+    def stretch(self, demand: float, own: float, cores: int) -> float:
+        """A step's time over its time alone, with `demand` busy threads on `cores`
+        (its own `own` threads among them)."""
+        shared = self.slope * max(0.0, demand - own) / cores
+        return max(1.0 + shared, demand / max(cores, own))
+
+
+class ClientCost(_Model):
+    """The CPU the router and the load generator spend on requests (both processes
+    together): a fixed time per request and a time per token streamed to it. It takes
+    the workers' cores when they run on the same machine."""
+
+    per_request_s: float = Field(default=0.0, ge=0)
+    per_token_s: float = Field(default=0.0, ge=0)
+    # (requests, tokens streamed, CPU seconds) of each measured run.
+    samples: tuple[tuple[int, int, float], ...] = ()
+
+
 class Profile(_Model):
     """A profile file."""
 
@@ -130,7 +166,8 @@ class Profile(_Model):
     model_json: dict[str, Any]  # its config.json, as the engine reads it
     device: str
     device_name: str
-    threads: int = Field(ge=1)
+    threads: int = Field(ge=1)  # torch threads of a worker (the sweep ran on as many)
+    cores: int | None = Field(default=None, ge=1)  # the machine's; None: not recorded
     versions: dict[str, str]
     engine_args: tuple[str, ...] = ()  # the worker flags the sweep ran under
     step_cost: StepCost
@@ -140,6 +177,8 @@ class Profile(_Model):
     serving: ServingOverhead = ServingOverhead()
     request_overhead_s: float = Field(default=0.0, ge=0)
     startup_s: float | None = Field(default=None, ge=0)
+    contention: Contention = Contention()
+    clients: ClientCost = ClientCost()
 
 
 def load_profile(path: Path) -> Profile:

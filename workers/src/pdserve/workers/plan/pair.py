@@ -9,7 +9,8 @@ prefill worker does, then hands the KV over); the difference of the medians is t
 hand-off's time for that many bytes, fitted as fixed plus per byte. Then a few
 batches of streams decode together on the decode worker: the gaps they see, beyond
 the compute the step-cost model gives such a step, are what serving adds to a step,
-fitted as fixed plus per token streamed.
+fitted as fixed plus per token streamed. Last, a router in front of the decode
+worker: the CPU it and the load generator spend per request and token (`clients`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,8 @@ from pdserve.protocol.headers import PREFILL_URL_HEADER
 from pdserve.protocol.internal import bearer
 from pdserve.workers.bench.config import FIRST_PROMPT_TOKEN_ID
 from pdserve.workers.engine.step_cost import StepFeatures
-from pdserve.workers.plan.costs import HandoffCost, ServingOverhead, StepCost
+from pdserve.workers.plan.clients import measure_client_cost
+from pdserve.workers.plan.costs import ClientCost, HandoffCost, ServingOverhead, StepCost
 from pdserve.workers.server.process import ServerProcess, start_worker
 
 REQUEST_TIMEOUT_S = 120.0
@@ -52,6 +54,7 @@ class PairFigures:
     request_overhead_s: float
     startup_s: float
     serving: ServingOverhead
+    clients: ClientCost
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,11 @@ def measure_pair(
             workers.append(decode)
             decode.wait_ready()
             progress(f"profile: worker pair ready ({startup_s:.1f}s to start one worker)")
-            return _measure(setup, cost, credential, prefill, decode, startup_s)
+            figures = _measure(setup, cost, credential, prefill, decode, startup_s)
+            clients = measure_client_cost(
+                setup.model, decode.url, directory / "credential", directory
+            )
+            return replace(figures, clients=clients)
         finally:
             for worker in workers:
                 worker.stop()
@@ -120,7 +127,8 @@ def _measure(
         computed = cost.seconds(StepFeatures(prefill_tokens=length, prefill_keys=length * length))
         overheads.append(max(0.0, local - computed))
     serving = _serving_overhead(setup, cost, decode.url, headers, rng)
-    return PairFigures(_fit_handoff(extra, setup.backend), min(overheads), startup_s, serving)
+    handoff = _fit_handoff(extra, setup.backend)
+    return PairFigures(handoff, min(overheads), startup_s, serving, ClientCost())
 
 
 def _serving_overhead(

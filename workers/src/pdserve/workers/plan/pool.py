@@ -9,7 +9,8 @@ engine's prefix-cache events, see `routing`; on loads each worker publishes as
 budget, KV cache with its prefix cache, leases, `reserve`/`adopt`/`release`), the
 workers' flags, and the prompts `pdserve bench` sends (text built from a trace's
 prefix blocks is tokenized by the model's tokenizer, as the router tokenizes it).
-What is modelled: a step's duration (the profile's step cost), a hand-off's time
+What is modelled: a step's duration (the profile's step cost, stretched by the
+contention of the machine where workers share one: `hosts`), a hand-off's time
 beyond the prefill (the profile's fixed plus per-byte cost, for the blocks the
 decode worker lacks) and a request's way in (the profile's overhead). The router
 counts what it sent as `Forwarder._outstanding` does: a request is in flight on its
@@ -38,11 +39,13 @@ from pdserve.workers.handoff.decode import release_margin
 from pdserve.workers.model.tokenizer import Tokenizer
 from pdserve.workers.plan.costs import Profile
 from pdserve.workers.plan.events import EventQueue
+from pdserve.workers.plan.hosts import shared_host
 from pdserve.workers.plan.routing import Route, SimRouter
 from pdserve.workers.plan.scenario import Scenario
 from pdserve.workers.plan.worker import SimWorker
 from pdserve.workers.router.load import POLL_INTERVAL_S
 from pdserve.workers.router.workers import WorkerSet
+from pdserve.workers.server.worker import torch_threads
 
 NO_WORKER = "HTTP 503: no worker could serve the request"
 
@@ -94,6 +97,7 @@ class PoolSimulation:
         self.model = ModelConfig.from_dict(profile.model_json)
         self.sets = {role: WorkerSet(role, clock=self._now) for role in ROLES}
         self.router = SimRouter(scenario.table, self.sets, self._now)
+        self.host = shared_host(scenario.placement, profile)
         self.workers: dict[str, SimWorker] = {}
         for role, setup in scenario.roles.items():
             urls = scenario.urls(role)
@@ -117,10 +121,12 @@ class PoolSimulation:
 
     def _worker(self, url: str, worker_role: str, role: Role) -> SimWorker:
         setup = self.scenario.roles[role]
+        threads = torch_threads(setup.options) or self.profile.threads
         return SimWorker(
             url, worker_role, setup.engine, self.model,
             (self.profile.step_cost, self.profile.serving), self.events,
             setup.options.queue_timeout, self._stepped,
+            None if self.host is None else (self.host, threads),
         )  # fmt: skip
 
     # -- the run -------------------------------------------------------------------
@@ -160,6 +166,8 @@ class PoolSimulation:
             planned.index, planned.kind, planned.input_tokens, planned.output_tokens, now, now
         )
         self.records.append(record)
+        if self.host is not None:
+            self.host.request_arrived(now)
         prompt = self.traffic.prompt(planned)
         route = self.router.route(prompt)
         if route is None:
@@ -296,6 +304,8 @@ class PoolSimulation:
             self._answered(request)
             record.chunk_times.append(now)
             record.chunk_tokens.append(len(output.new_token_ids))
+            if self.host is not None:
+                self.host.tokens_streamed(now, len(output.new_token_ids))
         if output.finished:
             record.usage_prompt_tokens = output.num_prompt_tokens
             record.usage_cached_tokens = output.num_cached_tokens

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import metadata
@@ -17,12 +16,12 @@ import torch
 
 from pdserve.workers.engine.engine import LLMEngine
 from pdserve.workers.engine.runner import resolve_kv_dtype
+from pdserve.workers.plan.contention import measure_contention
 from pdserve.workers.plan.costs import Profile
 from pdserve.workers.plan.fit import fit_with_error
 from pdserve.workers.plan.pair import PairSetup, measure_pair
-from pdserve.workers.plan.scenario import RoleSetup, role_setup
-from pdserve.workers.plan.sweep import DESIGNS, Sweep
-from pdserve.workers.server.worker import torch_threads
+from pdserve.workers.plan.scenario import role_setup
+from pdserve.workers.plan.sweep import DESIGNS, Sweep, worker_threads
 
 # Prompt lengths the hand-off is measured at (those the model's context allows).
 HANDOFF_LENGTHS = (16, 128, 512, 1536)
@@ -37,17 +36,18 @@ class ProfileRun:
     handoff: bool = True
     kv_transfer: str = "nixl"
     worker_args: tuple[str, ...] = ()
+    contention: bool = True  # time workers stepping together on this machine's cores
 
 
 def profile_model(run: ProfileRun, progress: Callable[[str], None] = lambda line: None) -> Profile:
-    """Sweep the engine's steps, fit the step cost, and (unless told not to) measure
-    a worker pair."""
+    """Sweep the engine's steps, fit the step cost, and (unless told not to) time
+    workers stepping together and measure a worker pair."""
     setup = role_setup("profile", ["--model", str(run.model), *run.worker_args])
     engine = LLMEngine(setup.engine)
-    with worker_threads(setup):
+    with worker_threads(setup) as threads:
         measured = Sweep(engine).run(DESIGNS[run.sweep], progress)
-        threads = torch.get_num_threads()
     cost, fit = fit_with_error(measured)
+    cores = machine_cores()
     profile = Profile(
         created=datetime.now(UTC).isoformat(timespec="seconds"),
         model=str(run.model.resolve()),
@@ -55,12 +55,18 @@ def profile_model(run: ProfileRun, progress: Callable[[str], None] = lambda line
         device=setup.engine.device,
         device_name=_device_name(setup.engine.device),
         threads=threads,
+        cores=cores,
         versions=_versions(),
         engine_args=run.worker_args,
         step_cost=cost,
         step_fit=fit,
         steps=tuple(sample for _, sample in measured),
     )
+    if run.contention:
+        contention = measure_contention(
+            run.model, run.worker_args, cores, threads, DESIGNS[run.sweep].together_s, progress
+        )
+        profile = profile.model_copy(update={"contention": contention})
     if not run.handoff:
         return profile
     itemsize = resolve_kv_dtype(setup.engine, engine.model_config).itemsize
@@ -87,21 +93,17 @@ def profile_model(run: ProfileRun, progress: Callable[[str], None] = lambda line
             "request_overhead_s": figures.request_overhead_s,
             "serving": figures.serving,
             "startup_s": figures.startup_s,
+            "clients": figures.clients,
         }
     )
 
 
-@contextlib.contextmanager
-def worker_threads(setup: RoleSetup) -> Iterator[None]:
-    """Compute with the torch threads a worker with these flags computes with (a
-    sweep on more threads than the workers get measures another machine)."""
-    before = torch.get_num_threads()
-    threads = torch_threads(setup.options)
-    torch.set_num_threads(threads or before)
+def machine_cores() -> int:
+    """The cores this process may run on (those its workers share)."""
     try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _device_name(device: str) -> str:

@@ -1,6 +1,7 @@
 """A runner that computes nothing: each step takes the time the profile predicts for
 it (its compute, and what serving adds per step and per token streamed), on the
-worker's simulated clock, and every request that reaches the end of its
+worker's simulated clock (stretched by its host's contention where it shares cores:
+`hosts`), and every request that reaches the end of its
 tokens draws one token. The engine around it (scheduler, budget, KV cache, leases,
 fork and finish) is the real one."""
 
@@ -16,6 +17,7 @@ from pdserve.workers.engine.scheduler import SchedulerOutput
 from pdserve.workers.engine.step_cost import StepFeatures
 from pdserve.workers.plan.costs import ServingOverhead, StepCost
 from pdserve.workers.plan.events import SimClock
+from pdserve.workers.plan.hosts import Pace
 
 # What a simulated request draws: any token that ends nothing (requests replayed from
 # a trace ignore end-of-sequence, as `pdserve bench` asks).
@@ -25,10 +27,13 @@ DRAWN_TOKEN = 3
 class SimulatedRunner:
     """The `StepRunner` of a simulated worker."""
 
-    def __init__(self, clock: SimClock, cost: StepCost, serving: ServingOverhead) -> None:
+    def __init__(
+        self, clock: SimClock, cost: StepCost, serving: ServingOverhead, pace: Pace | None
+    ) -> None:
         self.clock = clock
         self.cost = cost
         self.serving = serving
+        self.pace = pace  # None: the worker has its cores to itself
         self.kv_cache = torch.empty(0)  # no KV is computed, so none is held
 
     def execute(self, output: SchedulerOutput, block_tables: BlockTables) -> StepOutput:
@@ -44,19 +49,22 @@ class SimulatedRunner:
             sampled.append((request, Sampled([DRAWN_TOKEN] * draws)))
         streamed = sum(len(drawn.tokens) for _, drawn in sampled)
         compute = self.cost.seconds(StepFeatures.of(output.chunks))
-        self.clock.advance(compute + self.serving.seconds(streamed))
+        alone_s = compute + self.serving.seconds(streamed)
+        self.clock.advance(alone_s if self.pace is None else self.pace(self.clock.now, alone_s))
         return StepOutput(sampled, [])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Nothing to copy: no KV is held."""
 
 
-def runner_factory(clock: SimClock, cost: StepCost, serving: ServingOverhead) -> RunnerFactory:
-    """The engine's `runner` argument for a worker on `clock`."""
+def runner_factory(
+    clock: SimClock, cost: StepCost, serving: ServingOverhead, pace: Pace | None = None
+) -> RunnerFactory:
+    """The engine's `runner` argument for a worker on `clock`, at `pace` on its host."""
 
     def build(
         config: EngineConfig, model: ModelConfig, num_blocks: int, block_size: int
     ) -> SimulatedRunner:
-        return SimulatedRunner(clock, cost, serving)
+        return SimulatedRunner(clock, cost, serving, pace)
 
     return build

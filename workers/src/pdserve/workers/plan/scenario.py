@@ -23,6 +23,7 @@ from pdserve.protocol.routing import (
 )
 from pdserve.workers.bench.metrics import DEFAULT_BUCKETS
 from pdserve.workers.engine.config import ConfigError, EngineConfig
+from pdserve.workers.plan.hosts import Placement
 from pdserve.workers.server import cli as worker_cli
 from pdserve.workers.server.options import WorkerOptions
 from pdserve.workers.server.worker import engine_config
@@ -43,6 +44,9 @@ class ScenarioSpec(BaseModel):
     percentiles: tuple[float, ...] = (50.0, 95.0, 99.0)
     # Input-length buckets the figures are given for (as `pdserve bench --json`).
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    # Where the workers run: a node each (a ServingPool's pods), or all on one machine
+    # with the router and the clients (`pdserve local`), sharing its cores.
+    placement: Placement = "node-per-worker"
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class Scenario:
     roles: dict[Role, RoleSetup]
     percentiles: tuple[float, ...]
     buckets: tuple[int, ...]
+    placement: Placement = "node-per-worker"
 
     def urls(self, role: Role) -> tuple[str, ...]:
         """The workers of a role."""
@@ -86,7 +91,10 @@ def parse_scenario(line: str) -> Scenario:
     if missing:
         raise ScenarioError(f"scenario {spec.name}: no worker arguments for {sorted(missing)}")
     setups = {role: role_setup(spec.name, spec.workers[role]) for role in roles}
-    return Scenario(spec.name, table, table.discovery, setups, spec.percentiles, spec.buckets)
+    return Scenario(
+        spec.name, table, table.discovery, setups, spec.percentiles, spec.buckets,
+        spec.placement,
+    )  # fmt: skip
 
 
 def role_setup(name: str, args: list[str]) -> RoleSetup:

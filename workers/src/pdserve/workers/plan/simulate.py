@@ -40,6 +40,7 @@ def simulate(scenario: Scenario, profile: Profile, traffic: Traffic) -> dict[str
     return {
         "name": scenario.name,
         "workers": {role: len(scenario.urls(role)) for role in scenario.roles},
+        "placement": scenario.placement,
         "wall_s": wall_s,
         "simulated_s": simulation.events.now,
         "steps": simulation.steps,

@@ -10,10 +10,13 @@ one, under the worker's flags; only each step's budget is set by the sweep.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
+import torch
 
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.bench.config import FIRST_PROMPT_TOKEN_ID
@@ -21,8 +24,11 @@ from pdserve.workers.engine.budget import StaticBudget
 from pdserve.workers.engine.engine import LLMEngine
 from pdserve.workers.engine.step_cost import StepFeatures
 from pdserve.workers.plan.costs import StepSample
+from pdserve.workers.plan.scenario import RoleSetup
+from pdserve.workers.server.worker import torch_threads
 
 WARM_UP_STEPS = 4
+REPEAT_ROOM = 256  # tokens a repeated batch decodes before it is made again
 
 
 @dataclass(frozen=True)
@@ -34,10 +40,11 @@ class SweepDesign:
     prefills: tuple[int, ...]
     starts: tuple[int, ...]
     repeats: int
+    together_s: float = 4.0  # workers step together this long at each level (`contention`)
 
 
 DESIGNS = {
-    "quick": SweepDesign((32, 128), (0, 4), (0, 32), (0, 64), 2),
+    "quick": SweepDesign((32, 128), (0, 4), (0, 32), (0, 64), 2, together_s=1.0),
     "full": SweepDesign((64, 256, 1024), (0, 1, 4, 16, 32), (0, 32, 128, 512), (0, 512), 3),
 }
 
@@ -107,6 +114,26 @@ class Sweep:
                      f"{batch[1]} decodes)")  # fmt: skip
         return samples
 
+    def repeat(self, point: SweepPoint, seconds: float) -> list[float]:
+        """The point's step, then a decode-only step of its batch, over and over for
+        `seconds` of wall time: the seconds of each such pair."""
+        capacity = self.engine.num_blocks * self.engine.block_size
+        cache_room = (capacity - point.start - point.prefill - 1) // max(1, point.decodes)
+        room = min(self.engine.max_model_len - point.context - 1, cache_room - point.context)
+        self._decode_room = max(4, min(REPEAT_ROOM, room))
+        pairs: list[float] = []
+        until = time.perf_counter() + seconds
+        while time.perf_counter() < until:
+            running = self._decoding(point.context, point.decodes)
+            for _ in range(self._decode_room // 2 - 1):
+                if time.perf_counter() >= until:
+                    break
+                chunk = self._measure(point).seconds
+                pairs.append(chunk + self._measure(replace(point, prefill=0)).seconds)
+            for request_id in running:
+                self.engine.abort(request_id)
+        return pairs
+
     def _warm_up(self) -> None:
         running = self._decoding(16, 2)
         for _ in range(WARM_UP_STEPS):
@@ -155,3 +182,17 @@ class Sweep:
             prefill_keys=features.prefill_keys,
             seconds=max(result.stats.duration_s, 1e-9),
         )
+
+
+@contextlib.contextmanager
+def worker_threads(setup: RoleSetup) -> Iterator[int]:
+    """Compute with the torch threads a worker with these flags computes with (a
+    sweep on more threads than the workers get measures another machine); yields
+    their number."""
+    before = torch.get_num_threads()
+    threads = torch_threads(setup.options)
+    torch.set_num_threads(threads or before)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)

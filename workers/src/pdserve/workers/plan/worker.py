@@ -3,7 +3,9 @@ engine's thread drives it. Commands that arrive while a step runs wait for its e
 between steps they are applied in arrival order, leases and queued requests past
 their deadlines expire, and the next step runs if any request waits or runs. A
 step's outputs reach the pool when the step ends, at the time its profile gives, and
-so do the prefix-cache events the step produced (to the router's index, `feed`)."""
+so do the prefix-cache events the step produced (to the router's index, `feed`). On
+a host shared with other workers a step's end moves as their steps start and end
+(`hosts`)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pdserve.workers.engine.runner import resolve_kv_dtype
 from pdserve.workers.engine.stats import RequestOutput
 from pdserve.workers.plan.costs import ServingOverhead, StepCost
 from pdserve.workers.plan.events import EventQueue, SimClock
+from pdserve.workers.plan.hosts import SharedHost
 from pdserve.workers.plan.routing import KVFeed
 from pdserve.workers.plan.runner import runner_factory
 from pdserve.workers.server.load import LoadTracker
@@ -40,11 +43,16 @@ class SimWorker:
         events: EventQueue,
         queue_timeout_s: float | None,
         on_step: Callable[[SimWorker, StepResult, float], None],
+        host: tuple[SharedHost, int] | None = None,
     ) -> None:
         self.url = url
         self.role = role
         self.clock = SimClock()
-        self.engine = LLMEngine(config, model, runner_factory(self.clock, *cost), self.clock)
+        # On a shared host (with the worker's torch threads) its steps take its pace.
+        self.host = None if host is None else host[0]
+        pace = None if host is None else host[0].pace(url, host[1], self._end_at)
+        runner = runner_factory(self.clock, *cost, pace)
+        self.engine = LLMEngine(config, model, runner, self.clock)
         self.load = LoadTracker(self.engine, role)
         self.events = events
         self.queue_timeout_s = queue_timeout_s
@@ -58,6 +66,8 @@ class SimWorker:
         ) * self.engine.block_size
         self._commands: list[Command] = []
         self._stepping = False  # a step is under way; its end is an event
+        self._step: StepResult | None = None  # the step under way
+        self._end_token = 0  # of the step's end event in force (an end that moved)
         self._woken = False  # a pass of the loop is due
 
     def post(self, command: Command) -> None:
@@ -97,7 +107,19 @@ class SimWorker:
             return
         self.num_steps += 1
         self._stepping = True
-        self.events.at(self.clock.now, lambda at: self._step_ended(result, at))
+        self._step = result
+        self._end_at(self.clock.now)
+
+    def _end_at(self, when: float) -> None:
+        """The step under way ends at `when` (an earlier end event no longer holds)."""
+        self._end_token += 1
+        token = self._end_token
+        self.events.at(when, lambda at: self._end_due(token, at))
+
+    def _end_due(self, token: int, now: float) -> None:
+        if token == self._end_token and self._step is not None:
+            result, self._step = self._step, None
+            self._step_ended(result, now)
 
     def _wake_at(self, when: float | None) -> None:
         """A pass of the loop just past `when` (a lease expires then), unless a command
@@ -125,6 +147,9 @@ class SimWorker:
 
     def _step_ended(self, result: StepResult, now: float) -> None:
         self._stepping = False
+        self.clock.now = now  # where the step really ended, on a shared host
+        if self.host is not None:
+            self.host.ended(self.url, now)
         self._publish()
         self.load.on_step(result)
         self.on_step(self, result, now)
