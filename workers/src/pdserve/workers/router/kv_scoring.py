@@ -113,18 +113,17 @@ class KVScorer:
     def _cost(
         self, worker: Worker, prompt: KVPrompt, cached: int, now: float, fallback: StepCosts
     ) -> tuple[float, ...]:
-        requests = worker.requests(now)
-        waiting = worker.waiting_prefill_tokens(now)
-        uncached = prompt.tokens - cached
-        work = _expected_work(worker, prompt, cached, now, fallback)
+        load = _Load(worker.requests(now), worker.waiting_prefill_tokens(now))
+        work = _expected_work(worker, prompt, cached, load, fallback)
         # The last keys break ties: the less loaded, then chance (equal workers share
         # the traffic).
         if worker.role == "prefill":
-            return (work, waiting, requests, random.random())
+            return (work, load.waiting, load.requests, random.random())
         # A decode worker prefills colocated requests itself: their backlog is work too.
         usage = worker.kv_cache_usage(now)
         full = float(usage >= KV_NEARLY_FULL)
-        return (full, work, requests, uncached + waiting, usage, random.random())
+        uncached = prompt.tokens - cached
+        return (full, work, load.requests, uncached + load.waiting, usage, random.random())
 
     def observed(
         self, request_id: str, prompt: KVPrompt, predicted: int, found: str | None
@@ -149,21 +148,27 @@ class KVScorer:
         return mode
 
 
+@dataclass(frozen=True)
+class _Load:
+    """A worker's load as scoring sees it: requests held, prompt tokens waiting."""
+
+    requests: int
+    waiting: int
+
+
 def _expected_work(
-    worker: Worker, prompt: KVPrompt, cached: int, now: float, fallback: StepCosts
+    worker: Worker, prompt: KVPrompt, cached: int, load: _Load, fallback: StepCosts
 ) -> float:
     """A worker's cost for the prompt: its predicted time to first token in whole
     milliseconds (closer predictions are ties), or with `loadWeightTokens` set, tokens."""
-    requests = worker.requests(now)
-    waiting = worker.waiting_prefill_tokens(now)
     uncached = prompt.tokens - cached
     weight = prompt.table.routing_policy.load_weight_tokens
     if weight is not None:
-        return float(uncached + waiting + weight * requests)
+        return float(uncached + load.waiting + weight * load.requests)
     costs = worker.step_costs() or fallback
     # A prefill worker decodes nothing: what it holds are prompts, already counted.
-    decoding = 0 if worker.role == "prefill" else requests
-    return float(round(costs.ttft_s(waiting, uncached, cached, decoding) * 1000))
+    decoding = 0 if worker.role == "prefill" else load.requests
+    return float(round(costs.ttft_s(load.waiting, uncached, cached, decoding) * 1000))
 
 
 def _cached_count(header: str | None, prompt_tokens: int) -> int | None:
