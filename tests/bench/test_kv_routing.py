@@ -14,16 +14,18 @@ load-only). vllm-router balances over the decode workers only (it does not decid
 P/D here).
 
 Each worker's KV cache is sized as a deployment's would be against this replay: it
-does not hold the whole trace. A cache that holds every prefix the replay uses (2,048
-blocks of 16 held the Mooncake replay's 26k distinct prompt tokens) lets every worker
-learn every prefix group in time, so that load-only routing finds most of the
-reusable tokens (85-89%: the replay's reuse is in a few large groups, of up to 17
-requests, each of which both workers learn after their first request of it) and
-routing has little left to win. With 512 blocks (8,192 tokens, about a third of the
+does not hold the whole trace. A cache that holds most of what the replay uses (2,048
+blocks of 16, 33k tokens, against the Mooncake replay's 45k distinct prompt tokens)
+lets every worker learn every prefix group in time, so that load-only routing finds
+most of the reusable tokens (85-89%: the replay's reuse is in a few large groups, of
+up to 17 requests, each of which both workers learn after their first request of it)
+and routing has little left to win. With 512 blocks (8,192 tokens, a fifth of the
 distinct tokens, shared with the running requests), a worker keeps only the groups
 sent to it lately: load-only, spreading each group over both workers, keeps each
-twice and finds about half, as the trace's own deployments would. Each row also says how fast the machine ran meanwhile (engine time per
-token computed): on a shared machine that speed moves between runs, and TTFT with it.
+twice and finds about half, as the trace's own deployments would.
+
+Each row also says how fast the machine ran meanwhile (engine time per token
+computed): on a shared machine that speed moves between runs, and TTFT with it.
 Apart: what a hit can save, one request at a time (TTFT cold against cached, on the
 tiny model and on a model with 6x its work per token); the router's index memory at
 10k and 100k blocks per worker and 8 workers, and the time to rebuild a worker's part
@@ -65,7 +67,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400)]
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_synthetic.jsonl"
 BLOCK = 16
 BOUNDARY = 512  # uncached prompt tokens served colocated; more go through the prefill worker
-CACHE_BLOCKS = 512  # a third of the Mooncake replay's distinct prompt tokens a worker
+CACHE_BLOCKS = 512  # a fifth of the Mooncake replay's distinct prompt tokens a worker
 ENGINE = [
     "--max-num-batched-tokens", "512", "--max-num-seqs", "16",
     "--num-kv-blocks", str(CACHE_BLOCKS),
@@ -227,6 +229,8 @@ def row(
         # How the machine ran meanwhile, and where requests waited: engine seconds per
         # token computed (the speed the other processes left), the workers' own queue.
         "requests_by_decode": "/".join(f"{n:.0f}" for n in served),
+        # Requests whose blocks a full cache took back (recomputed later).
+        "preemptions": sum(metric(w.url, "pdserve_preemptions_total") for w in workers.decode),
         "engine_ms_per_token": _mean_ms(
             workers, "pdserve_engine_step_duration_seconds_sum", "pdserve_engine_step_tokens_sum"
         ),
