@@ -25,11 +25,13 @@ import torch
 
 from pdserve.base.process import ServerProcess, spawn
 from pdserve.protocol.sampling import SamplingParams
+from pdserve.workers.router.kv_costs import StepCosts
 from pdserve.workers.server.process import running_worker, start_worker
 from support.conformance import PublishedApi
 from support.engine import make_engine, run_to_completion
 from support.kv_pool import feeds, kv_router, metric, routing_file, wait_synced
 from support.pd import PDPair, pd_workers
+from support.router import worker_load
 from support.waiting import wait_until
 
 BACKEND = "nixl"
@@ -164,6 +166,10 @@ def test_a_conversation_stays_with_the_worker_holding_its_history(
         # The router's prediction is what the engine found, every turn, and the router
         # knows it: the engine's count reaches it with the answer.
         assert turn.predicted == turn.hits == turn.actual and turn.result == "exact", turn
+    # Six turns of 8 tokens are more steps than the worker's cost model warms up on:
+    # it publishes what its steps cost, in a form the router takes.
+    costs = StepCosts.of(worker_load(first.served_by).get("step_costs"))
+    assert costs is not None and costs.prefill_token_s + costs.base_s > 0, costs
 
 
 def run_conversation(router: ServerProcess, workers: PDPair, seed: int, count: int) -> list[Turn]:

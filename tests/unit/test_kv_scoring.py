@@ -1,5 +1,7 @@
-"""KV-aware choice of a worker: uncached prompt tokens plus load, ties by load, and
-the P/D decision on the tokens the chosen decode worker lacks."""
+"""KV-aware choice of a worker: its predicted time to first token (uncached and
+queued prompt tokens at its own cost per token, the steps' decodes), or uncached
+tokens plus a weight per request when the table sets one; ties by load; and the P/D
+decision on the tokens the chosen decode worker lacks."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.protocol.routing import RoutingTable, Slo, parse_table
 from pdserve.workers.engine.kv_events import prefix_hashes
+from pdserve.workers.router.kv_costs import DEFAULT_COSTS, StepCosts
 from pdserve.workers.router.kv_index import block_key
 from pdserve.workers.router.kv_metrics import KVRoutingMetrics
 from pdserve.workers.router.kv_scoring import KVPrompt, KVScorer
@@ -21,12 +24,12 @@ A, B = "http://a:1", "http://b:1"
 BLOCK = 16
 
 
-def table(weight: int = 128, policy: str = "kv-aware") -> RoutingTable:
+def table(weight: int | None = 128, policy: str = "kv-aware") -> RoutingTable:
+    weighs = "" if weight is None else f', "loadWeightTokens": {weight}'
     raw = (
         '{"pool": "p", "model": {"name": "m", "path": "/m"}, "buckets": ['
         '{"maxInputTokens": 64, "mode": "colocated"}, {"mode": "disaggregated"}],'
-        f'"routingPolicy": {{"type": "{policy}", "blockSize": {BLOCK},'
-        f' "loadWeightTokens": {weight}}},'
+        f'"routingPolicy": {{"type": "{policy}", "blockSize": {BLOCK}{weighs}}},'
         '"discovery": {"kind": "static", "decode": ["http://a:1"], "prefill": ["http://p:1"]}}'
     )
     return parse_table(raw.encode())
@@ -44,7 +47,7 @@ async def scorer_with(held: dict[str, list[int]], prompt: KVPrompt) -> tuple[KVS
     return KVScorer(feeds, metrics), decode
 
 
-def prompt_of(tokens: int, weight: int = 128) -> KVPrompt:
+def prompt_of(tokens: int, weight: int | None = 128) -> KVPrompt:
     found = KVPrompt.of(list(range(3, 3 + tokens)), table(weight))
     assert found is not None
     return found
@@ -63,6 +66,101 @@ async def test_the_worker_holding_the_prompt_wins_unless_its_load_costs_more() -
     choice = scorer.choose(decode, prompt)
     assert choice is not None and choice.worker.url == B and choice.reason == "load"
     assert choice.cached_tokens == 0
+
+
+# 1 ms a prompt token, 10 ms a step, 2 ms a decoding request in each step, 256
+# tokens a step.
+COSTS = StepCosts(base_s=0.01, prefill_token_s=1e-3, prefill_key_s=0.0, decode_token_s=2e-3,
+                  step_tokens=256)  # fmt: skip
+
+
+def publish(decode: WorkerSet, url: str, costs: StepCosts | None, at: float) -> None:
+    worker = decode.get(url)
+    assert worker is not None
+    worker.published = PublishedLoad(at=at, costs=costs)
+
+
+def load(decode: WorkerSet, url: str, requests: int, waiting_tokens: int) -> None:
+    worker = decode.get(url)
+    assert worker is not None
+    worker.in_flight, worker.prefill_tokens = requests, waiting_tokens
+
+
+@pytest.mark.parametrize(
+    ("requests", "waiting", "chosen", "reason"),
+    [
+        # A: 16 tokens left, one step with 3 decodes: 16 + 10 + 6 = 32 ms; B: the
+        # whole 320 tokens in 2 steps: 320 + 20 = 340 ms.
+        (3, 0, A, "cache"),
+        # A: 1,016 tokens in 4 steps with 4 decodes: 1016 + 4 x 18 = 1088 ms.
+        (4, 1000, B, "load"),
+    ],
+)
+async def test_predicted_time_weighs_a_busy_worker_holding_the_prefix_against_an_idle_one(
+    requests: int, waiting: int, chosen: str, reason: str
+) -> None:
+    prompt = prompt_of(20 * BLOCK, weight=None)
+    scorer, decode = await scorer_with({A: [0] * 20, B: []}, prompt)
+    for url in (A, B):
+        publish(decode, url, COSTS, scorer._clock())
+    load(decode, A, requests, waiting)
+    choice = scorer.choose(decode, prompt)
+    assert choice is not None and choice.worker.url == chosen and choice.reason == reason
+
+
+@pytest.mark.parametrize(("slower", "chosen"), [(1.0, A), (20.0, B)])
+async def test_each_worker_is_priced_at_what_its_own_steps_cost(slower: float, chosen: str) -> None:
+    """A holds half the prompt; computing the other half on a device 20 times slower
+    takes longer than the whole prompt on B."""
+    prompt = prompt_of(20 * BLOCK, weight=None)
+    scorer, decode = await scorer_with({A: [0] * 10, B: []}, prompt)
+    slow = StepCosts(0.01 * slower, 1e-3 * slower, 0.0, 2e-3 * slower, step_tokens=256)
+    publish(decode, A, slow, scorer._clock())
+    publish(decode, B, COSTS, scorer._clock())
+    choice = scorer.choose(decode, prompt)
+    assert choice is not None and choice.worker.url == chosen
+
+
+async def test_before_any_worker_publishes_the_default_costs_price_the_choice() -> None:
+    prompt = prompt_of(20 * BLOCK, weight=None)
+    scorer, decode = await scorer_with({A: [0] * 20, B: []}, prompt)
+    # At the defaults (0.5 ms a token, 10 ms a step, 1 ms a decode): A, 16 tokens and
+    # 3 decodes, 21 ms; B, 320 tokens, 170 ms.
+    load(decode, A, 3, 0)
+    choice = scorer.choose(decode, prompt)
+    assert choice is not None and choice.worker.url == A
+    load(decode, A, 3, 2 * 304)  # 608 tokens queued before it: 338 ms
+    choice = scorer.choose(decode, prompt)
+    assert choice is not None and choice.worker.url == B
+    assert DEFAULT_COSTS.ttft_s(0, 320, 0, 0) > DEFAULT_COSTS.ttft_s(0, 16, 304, 3)
+
+
+async def test_a_worker_that_has_not_published_is_priced_as_its_peers() -> None:
+    prompt = prompt_of(20 * BLOCK, weight=None)
+    scorer, decode = await scorer_with({A: [0] * 20, B: []}, prompt)
+    # B publishes costs 10 times the defaults; A, silent, is taken to cost as much:
+    # 16 tokens and 2 decodes, 200 ms, against B's 320 tokens, 1.7 s.
+    expensive = StepCosts(0.1, 5e-3, 0.0, 1e-2, step_tokens=512)
+    publish(decode, B, expensive, scorer._clock())
+    load(decode, A, 2, 0)
+    choice = scorer.choose(decode, prompt)
+    assert choice is not None and choice.worker.url == A
+    # 400 tokens queued on A at B's price: 2.2 s (at the defaults it would be 0.22 s).
+    load(decode, A, 2, 400)
+    choice = scorer.choose(decode, prompt)
+    assert choice is not None and choice.worker.url == B
+
+
+async def test_predictions_within_a_millisecond_go_to_the_less_loaded() -> None:
+    prompt = prompt_of(10 * BLOCK, weight=None)
+    scorer, decode = await scorer_with({A: [0] * 4, B: [0] * 4}, prompt)
+    free_decodes = StepCosts(0.01, 1e-3, 0.0, 0.0, step_tokens=256)
+    for url in (A, B):
+        publish(decode, url, free_decodes, scorer._clock())
+    load(decode, B, 1, 0)
+    for _ in range(10):
+        choice = scorer.choose(decode, prompt)
+        assert choice is not None and choice.worker.url == A
 
 
 async def test_equal_work_goes_to_the_less_loaded() -> None:
@@ -123,8 +221,8 @@ async def test_what_the_engine_found_is_counted_against_the_prediction() -> None
     for predicted, header in [(48, "48"), (48, "32"), (0, "16")]:
         scorer.observed("r", prompt, predicted, header)
     # A worker's word that is no count of this prompt's tokens is counted as unknown.
-    for header in (None, "-1", "1e3", "٣", str(10 * BLOCK + 1)):
-        scorer.observed("r", prompt, 48, header)
+    for word in (None, "-1", "1e3", "٣", str(10 * BLOCK + 1)):
+        scorer.observed("r", prompt, 48, word)
     assert actual._value.get() == 48 + 32 + 16
     assert outcomes() == {"exact": 1, "over": 1, "under": 1, "unknown": 5}
 
@@ -152,3 +250,28 @@ async def test_a_worker_is_loaded_with_the_prompt_tokens_it_lacks(disaggregated:
         answered()
         assert prefills.prefill_tokens == 0 and worker_a.in_flight == 1
     assert worker_a.in_flight == 0
+
+
+GOOD_COSTS = {
+    "base_s": 0.01, "prefill_token_s": 5e-4, "prefill_key_s": 1e-9, "decode_token_s": 1e-3,
+    "decode_s": 0.006, "decodes": 3, "step_tokens": 512, "steps": 40,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"prefill_token_s": -1e-4}, {"base_s": float("nan")}, {"decode_s": float("inf")},
+        {"prefill_token_s": "0.001"}, {"decodes": True}, {"step_tokens": 0},
+        {"decode_token_s": 1e9}, {"decodes": 2.5},
+    ],
+)  # fmt: skip
+def test_costs_a_worker_publishes_out_of_bounds_are_not_believed(change: dict[str, object]) -> None:
+    assert StepCosts.of(GOOD_COSTS) == StepCosts(0.01, 5e-4, 1e-9, 1e-3, 0.006, 3, 512)
+    assert StepCosts.of(GOOD_COSTS | change) is None
+    missing = dict(GOOD_COSTS)
+    del missing["step_tokens"]
+    assert StepCosts.of(missing) is None and StepCosts.of([1, 2]) is None
+    # A worker's /load without them (an older worker) publishes no costs.
+    assert PublishedLoad.of({"in_flight": 1}, 0.0, 0, 0).costs is None
+    assert PublishedLoad.of({"step_costs": GOOD_COSTS}, 0.0, 0, 0).costs is not None

@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 
 from pdserve.workers.bench.plan import PlannedRequest
+from pdserve.workers.plan.costs import StepCost
 from pdserve.workers.plan.pool import PoolSimulation, Traffic
 from pdserve.workers.plan.scenario import ScenarioError, parse_scenario
-from support.plan import constant_profile, model_config_dir, scenario_line
+from pdserve.workers.router.kv_costs import StepCosts
+from support.plan import constant_profile, model_config_dir, profile_with, scenario_line
 
 STEP_S, HANDOFF_S = 0.01, 0.05
 SPLIT = [{"maxInputTokens": 64, "mode": "colocated"}, {"mode": "disaggregated"}]
@@ -22,11 +24,22 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model_config_dir(tmp_path_factory.mktemp("model"))
 
 
-def run(model_dir: Path, line: str, requests: list[tuple[float, int, int]]) -> PoolSimulation:
+def run(
+    model_dir: Path,
+    line: str,
+    requests: list[tuple[float, int, int]],
+    cost: StepCost | None = None,
+) -> PoolSimulation:
+    """The requests through the scenario's pool; steps take STEP_S, or `cost`."""
     plan = [PlannedRequest(i, at, n, out, "t") for i, (at, n, out) in enumerate(requests)]
+    profile = (
+        constant_profile(model_dir, STEP_S, HANDOFF_S)
+        if cost is None
+        else profile_with(model_dir, cost)
+    )
     simulation = PoolSimulation(
         parse_scenario(line),
-        constant_profile(model_dir, STEP_S, HANDOFF_S),
+        profile,
         Traffic(plan, seed=0, vocab_size=256, drain_timeout_s=60.0, horizon_s=None),
     )
     simulation.run()
@@ -98,3 +111,26 @@ def test_a_prompt_longer_than_the_model_takes_is_refused_and_the_rest_are_served
         refused, *served = simulation.records
         assert refused.error is not None and refused.error.startswith("HTTP 400")
         assert all(record.finished for record in served)
+
+
+def test_a_worker_publishes_what_its_steps_cost_once_its_model_has_learned(
+    model_dir: Path,
+) -> None:
+    """The costs the KV-aware router prices a worker at are the worker's own steps':
+    nothing before its cost model warms up, then what each step really took."""
+    cost = StepCost(
+        base_s=0.004, per_decode_token_s=1e-3, per_prefill_token_s=2e-4,
+        per_decode_key_s=0.0, per_prefill_key_s=0.0,
+    )  # fmt: skip
+    line = scenario_line("one", [])
+    (worker,) = run(model_dir, line, [(0.0, 40, 6)], cost).workers.values()
+    assert worker.published_load()["step_costs"] is None  # 6 steps: still warming up
+
+    requests = [(0.05 * i, 40 + 16 * i, 12 + i) for i in range(8)]
+    (worker,) = run(model_dir, line, requests, cost).workers.values()
+    published = StepCosts.of(worker.published_load()["step_costs"])
+    assert published is not None
+    assert published.base_s == pytest.approx(cost.base_s, rel=0.05)
+    assert published.prefill_token_s == pytest.approx(cost.per_prefill_token_s, rel=0.05)
+    assert published.decode_token_s == pytest.approx(cost.per_decode_token_s, rel=0.05)
+    assert published.step_tokens > 0

@@ -686,17 +686,19 @@ class RoutingSpec(ApiModel):
 
     policy: RoutingPolicy = Field(
         default="kv-aware",
-        description="kv-aware: the worker with the least expected work, its prompt tokens "
-        "not in its prefix cache (the router follows every worker's KV events) plus "
-        "loadWeightTokens per request it holds; the bucket is chosen on the tokens the "
-        "chosen decode worker lacks. load: the least loaded worker, the bucket on the "
-        "prompt's length.",
+        description="kv-aware: the worker with the least predicted time to first token, its "
+        "prompt tokens not in its prefix cache (the router follows every worker's KV events) "
+        "after those waiting in it, at the cost per token and per decoding request each "
+        "worker measures on its own steps; the bucket is chosen on the tokens the chosen "
+        "decode worker lacks. load: the least loaded worker, the bucket on the prompt's "
+        "length.",
     )
-    load_weight_tokens: int = Field(
-        default=128,
+    load_weight_tokens: int | None = Field(
+        default=None,
         ge=0,
         le=1 << 20,
-        description="kv-aware: the prompt tokens one request a worker holds counts as.",
+        description="kv-aware: count a worker's cost in prompt tokens instead of predicted "
+        "time, one request it holds weighing this many (absent: predicted time).",
     )
 
     buckets: tuple[Bucket, ...] = Field(

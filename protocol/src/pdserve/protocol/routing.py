@@ -60,17 +60,20 @@ class KvTransfer(_Model):
 
 class RoutingPolicy(_Model):
     """How the router picks a worker. `load`: the least loaded. `kv-aware`: the one
-    with the least expected work, its prompt tokens not in its prefix cache (from the
-    router's index of the workers' KV events, hashed in blocks of `block_size` from
-    `hash_seed`, which must be the workers' own) plus
-    `load_weight_tokens` per request it holds (a prefill worker: plus the prompt
-    tokens waiting in it); ties go to the less loaded. A KV-aware router also
-    decides colocated or disaggregated on the tokens the chosen decode worker lacks."""
+    with the least predicted time to first token: its prompt tokens not in its prefix
+    cache (from the router's index of the workers' KV events, hashed in blocks of
+    `block_size` from `hash_seed`, which must be the workers' own) after the prompt
+    tokens waiting in it, at what its steps cost as it publishes them, plus what the
+    requests it decodes add to those steps; ties go to the less loaded. With
+    `load_weight_tokens` set, the cost is counted in tokens instead: uncached and
+    waiting prompt tokens plus that weight per request it holds. A KV-aware router
+    also decides colocated or disaggregated on the tokens the chosen decode worker
+    lacks."""
 
     type: Literal["kv-aware", "load"] = "kv-aware"
     block_size: int = Field(default=16, ge=1, le=1024)
     hash_seed: str = Field(default="", max_length=256)
-    load_weight_tokens: int = Field(default=128, ge=0, le=1 << 20)
+    load_weight_tokens: int | None = Field(default=None, ge=0, le=1 << 20)
 
 
 class RevisionWeight(_Model):

@@ -1,14 +1,18 @@
 """KV-aware choice of a worker, and the P/D decision on uncached tokens.
 
-A worker's expected work for a request is the prompt tokens it would compute (those
-not in its prefix cache, from the router's index; at least one, the step that
-samples) plus its load in tokens: the prompt tokens waiting to be prefilled in it
-(the router's own count of what it sent, and what the worker published beyond it)
-and `loadWeightTokens` per request it holds. The cheapest worker wins; ties
-go to the less loaded, then to chance. A decode worker whose KV cache is nearly full
-is passed over while another is not, as by load alone. A worker whose feed is not
-synced (starting, refused by the handshake, unreachable) holds nothing in the index:
-it competes on load alone.
+A worker's cost for a request is its predicted time to first token there
+(`kv_costs`): the prompt tokens it would compute (those not in its prefix cache, from
+the router's index; at least one, the step that samples) after the prompt tokens
+waiting to be prefilled in it (the router's own count of what it sent, and what the
+worker published beyond it), at what its own steps cost per token, plus what the
+requests it is decoding add to each of those steps. The cheapest worker wins; a
+prediction within a millisecond of the best is a tie, and ties go to the less loaded,
+then to chance. With `loadWeightTokens` set, the cost is counted in tokens instead:
+the uncached and waiting prompt tokens plus that weight per request it holds (the
+rule before time was predicted, kept as an override). A decode worker whose KV cache
+is nearly full is passed over while another is not, as by load alone. A worker whose
+feed is not synced (starting, refused by the handshake, unreachable) holds nothing in
+the index: it competes on load alone.
 
 The mode follows the decode worker: the routing table's bucket is looked up with
 the tokens the chosen decode worker would still compute, so a long conversation
@@ -26,6 +30,7 @@ from typing import Protocol
 
 from pdserve.protocol.routing import Mode, Role, RoutingTable
 from pdserve.workers.engine.kv_events import prefix_hashes
+from pdserve.workers.router.kv_costs import StepCosts, pool_costs
 from pdserve.workers.router.kv_index import BlockKey, KVIndex, block_key
 from pdserve.workers.router.kv_metrics import KVRoutingMetrics
 from pdserve.workers.router.workers import KV_NEARLY_FULL, Worker, WorkerSet
@@ -98,27 +103,27 @@ class KVScorer:
         # it samples): at most the full blocks before it are found.
         usable = (prompt.tokens - 1) // policy.block_size
         cached = {w.url: min(held.get(w.url, 0), usable) * policy.block_size for w in candidates}
-        best = min(candidates, key=lambda w: self._cost(w, prompt, cached[w.url], now))
+        fallback = pool_costs([c for w in candidates if (c := w.step_costs()) is not None])
+        best = min(candidates, key=lambda w: self._cost(w, prompt, cached[w.url], now, fallback))
         most = max(cached.values())
         reason = "none" if most <= 0 else "cache" if cached[best.url] == most else "load"
         self.metrics.chose(workers.role, reason, prompt.tokens, cached[best.url])
         return KVChoice(best, cached[best.url], reason)
 
-    def _cost(self, worker: Worker, prompt: KVPrompt, cached: int, now: float) -> tuple[float, ...]:
-        weight = prompt.table.routing_policy.load_weight_tokens
-        requests = worker.requests(now)
-        uncached = prompt.tokens - cached
+    def _cost(
+        self, worker: Worker, prompt: KVPrompt, cached: int, now: float, fallback: StepCosts
+    ) -> tuple[float, ...]:
+        load = _Load(worker.requests(now), worker.waiting_prefill_tokens(now))
+        work = _expected_work(worker, prompt, cached, load, fallback)
         # The last keys break ties: the less loaded, then chance (equal workers share
         # the traffic).
         if worker.role == "prefill":
-            waiting = worker.waiting_prefill_tokens(now)
-            return (uncached + waiting + weight * requests, waiting, requests, random.random())
+            return (work, load.waiting, load.requests, random.random())
         # A decode worker prefills colocated requests itself: their backlog is work too.
-        waiting = worker.waiting_prefill_tokens(now)
         usage = worker.kv_cache_usage(now)
         full = float(usage >= KV_NEARLY_FULL)
-        work = uncached + waiting + weight * requests
-        return (full, work, requests, usage, random.random())
+        uncached = prompt.tokens - cached
+        return (full, work, load.requests, uncached + load.waiting, usage, random.random())
 
     def observed(
         self, request_id: str, prompt: KVPrompt, predicted: int, found: str | None
@@ -141,6 +146,29 @@ class KVScorer:
         mode = table.buckets[table.bucket_of(prompt.tokens - cached_tokens)].mode
         self.metrics.decided_mode(by_length, mode)
         return mode
+
+
+@dataclass(frozen=True)
+class _Load:
+    """A worker's load as scoring sees it: requests held, prompt tokens waiting."""
+
+    requests: int
+    waiting: int
+
+
+def _expected_work(
+    worker: Worker, prompt: KVPrompt, cached: int, load: _Load, fallback: StepCosts
+) -> float:
+    """A worker's cost for the prompt: its predicted time to first token in whole
+    milliseconds (closer predictions are ties), or with `loadWeightTokens` set, tokens."""
+    uncached = prompt.tokens - cached
+    weight = prompt.table.routing_policy.load_weight_tokens
+    if weight is not None:
+        return float(uncached + load.waiting + weight * load.requests)
+    costs = worker.step_costs() or fallback
+    # A prefill worker decodes nothing: what it holds are prompts, already counted.
+    decoding = 0 if worker.role == "prefill" else load.requests
+    return float(round(costs.ttft_s(load.waiting, uncached, cached, decoding) * 1000))
 
 
 def _cached_count(header: str | None, prompt_tokens: int) -> int | None:

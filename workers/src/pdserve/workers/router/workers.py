@@ -23,6 +23,7 @@ from pydantic import BaseModel
 
 from pdserve.protocol.routing import Role
 from pdserve.workers.router.breaker import CircuitBreaker
+from pdserve.workers.router.kv_costs import StepCosts
 from pdserve.workers.router.kv_subscriber import KVFeedStatus
 
 FRESH_S = 1.0
@@ -42,6 +43,7 @@ class PublishedLoad:
     # The router's own counts when the load was read: what it had sent and not seen end.
     own_in_flight: int = 0
     own_prefill_tokens: int = 0
+    costs: StepCosts | None = None  # what its steps cost (None: not published)
 
     @property
     def other_in_flight(self) -> int:
@@ -71,6 +73,7 @@ class PublishedLoad:
             prefill_tokens=int(number("prefill_tokens")),
             own_in_flight=own_in_flight,
             own_prefill_tokens=own_prefill_tokens,
+            costs=StepCosts.of(fields.get("step_costs")),
         )
 
 
@@ -119,6 +122,11 @@ class Worker:
     def waiting_prefill_tokens(self, now: float) -> int:
         """Prompt tokens waiting to be prefilled in it."""
         return self.prefill_tokens + (self.fresh(now) or PublishedLoad(now)).other_prefill_tokens
+
+    def step_costs(self) -> StepCosts | None:
+        """What its steps cost, as last published (they change slowly: not only while
+        fresh)."""
+        return None if self.published is None else self.published.costs
 
     def kv_cache_usage(self, now: float) -> float:
         """Its KV cache usage as lately published (0 when not fresh)."""

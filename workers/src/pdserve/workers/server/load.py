@@ -1,7 +1,9 @@
 """What a worker publishes about its load at GET /load, for the router's choice of
-worker: requests in flight, running and queued, KV cache usage, and the prompt tokens
-still to be prefilled. The engine's part is taken after each step, on the engine
-thread (where its queues may be read); the server's part is counted per request.
+worker: requests in flight, running and queued, KV cache usage, the prompt tokens
+still to be prefilled, and what its steps cost (its engine's step-cost model, learned
+from its own steps: the KV-aware router predicts a request's time to first token on
+it from them). The engine's part is taken after each step, on the engine thread
+(where its queues may be read); the server's part is counted per request.
 """
 
 from __future__ import annotations
@@ -13,9 +15,26 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from pdserve.workers.engine.engine import LLMEngine, StepResult
+from pdserve.workers.engine.step_cost import StepFeatures
 
 # Requests on these paths count as in flight.
 _SERVED_PREFIXES = ("/v1/completions", "/v1/chat/completions", "/pd/prefill")
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What the worker's steps cost, in seconds, as its engine's step-cost model has
+    learned them (published once it has learned from `steps` steps, the model's
+    warm-up)."""
+
+    base_s: float  # a step's fixed cost
+    prefill_token_s: float  # per prompt token computed
+    prefill_key_s: float  # per cached token a prompt token's attention reads
+    decode_token_s: float  # per request decoding in a step
+    decode_s: float  # the decodes of its last step, keys included
+    decodes: int  # requests decoding in its last step
+    step_tokens: int  # the tokens its last step was allowed (its token budget)
+    steps: int  # steps the model has learned from
 
 
 @dataclass(frozen=True)
@@ -29,6 +48,7 @@ class WorkerLoad:
     kv_cache_usage: float  # fraction of KV blocks in use
     prefill_tokens: int  # prompt tokens admitted and not yet computed
     revision: str = ""  # its --revision: the router splits a rollout's traffic by it
+    step_costs: StepCosts | None = None  # None until its cost model has warmed up
 
 
 class LoadTracker:
@@ -42,6 +62,7 @@ class LoadTracker:
         self._running = 0
         self._kv_usage = 0.0
         self._prefill_tokens = 0
+        self._step_costs: StepCosts | None = None
 
     def on_step(self, result: StepResult) -> None:
         """After each step (engine thread): the batch, the cache and the prefill backlog."""
@@ -51,6 +72,30 @@ class LoadTracker:
         self._prefill_tokens = sum(
             max(0, request.num_prompt_tokens - request.num_computed_tokens)
             for request in chain(scheduler.waiting, scheduler.running)
+        )
+        if result.chunks:
+            self._step_costs = self._costs(result)
+
+    def _costs(self, result: StepResult) -> StepCosts | None:
+        """The cost model's estimate and the decodes of the step just run (None while
+        the model warms up)."""
+        model = self._engine.step_cost
+        if model.num_steps < model.warmup_steps:
+            return None
+        estimate = model.estimate()
+        features = StepFeatures.of(result.chunks)
+        decodes = StepFeatures(
+            decode_tokens=features.decode_tokens, decode_keys=features.decode_keys
+        )
+        return StepCosts(
+            base_s=estimate.base_s,
+            prefill_token_s=estimate.per_prefill_token_s,
+            prefill_key_s=estimate.per_prefill_key_s,
+            decode_token_s=estimate.per_decode_token_s,
+            decode_s=max(0.0, model.predict(decodes) - estimate.base_s),
+            decodes=features.decode_tokens,
+            step_tokens=result.stats.token_budget,
+            steps=estimate.num_steps,
         )
 
     def snapshot(self, waiting: int) -> WorkerLoad:
@@ -64,6 +109,7 @@ class LoadTracker:
             kv_cache_usage=self._kv_usage,
             prefill_tokens=0 if idle else self._prefill_tokens,
             revision=self._revision,
+            step_costs=self._step_costs,
         )
 
     def request_started(self) -> None:

@@ -1,0 +1,112 @@
+"""A worker's predicted time to first token for a request, from what its steps cost.
+
+Every worker publishes at /load what its engine's step-cost model has learned from
+its own steps (`step_costs`: seconds per prompt token computed, per cached token a
+prompt token's attention reads, per decoding request, a step's fixed cost, and its
+token budget per step). A request sent to a worker waits for the prompt tokens queued
+before it and its own uncached tokens to be computed, in steps of at most the token
+budget, and every one of those steps also carries the requests the worker is
+decoding:
+
+    steps = ceil((queued + uncached) / step tokens)
+    TTFT  = (queued + uncached) x prefill token s + own keys x prefill key s
+            + steps x (step base s + requests held x decode s per request)
+
+where own keys are the cached tokens the request's uncached tokens attend to
+(uncached x (cached + uncached / 2)). The figures are the worker's own measurements,
+so a slower device, a busier machine or a larger model weighs load against cache
+hits as it really costs there. Until a worker has published (its model warms up over
+its first steps), it is taken to cost what the other candidates publish, or
+`DEFAULT_COSTS` when none has: the order of magnitude of a small model on a CPU,
+replaced as soon as the workers have run a few steps.
+
+What a worker publishes is a peer's word: anything missing, negative, not finite or
+out of bounds leaves that worker with no published costs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# A step's figures above these are not believed (seconds per step, tokens per step).
+_MAX_SECONDS = 3600.0
+_MAX_STEP_TOKENS = 1 << 24
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What a worker's steps cost, in seconds (its `/load`'s `step_costs`)."""
+
+    base_s: float
+    prefill_token_s: float
+    prefill_key_s: float
+    decode_token_s: float
+    decode_s: float = 0.0  # its last step's decodes
+    decodes: int = 0  # requests decoding in its last step
+    step_tokens: int = 512
+
+    @property
+    def per_request_decode_s(self) -> float:
+        """What one decoding request adds to a step: measured on its last step's
+        decodes (their keys included) when it had some, else the model's per-token
+        cost."""
+        return self.decode_s / self.decodes if self.decodes > 0 else self.decode_token_s
+
+    @classmethod
+    def of(cls, body: Any) -> StepCosts | None:
+        """From `/load`'s `step_costs` object; None when absent or not believable."""
+        if not isinstance(body, dict):
+            return None
+        try:
+            seconds = {
+                name: _seconds(body[name])
+                for name in ("base_s", "prefill_token_s", "prefill_key_s", "decode_token_s",
+                             "decode_s")
+            }  # fmt: skip
+            decodes, step_tokens = _count(body["decodes"]), _count(body["step_tokens"])
+        except (KeyError, ValueError):
+            return None
+        if step_tokens < 1:
+            return None
+        return cls(**seconds, decodes=decodes, step_tokens=step_tokens)
+
+    def ttft_s(self, queued: int, uncached: int, cached: int, requests: int) -> float:
+        """Predicted seconds to the first token of a request whose `uncached` prompt
+        tokens are computed after `queued` others, past `cached` tokens found in the
+        cache, while `requests` others decode."""
+        work = max(0, queued) + max(0, uncached)
+        steps = max(1, math.ceil(work / self.step_tokens))
+        keys = uncached * (cached + uncached / 2)
+        step_s = self.base_s + max(0, requests) * self.per_request_decode_s
+        return work * self.prefill_token_s + keys * self.prefill_key_s + steps * step_s
+
+
+# Before any worker has published: a small model on a CPU (0.5 ms a prompt token,
+# 1 ms a decoding request, 10 ms a step). Only the ratios matter while every
+# candidate uses them, and they go as soon as the workers have published.
+DEFAULT_COSTS = StepCosts(base_s=0.01, prefill_token_s=5e-4, prefill_key_s=0.0, decode_token_s=1e-3)
+
+
+def _seconds(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError("not a number")
+    number = float(value)
+    if not math.isfinite(number) or not 0.0 <= number <= _MAX_SECONDS:
+        raise ValueError("out of bounds")
+    return number
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_STEP_TOKENS:
+        raise ValueError("not a count")
+    return value
+
+
+def pool_costs(published: list[StepCosts]) -> StepCosts:
+    """The costs taken for a worker that has not published: the median (by prompt
+    token cost) of those its peers published, else the defaults."""
+    if not published:
+        return DEFAULT_COSTS
+    return sorted(published, key=lambda costs: costs.prefill_token_s)[len(published) // 2]
