@@ -21,6 +21,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
+from typing import cast
 from urllib.parse import urlsplit
 
 BUFFER_LIMIT = 64 * 1024  # bytes of an answer read ahead of its taker
@@ -154,8 +155,8 @@ class _Connection(asyncio.Protocol):
     # -- the asyncio protocol -----------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are no subclasses of asyncio's, but have its methods.
+        self.transport = cast(asyncio.Transport, transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
