@@ -98,7 +98,10 @@ class KVScorer:
         # it samples): at most the full blocks before it are found.
         usable = (prompt.tokens - 1) // policy.block_size
         cached = {w.url: min(held.get(w.url, 0), usable) * policy.block_size for w in candidates}
-        best = min(candidates, key=lambda w: self._cost(w, prompt, cached[w.url], now))
+        if len(candidates) == 1:  # nothing to weigh
+            best = candidates[0]
+        else:
+            best = min(candidates, key=lambda w: self._cost(w, prompt, cached[w.url], now))
         most = max(cached.values())
         reason = "none" if most <= 0 else "cache" if cached[best.url] == most else "load"
         self.metrics.chose(workers.role, reason, prompt.tokens, cached[best.url])
