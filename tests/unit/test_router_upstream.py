@@ -138,6 +138,9 @@ async def test_a_kept_alive_connection_closed_by_the_worker_is_replaced() -> Non
             await server.closed.wait()  # the worker closed it once answered
             server.closed.clear()
         assert server.connections == 3
+        async with asyncio.timeout(5):  # once the close reaches the client
+            while upstreams._pools:  # a worker whose connections closed leaves nothing
+                await asyncio.sleep(0.01)
 
 
 async def test_an_answer_given_up_closes_its_connection() -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from types import TracebackType
 from typing import cast
 from urllib.parse import urlsplit
@@ -405,13 +405,16 @@ def _keeps_alive(version: str, headers: Mapping[str, str]) -> bool:
 
 
 class _Pool:
-    """The connections to one worker: idle ones are reused, newest first."""
+    """The connections to one worker: idle ones are reused, newest first. `emptied` is
+    called when its last idle connection closed (a worker that is gone leaves nothing)."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, url: str, host: str, port: int, emptied: Callable[[_Pool], None]) -> None:
+        self.url = url
         self.host = host
         self.port = port
         self.authority = f"{host}:{port}".encode("ascii")
         self._idle: list[_Connection] = []
+        self._emptied = emptied
 
     def idle(self) -> _Connection | None:
         """An idle connection still open, if any."""
@@ -450,6 +453,8 @@ class _Pool:
         """A connection closed."""
         if connection in self._idle:
             self._idle.remove(connection)
+            if not self._idle:
+                self._emptied(self)
 
     def close(self) -> None:
         """Close every idle connection."""
@@ -470,8 +475,13 @@ class Upstreams:
             parts = urlsplit(url)
             if parts.scheme != "http" or parts.hostname is None:
                 raise UpstreamError(f"not an http:// worker URL: {url!r}")
-            pool = self._pools[url] = _Pool(parts.hostname, parts.port or 80)
+            pool = self._pools[url] = _Pool(url, parts.hostname, parts.port or 80, self._forget)
         return pool
+
+    def _forget(self, pool: _Pool) -> None:
+        """Drop an emptied pool (the next request to its worker makes a new one)."""
+        if self._pools.get(pool.url) is pool:
+            del self._pools[pool.url]
 
     async def post(
         self, url: str, path: str, body: bytes, headers: Mapping[str, str]
