@@ -113,7 +113,7 @@ def main() -> None:
     parser.add_argument(
         "--model", type=Path, default=Path.home() / ".cache/pdserve/models/tiny-llama"
     )
-    parser.add_argument("--out", type=Path, default=Path("router_levers.json"))
+    parser.add_argument("--out", type=Path, default=Path("out/bench/router_levers.json"))
     args = parser.parse_args()
     bench.SEQUENTIAL, bench.LOAD_SECONDS = args.sequential, args.load_seconds
     variants = dict(spec.split("=", 1) for spec in args.variants)
@@ -121,6 +121,7 @@ def main() -> None:
         rows = run(variants, args.peer, Path(work), args.model)
     ratios(rows)
     print(table(rows))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"variants": variants, "rows": rows}, indent=1))
 
 
