@@ -203,3 +203,33 @@ async def test_an_unreachable_worker_or_a_header_injection_is_an_upstream_error(
         await upstreams.post(f"http://127.0.0.1:{port}", "/x", b"{}", {"X-A": "a\r\nX-B: b"})
     with pytest.raises(UpstreamError, match="http://"):
         await upstreams.post("https://127.0.0.1:1", "/x", b"{}", {})
+
+
+async def test_an_answer_ended_later_keeps_its_connection_if_its_end_comes() -> None:
+    """Past a stream's last event its taker is done; the connection is kept when the
+    answer's end follows in time, closed when it does not."""
+    events = HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + b"5\r\nhello\r\n"
+    ends = iter([True, False])
+
+    async def stream(_: bytes, __: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(events)
+        await asyncio.sleep(0.1)
+        if next(ends):
+            writer.write(b"0\r\n\r\n")
+            return True
+        while True:  # more, but never the end, until the router closes the connection
+            await asyncio.sleep(0.05)
+            writer.write(b"1\r\nx\r\n")
+            await writer.drain()
+
+    async with serving(stream) as (server, url):
+        upstreams = Upstreams(1.0)
+        for within_s in (5.0, 0.2):
+            async with await upstreams.post(url, "/x", b"{}", {}) as reply:
+                assert await anext(aiter(reply)) == b"hello"
+                reply.end_later(within_s)
+            async with asyncio.timeout(5):  # the first answer's end comes
+                while within_s == 5.0 and not upstreams._pools[url]._idle:
+                    await asyncio.sleep(0.01)
+        assert server.connections == 1  # the first answer's end came: its connection reused
+        await asyncio.wait_for(server.closed.wait(), 5)  # the second's did not: closed

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -53,6 +53,9 @@ Blame = Literal["decode", "prefill", "none"]
 
 # Only connecting is bounded: a stream lasts as long as its generation.
 CONNECT_TIMEOUT_S = 3.0
+# Once a stream's `[DONE]` is relayed, the worker's connection is kept for another
+# request if the rest of its answer (nothing but its end) comes within this time.
+END_WAIT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -370,7 +373,7 @@ class Forwarder:
                 tokens.feed(data, now)
                 if tokens.done:  # the last event: it goes with the answer's end, in one write
                     await response.write_eof(data)
-                    await _drain(chunks)
+                    upstream.end_later(END_WAIT_S)  # the handler is done: the next request
                     break
                 await response.write(data)
             if response is None:
@@ -388,14 +391,6 @@ class Forwarder:
             log_client_gone(request)
             outcome.cancelled()
             return response
-
-
-async def _drain(chunks: AsyncIterator[bytes]) -> None:
-    """Read a worker's stream to its end once its `[DONE]` is relayed (nothing follows
-    it), so that the connection is kept for the next request."""
-    with contextlib.suppress(UpstreamError):
-        async for _ in chunks:
-            pass
 
 
 class _RelayedStream(web.StreamResponse):

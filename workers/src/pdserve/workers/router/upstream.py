@@ -53,6 +53,7 @@ class UpstreamResponse:
         self._ended = False
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._ending: asyncio.TimerHandle | None = None  # see end_later
 
     def header(self, name: str, default: str | None = None) -> str | None:
         """The value of header `name` (any case), or `default`."""
@@ -76,7 +77,22 @@ class UpstreamResponse:
 
     def close(self) -> None:
         """Done with the answer: its connection is kept if the answer was read whole."""
-        self._connection.release(self)
+        if self._ending is None:
+            self._connection.release(self)
+
+    def end_later(self, within_s: float) -> None:
+        """Done with the answer, though its last bytes may still be on their way (what
+        follows a stream's end: its chunked coding's end). They are read and dropped
+        as they come; the connection is kept if the answer ends within `within_s`, else
+        closed."""
+        self._pieces.clear()
+        self._buffered = 0
+        self._connection.taken()
+        if self._ended:
+            self._connection.release(self)
+            return
+        loop = asyncio.get_running_loop()
+        self._ending = loop.call_later(within_s, self._connection.abort)
 
     async def read(self) -> bytes:
         """The whole body (UpstreamError when it breaks off)."""
@@ -115,6 +131,8 @@ class UpstreamResponse:
     # -- fed by the connection ---------------------------------------------------------
 
     def _feed(self, data: bytes) -> None:
+        if self._ending is not None:
+            return  # nobody takes it
         self._pieces.append(data)
         self._buffered += len(data)
         self._wake()
@@ -124,6 +142,9 @@ class UpstreamResponse:
             self._ended = True
             self._error = error
             self._wake()
+            if self._ending is not None:
+                self._ending.cancel()
+                self._connection.release(self)
 
     def _wake(self) -> None:
         waiter = self._waiter
