@@ -11,6 +11,7 @@ Run with `make bench`."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import shutil
 import subprocess
@@ -39,13 +40,21 @@ LOAD_SECONDS = 15.0  # per path, in LOAD_ROUNDS alternating rounds
 LOAD_ROUNDS = 3
 PEER_GOAL_P50 = 1.5  # pdserve's added P50 at most this times vllm-router's
 PROMPT = "the quick brown fox jumps over the lazy dog while a cat sleeps on the warm mat"
-BODY = {"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True, "stream": True}
+# Every request's prompt is a new text (a number at its end), so nothing the router
+# could remember of a prompt it saw saves it work.
+NUMBERS = itertools.count()
+
+
+def body() -> dict[str, Any]:
+    """A new request: the prompt and a number, 4 tokens streamed."""
+    prompt = f"{PROMPT} {next(NUMBERS)}"
+    return {"prompt": prompt, "max_tokens": 4, "ignore_eos": True, "stream": True}
 
 
 async def one(session: aiohttp.ClientSession, url: str) -> float:
     """Seconds from sending a streamed completion to its [DONE]."""
     started = time.perf_counter()
-    async with session.post(f"{url}/v1/completions", json=BODY) as response:
+    async with session.post(f"{url}/v1/completions", json=body()) as response:
         assert response.status == 200, await response.text()
         async for line in response.content:
             if line.strip() == b"data: [DONE]":
@@ -205,7 +214,7 @@ def test_router_overhead(tiny_model_dir: Path, tmp_path: Path) -> None:
         "router_overhead", rows,
         {"sequential_requests_per_path": SEQUENTIAL, "concurrency": CONCURRENCY,
          "load_seconds_per_path": LOAD_SECONDS, "load_rounds": LOAD_ROUNDS,
-         "request": "a 17-word text prompt, 4 tokens streamed",
+         "request": "a 17-word text prompt ending in a number of its own, 4 tokens streamed",
          "pdserve_router": "tokenizes the prompt and scores workers (KV-aware) as served",
          "goal": f"added P50 <= {PEER_GOAL_P50}x vllm-router's, req/s >= vllm-router's",
          "goal_met": goal_met(rows)},

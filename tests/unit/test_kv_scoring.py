@@ -18,6 +18,7 @@ from pdserve.workers.router.kv_scoring import KVPrompt, KVScorer
 from pdserve.workers.router.kv_subscriber import Expected, KVFeeds
 from pdserve.workers.router.metrics import RouterMetrics
 from pdserve.workers.router.proxy import Forwarder, Routed
+from pdserve.workers.router.upstream import Upstreams
 from pdserve.workers.router.workers import PublishedLoad, WorkerSet
 
 A, B = "http://a:1", "http://b:1"
@@ -236,8 +237,7 @@ async def test_a_worker_is_loaded_with_the_prompt_tokens_it_lacks(disaggregated:
     decode, prefill = WorkerSet("decode"), WorkerSet("prefill")
     decode.update([A])
     prefill.update(["http://p:1"])
-    async with aiohttp.ClientSession() as session:
-        forwarder = Forwarder(session, prefill, decode, None, RouterMetrics("p", registry))
+    forwarder = Forwarder(Upstreams(1.0), prefill, decode, None, RouterMetrics("p", registry))
     routed = Routed(
         "/v1/completions", b"{}", False, 20 * BLOCK, "gt64", "colocated", "r", "r", 0.0, Slo()
     )

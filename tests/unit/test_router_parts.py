@@ -85,6 +85,34 @@ def test_an_echoed_prompt_is_no_generated_token() -> None:
     assert scored.streams == [] and scored.token_times == []
 
 
+@pytest.mark.parametrize("separators", [(",", ":"), (", ", ": ")])
+def test_token_events_count_alike_in_any_layout(separators: tuple[str, str]) -> None:
+    """Plain token events (read without parsing) and listing or finishing ones (parsed)
+    count as the protocol's counting says, compact or spaced, text or chat."""
+    delta = {"role": "assistant", "content": "hi"}
+    choices = [
+        ({"index": 0, "text": "a", "logprobs": None, "finish_reason": None}, 1),
+        ({"index": 2, "delta": delta, "logprobs": None, "finish_reason": None}, 1),
+        ({"index": 0, "text": "", "finish_reason": None}, 1),
+        ({"index": 0, "text": "", "finish_reason": "stop"}, 0),
+        ({"index": 0, "text": "ab", "token_ids": [1, 2], "finish_reason": None}, 2),
+        ({"index": 0, "text": "[x]", "finish_reason": None}, 1),
+        ({"index": 0, "text": "a", "logprobs": {"tokens": ["a", "b"]}, "finish_reason": None}, 2),
+    ]
+    for choice, count in choices:
+        body = {"id": "c", "object": "text_completion", "choices": [choice]}
+        event = b"data: " + json.dumps(body, separators=separators).encode() + b"\n\n"
+        tokens = TokenStream()
+        tokens.feed(event, 1.0)
+        assert len(tokens.token_times) == count, choice
+        assert list(tokens.choices) == [choice["index"]]
+    two = {"choices": [{"index": 0, "text": "a", "finish_reason": None},
+                       {"index": 1, "text": "b", "finish_reason": None}]}  # fmt: skip
+    tokens = TokenStream()
+    tokens.feed(b"data: " + json.dumps(two, separators=separators).encode() + b"\n\n", 1.0)
+    assert tokens.streams == [[1.0], [1.0]]
+
+
 def test_a_stream_ended_by_an_error_event() -> None:
     tokens = TokenStream()
     tokens.feed(chunk("a") + error_event("the worker failed", "worker_failed"), 1.0)

@@ -89,7 +89,9 @@ class RouterServer:
 
     def app(self, guard: NetworkGuard | None = None) -> web.Application:
         """The aiohttp application (under `guard`'s network limits, when given)."""
-        middlewares = [error_middleware(self.metrics.observe_error), self.api_keys.middleware()]
+        middlewares = [error_middleware(self.metrics.observe_error)]
+        if self.api_keys.path is not None:  # no key file, no check: no layer on every request
+            middlewares.append(self.api_keys.middleware())
         if guard is not None:
             middlewares.append(guard.middleware())
         app = web.Application(middlewares=middlewares, client_max_size=self.limits.max_body_size)

@@ -87,6 +87,7 @@ class KVRoutingMetrics:
         # Children of the per-request counters, bound as each label set is first seen.
         self._chosen: dict[tuple[str, str], tuple[Counter, Counter, Counter]] = {}
         self._modes: dict[tuple[str, str], Counter] = {}
+        self._bound: dict[tuple[object, ...], Counter] = {}
 
     def _labels(self, target: str, **extra: str) -> dict[str, str]:
         return {"pool": self.pool, "role": ROLE, "target": target, **extra}
@@ -110,13 +111,21 @@ class KVRoutingMetrics:
     def observed(self, target: str, predicted: int, actual: int | None) -> None:
         """A worker of `target` role found `actual` cached tokens (None: unknown) where
         `predicted` were."""
-        labels = self._labels(target)
         if actual is None:
             result = "unknown"
         else:
-            self.actual_hits.labels(**labels).inc(actual)
+            self._child(self.actual_hits, target).inc(actual)
             result = "exact" if actual == predicted else "over" if predicted > actual else "under"
-        self.predictions.labels(**labels, result=result).inc()
+        self._child(self.predictions, target, result=result).inc()
+
+    def _child(self, counter: Counter, target: str, **extra: str) -> Counter:
+        """The child of a per-request counter, bound once (a label lookup per request
+        costs more than the count)."""
+        key = (counter, target, *extra.values())
+        child = self._bound.get(key)
+        if child is None:
+            child = self._bound[key] = counter.labels(**self._labels(target, **extra))
+        return child
 
     def decided_mode(self, by_length: str, mode: str) -> None:
         """The P/D decision on uncached tokens."""

@@ -103,8 +103,13 @@ class KVScorer:
         # it samples): at most the full blocks before it are found.
         usable = (prompt.tokens - 1) // policy.block_size
         cached = {w.url: min(held.get(w.url, 0), usable) * policy.block_size for w in candidates}
-        fallback = pool_costs([c for w in candidates if (c := w.step_costs()) is not None])
-        best = min(candidates, key=lambda w: self._cost(w, prompt, cached[w.url], now, fallback))
+        if len(candidates) == 1:  # nothing to weigh
+            best = candidates[0]
+        else:
+            fallback = pool_costs([c for w in candidates if (c := w.step_costs()) is not None])
+            best = min(
+                candidates, key=lambda w: self._cost(w, prompt, cached[w.url], now, fallback)
+            )
         most = max(cached.values())
         reason = "none" if most <= 0 else "cache" if cached[best.url] == most else "load"
         self.metrics.chose(workers.role, reason, prompt.tokens, cached[best.url])

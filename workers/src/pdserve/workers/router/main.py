@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -35,7 +36,8 @@ from pdserve.workers.router.kv_subscriber import Expected, KVFeeds
 from pdserve.workers.router.load import LoadPoller
 from pdserve.workers.router.metrics import ROLE, RouterMetrics
 from pdserve.workers.router.options import RouterOptions
-from pdserve.workers.router.proxy import Forwarder
+from pdserve.workers.router.proxy import CONNECT_TIMEOUT_S, Forwarder
+from pdserve.workers.router.upstream import Upstreams
 from pdserve.workers.router.workers import WorkerSet
 
 log = logging.getLogger("pdserve.router")
@@ -77,16 +79,15 @@ async def run_router(
     options: RouterOptions, limits: RequestLimits, network: NetworkLimits, startup: Startup
 ) -> None:
     """Serve until SIGINT/SIGTERM."""
+    # The requests go through `upstreams`; the session polls loads and follows feeds.
     connector = aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True)
-    # No cookie jar: no worker's answer sets state for later requests, and a jar is
-    # consulted on every request.
-    jar = aiohttp.DummyCookieJar()
-    async with aiohttp.ClientSession(connector=connector, cookie_jar=jar) as session:
+    upstreams = Upstreams(CONNECT_TIMEOUT_S)
+    async with aiohttp.ClientSession(connector=connector) as session:
         metrics = RouterMetrics(startup.table.pool)
         guard = NetworkGuard(network, NetworkMetrics(metrics.registry, metrics.pool, ROLE))
         feeds = kv_feeds(session, startup, KVRoutingMetrics(metrics.pool, metrics.registry))
         forwarder = Forwarder(
-            session, WorkerSet("prefill"), WorkerSet("decode"), startup.credential, metrics,
+            upstreams, WorkerSet("prefill"), WorkerSet("decode"), startup.credential, metrics,
             options.max_attempts, KVScorer(feeds, feeds.metrics),
         )  # fmt: skip
         admission = Admission(options.max_queued_requests, lambda: forwarder.awaiting_first_token)
@@ -98,6 +99,7 @@ async def run_router(
             await _serve(server, options, guard, LoadPoller(session, server.sets.values()))
         finally:
             await feeds.stop()
+            upstreams.close()
 
 
 def kv_feeds(
@@ -163,8 +165,19 @@ def serve(options: RouterOptions, limits: RequestLimits, network: NetworkLimits)
         print(f"pdserve router: {error}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(run_router(options, limits, network, startup))
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            runner.run(run_router(options, limits, network, startup))
     except PortInUseError as error:  # taken since the check
         print(f"pdserve router: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop where it is installed (its sockets, timers and callbacks in
+    C: a large share of a router's time per request is the loop's); else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop

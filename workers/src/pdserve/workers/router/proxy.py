@@ -21,11 +21,10 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-import aiohttp
 from aiohttp import web
 
 from pdserve.protocol import codec
@@ -45,15 +44,18 @@ from pdserve.workers.router.metrics import RouterMetrics
 from pdserve.workers.router.outcome import RequestOutcome, counted
 from pdserve.workers.router.revisions import RevisionSplit, revision_of
 from pdserve.workers.router.sse import TokenStream, error_event
+from pdserve.workers.router.upstream import UpstreamError, UpstreamResponse, Upstreams
 from pdserve.workers.router.workers import Worker, WorkerSet
 
 log = logging.getLogger(__name__)
 
 Blame = Literal["decode", "prefill", "none"]
 
+# Only connecting is bounded: a stream lasts as long as its generation.
 CONNECT_TIMEOUT_S = 3.0
-# No total: a stream lasts as long as its generation; only connecting is bounded.
-ATTEMPT_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
+# Once a stream's `[DONE]` is relayed, the worker's connection is kept for another
+# request if the rest of its answer (nothing but its end) comes within this time.
+END_WAIT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,7 @@ class Forwarder:
 
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        upstreams: Upstreams,
         prefill: WorkerSet,
         decode: WorkerSet,
         credential: str | None,
@@ -124,7 +126,7 @@ class Forwarder:
         max_attempts: int = 3,
         kv: KVScorer | None = None,
     ) -> None:
-        self.session = session
+        self.upstreams = upstreams
         self.prefill = prefill
         self.decode = decode
         self.credential = credential
@@ -228,7 +230,6 @@ class Forwarder:
     ) -> web.StreamResponse:
         decode, prefill = workers
         headers = {
-            "Content-Type": "application/json",
             REQUEST_ID_HEADER: f"{routed.request_id}-{attempt}",
             **(bearer(self.credential) if self.credential else {}),
         }
@@ -237,26 +238,22 @@ class Forwarder:
         outcome.revisions = (revision_of(prefill), revision_of(decode))
         try:
             with self._outstanding(routed, decode, prefill, predicted) as answered:
-                async with self.session.post(
-                    decode.url + routed.path,
-                    data=routed.body,
-                    headers=headers,
-                    timeout=ATTEMPT_TIMEOUT,
-                ) as upstream:
+                upstream = await self.upstreams.post(decode.url, routed.path, routed.body, headers)
+                async with upstream:
                     answered()
                     if upstream.status != 200:
                         return await self._refusal(routed, upstream, prefill is not None)
                     decode.breaker.succeeded()
                     if self.kv is not None and routed.kv is not None:
-                        found = upstream.headers.get(CACHED_TOKENS_HEADER)
+                        found = upstream.header(CACHED_TOKENS_HEADER)
                         self.kv.observed(routed.request_id, routed.kv, predicted[0], found)
                     if prefill is not None:
                         self._settle_prefill(routed, upstream, prefill)
-                    outcome.mode = upstream.headers.get(MODE_HEADER, routed.mode)
+                    outcome.mode = upstream.header(MODE_HEADER) or routed.mode
                     if routed.stream:
                         return await self._relay_stream(request, routed, upstream, outcome)
                     return await self._relay_whole(routed, upstream, outcome)
-        except (aiohttp.ClientError, TimeoutError) as error:
+        except UpstreamError as error:
             raise _Retry("worker_unreachable", f"{decode.url}: {error}", "decode") from error
 
     @contextlib.contextmanager
@@ -295,7 +292,7 @@ class Forwarder:
             decode.in_flight -= 1
 
     async def _refusal(
-        self, routed: Routed, upstream: aiohttp.ClientResponse, disaggregated: bool
+        self, routed: Routed, upstream: UpstreamResponse, disaggregated: bool
     ) -> web.Response:
         """A worker's error answer: raise _Retry when another worker (or path) may do
         better, else pass it on (a 4xx, or a 500 for a request that failed alone: the
@@ -303,8 +300,9 @@ class Forwarder:
         data = await upstream.read()
         headers = {REQUEST_ID_HEADER: routed.reply_id}
         for name in ("Content-Type", "Retry-After"):
-            if name in upstream.headers:
-                headers[name] = upstream.headers[name]
+            value = upstream.header(name)
+            if value is not None:
+                headers[name] = value
         answer = web.Response(body=data, status=upstream.status, headers=headers)
         status, code = upstream.status, _error_code(data)
         message = f"HTTP {status} ({code})"
@@ -318,31 +316,29 @@ class Forwarder:
             raise _Retry("worker_failed", message, "decode", answer)
         return answer
 
-    def _settle_prefill(
-        self, routed: Routed, upstream: aiohttp.ClientResponse, prefill: Worker
-    ) -> None:
+    def _settle_prefill(self, routed: Routed, upstream: UpstreamResponse, prefill: Worker) -> None:
         """A hand-off the decode worker fell back from (it prefilled the prompt itself)
         is a fallback and a failure of the prefill worker; one that worked, a success."""
-        if upstream.headers.get(MODE_HEADER) == "colocated":
+        if upstream.header(MODE_HEADER) == "colocated":
             prefill.breaker.failed()
             self.metrics.fell_back(routed.bucket, "handoff_failed")
         else:
             prefill.breaker.succeeded()
 
-    def _headers(self, routed: Routed, upstream: aiohttp.ClientResponse) -> dict[str, str]:
+    def _headers(self, routed: Routed, upstream: UpstreamResponse) -> dict[str, str]:
         return {
-            "Content-Type": upstream.headers.get("Content-Type", "application/json"),
+            "Content-Type": upstream.header("Content-Type") or "application/json",
             REQUEST_ID_HEADER: routed.reply_id,
-            MODE_HEADER: upstream.headers.get(MODE_HEADER, routed.mode),
+            MODE_HEADER: upstream.header(MODE_HEADER) or routed.mode,
             BUCKET_HEADER: routed.bucket,
         }
 
     async def _relay_whole(
-        self, routed: Routed, upstream: aiohttp.ClientResponse, outcome: RequestOutcome
+        self, routed: Routed, upstream: UpstreamResponse, outcome: RequestOutcome
     ) -> web.Response:
         try:
             data = await upstream.read()
-        except (aiohttp.ClientError, TimeoutError) as error:
+        except UpstreamError as error:
             raise _Retry("worker_failed", f"the answer broke off: {error}", "decode") from error
         outcome.output_tokens = _tokens_per_choice(data, routed.choices)
         outcome.ended("ok")
@@ -352,7 +348,7 @@ class Forwarder:
         self,
         request: web.Request,
         routed: Routed,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         outcome: RequestOutcome,
     ) -> web.StreamResponse:
         headers = {**self._headers(routed, upstream), "Cache-Control": "no-cache"}
@@ -360,13 +356,13 @@ class Forwarder:
         tokens = routed.token_stream()
         broken: str | None = None
         try:
-            chunks = upstream.content.iter_any()
+            chunks = aiter(upstream)
             while True:
                 try:
                     data = await anext(chunks)
                 except StopAsyncIteration:
                     break
-                except (aiohttp.ClientError, TimeoutError) as error:
+                except UpstreamError as error:
                     broken = f"the worker serving this stream failed: {error}"
                     break
                 now = time.monotonic()
@@ -377,7 +373,7 @@ class Forwarder:
                 tokens.feed(data, now)
                 if tokens.done:  # the last event: it goes with the answer's end, in one write
                     await response.write_eof(data)
-                    await _drain(chunks)
+                    upstream.end_later(END_WAIT_S)  # the handler is done: the next request
                     break
                 await response.write(data)
             if response is None:
@@ -395,14 +391,6 @@ class Forwarder:
             log_client_gone(request)
             outcome.cancelled()
             return response
-
-
-async def _drain(chunks: AsyncIterator[bytes]) -> None:
-    """Read a worker's stream to its end once its `[DONE]` is relayed (nothing follows
-    it), so that the connection is kept for the next request."""
-    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-        async for _ in chunks:
-            pass
 
 
 class _RelayedStream(web.StreamResponse):

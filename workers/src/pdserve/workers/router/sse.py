@@ -10,6 +10,7 @@ stream of its own, interleaved with the others by its index."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from pdserve.protocol import codec
@@ -17,6 +18,14 @@ from pdserve.protocol.api_errors import error_body
 from pdserve.protocol.sse import choice_token_count
 
 DONE = b"data: [DONE]\n\n"
+
+# The event of nearly every token: one choice, listing nothing (no token ids, no
+# log-probabilities: no brackets within it) and not finishing. It carries one token of
+# its choice, which these patterns read without parsing the event; any other event
+# is parsed.
+_ONE_CHOICE = re.compile(rb'"choices":\s*\[\s*\{\s*"index":\s*(\d+)\s*,([^\[\]]*)\}\s*\]')
+_NOT_FINISHING = re.compile(rb'"finish_reason":\s*null')
+_LISTING = re.compile(rb'"index"|"logprobs":\s*\{')
 
 
 class TokenStream:
@@ -55,6 +64,13 @@ class TokenStream:
         if payload == b"[DONE]":
             self.done = True
             return
+        if b'"error"' not in payload:
+            one = _ONE_CHOICE.search(payload)
+            if one is not None:
+                rest = one.group(2)
+                if _NOT_FINISHING.search(rest) and not _LISTING.search(rest):
+                    self._tokens(int(one.group(1)), 1, now)
+                    return
         try:
             event = codec.loads(payload)
         except ValueError:
@@ -72,14 +88,16 @@ class TokenStream:
         index = choice.get("index", 0)
         if not isinstance(index, int):
             return
-        first = index not in self.choices
-        times = self.choices.setdefault(index, [])
-        if not self.generates:
-            return
         count = choice_token_count(choice)
-        if first and self.echo_tokens and _lists_tokens(choice):
-            count = max(0, count - self.echo_tokens)
-        times.extend([now] * count)
+        if index not in self.choices and self.echo_tokens and _lists_tokens(choice):
+            count = max(0, count - self.echo_tokens)  # the first chunk lists the prompt
+        self._tokens(index, count, now)
+
+    def _tokens(self, index: int, count: int, now: float) -> None:
+        """`count` tokens of choice `index` left at `now` (none when nothing is generated)."""
+        times = self.choices.setdefault(index, [])
+        if self.generates:
+            times.extend([now] * count)
 
 
 def error_event(message: str, code: str) -> bytes:
