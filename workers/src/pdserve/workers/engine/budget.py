@@ -84,29 +84,30 @@ class BatchShape:
     def features(self, prefill_tokens: int) -> StepFeatures:
         """The step's features if `prefill_tokens` prefill tokens join the decodes,
         handed out as the scheduler would: each prompt in turn, as much as it needs."""
-        left, tokens, keys = prefill_tokens, 0, 0
-        for work in self.prefills:
-            if left <= 0:
-                break
-            chunk = min(left, work.remaining)
-            tokens += chunk
-            keys += chunk * (work.start + chunk)
-            left -= chunk
+        chunks = self._chunks(prefill_tokens)
+        tokens = sum(chunk for _, chunk in chunks)
+        keys = sum(chunk * (work.start + chunk) for work, chunk in chunks)
         return StepFeatures(self.num_decodes, tokens, self.num_decodes * self.longest_decode, keys)
 
     def chunking_features(self, prefill_tokens: int) -> StepFeatures:
         """The step's features with only the keys that chunking adds: of a chunk of n
         tokens, n(n-1)/2 (its tokens attending each other at once rather than
         causally); the keys before the chunk are read whatever the chunks."""
-        full = self.features(prefill_tokens)
-        left, keys = prefill_tokens, 0
+        chunks = self._chunks(prefill_tokens)
+        tokens = sum(chunk for _, chunk in chunks)
+        keys = sum(chunk * (chunk - 1) // 2 for _, chunk in chunks)
+        return StepFeatures(self.num_decodes, tokens, self.num_decodes * self.longest_decode, keys)
+
+    def _chunks(self, prefill_tokens: int) -> list[tuple[PrefillWork, int]]:
+        """The prompts `prefill_tokens` would reach, each with its chunk."""
+        left, chunks = prefill_tokens, []
         for work in self.prefills:
             if left <= 0:
                 break
             chunk = min(left, work.remaining)
-            keys += chunk * (chunk - 1) // 2
+            chunks.append((work, chunk))
             left -= chunk
-        return StepFeatures(full.decode_tokens, full.prefill_tokens, full.decode_keys, keys)
+        return chunks
 
 
 class BudgetPolicy(Protocol):
