@@ -6,7 +6,14 @@ from collections.abc import Callable
 
 import pytest
 
-from pdserve.workers.engine.budget import AdaptiveBudget, BatchShape, PrefillWork, StaticBudget
+from pdserve.workers.engine.budget import (
+    COLD_CHUNK,
+    COLD_PREFILL_STEPS,
+    AdaptiveBudget,
+    BatchShape,
+    PrefillWork,
+    StaticBudget,
+)
 from pdserve.workers.engine.step_cost import StepCostModel, StepFeatures
 
 TARGET_S = 0.1
@@ -91,24 +98,47 @@ def test_with_no_decode_running_prefill_takes_the_ceiling(cost: StepCostModel) -
     assert adaptive(cost).budget(shape(0)) == CEILING
 
 
+def prompt_seconds(steps: Device, prompt: int, chunk: int) -> float:
+    """How long `steps` takes to prefill a prompt of `prompt` tokens in chunks of
+    `chunk`, nothing else running."""
+    return sum(
+        steps(shape(0, (PrefillWork(start, prompt - start),)).features(chunk))
+        for start in range(0, prompt, chunk)
+    )
+
+
 def test_no_chunk_is_larger_than_the_one_that_computes_prompts_fastest() -> None:
-    # On the CPU-like device a 2048-token chunk takes longer per token than a 173-token
-    # one: with no decode running, prefill gets the fastest chunk, not the ceiling.
+    # On the CPU-like device a 4096-token prompt takes longest in 2048-token chunks:
+    # with no decode running, prefill gets the chunk that computes it fastest, not the
+    # ceiling. The keys each chunk reads of the prompt before it are read whatever the
+    # chunks, so the fastest chunk is sqrt(2 * 3 ms / 1e-7 s) = 245 tokens, not the
+    # 173 a step's own tokens per second would give.
     cpu = taught(cpu_seconds)
     policy = adaptive(cpu)
     fastest = policy.budget(shape(0))
-    assert fastest == pytest.approx((0.003 / 1e-7) ** 0.5, abs=2)
-
-    def rate(tokens: int) -> float:
-        return tokens / cpu_seconds(shape(0).features(tokens))
-
-    assert rate(fastest) > rate(fastest // 2) and rate(fastest) > rate(2 * fastest)
+    assert fastest == pytest.approx((2 * 0.003 / 1e-7) ** 0.5, abs=3)
+    taken = prompt_seconds(cpu_seconds, 4096, fastest)
+    for other in (fastest // 2, 173, 2 * fastest, CEILING):
+        assert taken < prompt_seconds(cpu_seconds, 4096, other)
     # With decodes running the step's fixed cost is larger and so is the fastest chunk;
     # a loose target would allow more, but more would only be slower.
     loose = AdaptiveBudget(10.0, FLOOR, CEILING, cpu, clock=Clock())
     with_decodes = loose.budget(shape(8)) - 8
     assert fastest < with_decodes < CEILING // 4
     assert cpu.predict(shape(8).features(with_decodes + 100)) < 10.0
+
+
+def test_a_model_that_learned_no_prefill_yet_takes_a_small_chunk() -> None:
+    # Untaught, the model predicts no cost for attention over a chunk and would take the
+    # whole ceiling at once, the slowest way to compute a long prompt on a CPU; it
+    # takes COLD_CHUNK until enough prefill steps have taught it.
+    model = StepCostModel()
+    policy = adaptive(model)
+    assert policy.budget(shape(0)) == COLD_CHUNK
+    for start in range(0, COLD_PREFILL_STEPS * COLD_CHUNK, COLD_CHUNK):
+        chunk = shape(0, (PrefillWork(start, 4096 - start),)).features(COLD_CHUNK)
+        model.update(chunk, cpu_seconds(chunk))
+    assert policy.budget(shape(0)) != COLD_CHUNK
 
 
 def test_the_budget_shrinks_as_decodes_grow(cost: StepCostModel) -> None:

@@ -29,7 +29,15 @@ Nor does it go above the chunk the model predicts computes prompts fastest (toke
 second of step). Where a step's fixed cost dominates, as on an accelerator, that is the
 ceiling; where attention grows with the square of the chunk (a CPU attending a whole
 chunk at once), a larger chunk takes longer per token: it would slow every prompt and
-every stream and help nothing, so the policy stops at the fastest one.
+every stream and help nothing, so the policy stops at the fastest one. The rate counts
+only the keys chunking adds: a chunk's tokens attend the prompt before it whatever the
+chunks (a prompt of n tokens reads n(n+1)/2 keys at best), so those keys are no cost
+of the chunk's size; what grows with it is the keys its tokens read of each other, as
+one chunk, where smaller chunks would have read them causally, about half.
+
+Until the model has learned from COLD_PREFILL_STEPS steps that computed prefill it
+knows nothing of what attention over a chunk costs, and would take the whole ceiling
+as one chunk; it takes at most COLD_CHUNK tokens meanwhile.
 """
 
 from __future__ import annotations
@@ -51,6 +59,10 @@ MARGIN_STEP = 0.05
 # Bounds of the margin, as shares of the target: a model that overestimates may have
 # its predictions run a little over the target.
 MARGIN_BOUNDS = (-0.25, 1.0)
+# A chunk the model has not yet learned enough to size (see above): the scheduler's
+# default budget on a CPU, a few of an accelerator's steps.
+COLD_CHUNK = 128
+COLD_PREFILL_STEPS = 16
 
 
 @dataclass(frozen=True)
@@ -72,15 +84,30 @@ class BatchShape:
     def features(self, prefill_tokens: int) -> StepFeatures:
         """The step's features if `prefill_tokens` prefill tokens join the decodes,
         handed out as the scheduler would: each prompt in turn, as much as it needs."""
-        left, tokens, keys = prefill_tokens, 0, 0
+        chunks = self._chunks(prefill_tokens)
+        tokens = sum(chunk for _, chunk in chunks)
+        keys = sum(chunk * (work.start + chunk) for work, chunk in chunks)
+        return StepFeatures(self.num_decodes, tokens, self.num_decodes * self.longest_decode, keys)
+
+    def chunking_features(self, prefill_tokens: int) -> StepFeatures:
+        """The step's features with only the keys that chunking adds: of a chunk of n
+        tokens, n(n-1)/2 (its tokens attending each other at once rather than
+        causally); the keys before the chunk are read whatever the chunks."""
+        chunks = self._chunks(prefill_tokens)
+        tokens = sum(chunk for _, chunk in chunks)
+        keys = sum(chunk * (chunk - 1) // 2 for _, chunk in chunks)
+        return StepFeatures(self.num_decodes, tokens, self.num_decodes * self.longest_decode, keys)
+
+    def _chunks(self, prefill_tokens: int) -> list[tuple[PrefillWork, int]]:
+        """The prompts `prefill_tokens` would reach, each with its chunk."""
+        left, chunks = prefill_tokens, []
         for work in self.prefills:
             if left <= 0:
                 break
             chunk = min(left, work.remaining)
-            tokens += chunk
-            keys += chunk * (work.start + chunk)
+            chunks.append((work, chunk))
             left -= chunk
-        return StepFeatures(self.num_decodes, tokens, self.num_decodes * self.longest_decode, keys)
+        return chunks
 
 
 class BudgetPolicy(Protocol):
@@ -179,16 +206,18 @@ class AdaptiveBudget:
 
     def _fastest(self, shape: BatchShape, room: int) -> int:
         """The prefill tokens, up to `room`, that the model predicts are computed at the
-        highest rate (tokens per second of step). The rate rises while the step's fixed
-        cost dominates and falls once the chunk's attention does (the predicted time is
-        convex in the tokens), so a ternary search finds its peak; a model that has
-        learned nothing yet predicts no cost, and the answer is `room`."""
-
-        if self.cost.predict(shape.features(room)) <= 0:
+        highest rate (tokens per second of step, the keys before each chunk left out).
+        The rate rises while the step's fixed cost dominates and falls once the chunk's
+        attention does (the predicted time is convex in the tokens), so a ternary search
+        finds its peak; a model that has learned from too few prefill steps gets
+        COLD_CHUNK."""
+        if self.cost.prefill_steps < COLD_PREFILL_STEPS:
+            return min(room, COLD_CHUNK)
+        if self.cost.predict(shape.chunking_features(room)) <= 0:
             return room
 
         def rate(tokens: int) -> float:
-            features = shape.features(tokens)  # prompts may need fewer than `tokens`
+            features = shape.chunking_features(tokens)  # prompts may need fewer
             return features.prefill_tokens / max(self.cost.predict(features), 1e-12)
 
         low, high = 1, room  # the peak lies in [low, high]; ties go to the larger chunk

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -64,13 +65,24 @@ class RotaryEmbedding(nn.Module):
                 inv_freq = _scale_frequencies(inv_freq, config.rope_scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(
-        self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor) -> Rotation:
+        """The rotation of a batch's positions, for every layer to apply."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, dim]
-        cos, sin = angles.cos(), angles.sin()
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+        return Rotation(angles.cos(), angles.sin())
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """The rotary angles of a batch's positions, computed once per forward: every layer
+    rotates its queries and keys by the same ones."""
+
+    cos: torch.Tensor  # [T, 1, dim]
+    sin: torch.Tensor
+
+    def apply(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query and key rotated to their positions."""
+        return _rotate(query, self.cos, self.sin), _rotate(key, self.cos, self.sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -117,8 +129,7 @@ class Attention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rotation: Rotation,
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -126,7 +137,7 @@ class Attention(nn.Module):
         query = self.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
         key = self.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
         value = self.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
-        query, key = rotary(query, key, positions)
+        query, key = rotation.apply(query, key)
         write_kv(kv_layer, key, value, meta)
         attended = paged_attention(query, kv_layer, meta, self.scale)
         projected: torch.Tensor = self.o_proj(attended.reshape(tokens, -1))
@@ -161,12 +172,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rotation: Rotation,
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        attended = self.self_attn(self.input_layernorm(hidden), positions, rotary, kv_layer, meta)
+        attended = self.self_attn(self.input_layernorm(hidden), rotation, kv_layer, meta)
         hidden = hidden + attended
         output: torch.Tensor = hidden + self.mlp(self.post_attention_layernorm(hidden))
         return output
@@ -206,8 +216,9 @@ class CausalLM(nn.Module):
         kv_cache is [num_layers, num_blocks, 2, block_size, kv_heads, head_dim].
         """
         hidden = self.model.embed_tokens(input_ids)
+        rotation = self.rotary(positions)
         for index, layer in enumerate(self.model.layers):
-            hidden = layer(hidden, positions, self.rotary, kv_cache[index], meta)
+            hidden = layer(hidden, rotation, kv_cache[index], meta)
         hidden = self.model.norm(hidden[logits_rows])
         logits: torch.Tensor = self.lm_head(hidden)
         return logits.float()

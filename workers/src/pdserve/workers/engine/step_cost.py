@@ -105,6 +105,7 @@ class StepCostModel:
         self.warmup_steps = warmup_steps
         self.sweeps = sweeps
         self.num_steps = 0
+        self.prefill_steps = 0  # of them, the steps that computed prefill
         self.margin_s = 0.0
         # The weighted least-squares problem as its normal equations, gram @ theta =
         # moment; plain floats: at this size Python beats numpy's per-call cost.
@@ -139,6 +140,8 @@ class StepCostModel:
         self._solve()
         self._track_scale(seconds - predicted)
         self.num_steps += 1
+        if features.prefill_tokens:
+            self.prefill_steps += 1
         mixed = features.decode_tokens > 0 and features.prefill_tokens > 0
         if mixed and self.num_steps > self.warmup_steps:
             self._mixed.append((x, seconds))
