@@ -10,7 +10,8 @@ from pdserve.devcluster.binaries import Binaries
 from pdserve.devcluster.certs import ClusterPKI
 
 LOOPBACK = "127.0.0.1"
-SERVICE_CIDR = "10.0.0.0/24"
+# Room for a ClusterIP per pool and more at the scale benchmarks' thousands of pools.
+SERVICE_CIDR = "10.0.0.0/16"
 POD_CIDR = "10.244.0.0/16"
 # The address kwok reports for its nodes. Nothing listens there: no kubelet runs.
 NODE_IP = "10.88.0.1"
