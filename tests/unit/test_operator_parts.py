@@ -12,6 +12,7 @@ import yaml
 from pdserve.cli.main import build_parser
 from pdserve.operator import api, render
 from pdserve.operator.controller import handlers, kube
+from pdserve.operator.controller.cache import cached_copy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,7 +91,7 @@ def test_named_namespaces_need_no_cluster_wide_observation(
 
 def test_cached_copies_drop_managed_fields() -> None:
     body = {"kind": "Deployment", "metadata": {"name": "d", "managedFields": [{}]}, "spec": {}}
-    copied = handlers.plain(body)
+    copied = cached_copy(body)
     assert copied["metadata"] == {"name": "d"}
     assert body["metadata"]["managedFields"] == [{}]
 

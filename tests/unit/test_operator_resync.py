@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from pdserve.operator.controller import kube
+from pdserve.operator.controller.cache import ClusterCache
 from pdserve.operator.controller.kube import ApiError
 from pdserve.operator.controller.reconcile import Reconciler
 from pdserve.operator.controller.resync import RETRY_MAX_SECONDS, Resync, backoff
@@ -126,7 +127,8 @@ def operator(pool: Obj | None = None) -> tuple[FakeApi, Reconciler, Resync, Cloc
     api = FakeApi(pool or servingpool())
     clock = Clock()
     reconciler = Reconciler(api, Events())  # type: ignore[arg-type]
-    loop = Resync(reconciler, api, namespaces=[NAMESPACE], interval=300.0, clock=clock)  # type: ignore[arg-type]
+    known = ClusterCache()
+    loop = Resync(reconciler, api, known, namespaces=[NAMESPACE], interval=300.0, clock=clock)  # type: ignore[arg-type]
     return api, reconciler, loop, clock
 
 
@@ -300,3 +302,25 @@ async def test_a_restarted_operator_knows_the_secret_it_made_from_the_status() -
     await restarted.reconcile(pool, [], trigger="resume")
     assert [r for r in api.requests if "Secret/" in r] == [f"create {SECRET}"]
     assert api.objects[SECRET] == made and api.condition("Degraded")["status"] == "False"
+
+
+async def test_a_resync_drops_from_the_cache_what_no_watch_said_was_deleted() -> None:
+    """The cache the watches feed is primed by a read; a child deleted while no watch
+    ran is never reported, and the next resync's read must drop it from the cache."""
+    api, reconciler, loop, _ = operator()
+    known = loop.cache
+    await reconciler.reconcile(api.pool or {}, [], trigger="create")
+    await loop.refresh_cache()
+    cached = {f"{o['kind']}/{o['metadata']['name']}": o for o in known.children(KEY)}
+    watched = {name for name in api.objects if not name.startswith("Secret/")}
+    assert set(cached) == watched and known.pool(KEY) is not None
+    stale = cached[ROUTING]["metadata"]["uid"]
+
+    del api.objects[ROUTING]  # a watch gap: no event reaches the operator
+    await loop.resync()
+    uids = {o["metadata"]["uid"] for o in known.children(KEY)}
+    assert stale not in uids and len(uids) == len(watched) - 1  # put back since
+
+    api.pool = None  # deleted while no watch ran
+    await loop.resync()
+    assert known.pool(KEY) is None

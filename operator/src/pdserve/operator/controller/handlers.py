@@ -3,8 +3,9 @@
 - A ServingPool created, changed (spec) or found at start-up: reconcile it.
 - A child (anything labelled pdserve.dev/pool) added, changed or deleted: put it
   back if needed; Deployment news refreshes the pool's status.
-- Pools and children are cached in kopf indexes (from the watches kopf keeps
-  anyway), so deciding that nothing needs writing costs no request.
+- Pools and children are cached (cache.py) from the watches kopf keeps anyway,
+  primed by one read before they start, so deciding that nothing needs writing costs
+  no request.
 - What the watches cannot bring (a refused write, drift during a watch gap) is left
   to the background loop of resync.py: retries with backoff, and periodic resyncs.
 
@@ -15,6 +16,7 @@ children go by garbage collection (owner references).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Collection, Mapping
 from typing import Any, cast
@@ -24,6 +26,7 @@ import kopf
 from pdserve.operator import api, metrics, render
 from pdserve.operator.cli import OperatorOptions
 from pdserve.operator.controller import kube
+from pdserve.operator.controller.cache import ClusterCache, cached_copy
 from pdserve.operator.controller.kube import ApiError, Credentials, KubeClient
 from pdserve.operator.controller.reconcile import Reconciler
 from pdserve.operator.controller.resync import Resync, backoff
@@ -33,6 +36,8 @@ from pdserve.operator.scaling.autoscaler import Autoscaler
 
 Obj = dict[str, Any]
 PoolKey = tuple[str, str]  # (namespace, pool name)
+
+log = logging.getLogger(__name__)
 
 POOL = (api.API_VERSION, api.PLURAL)
 HAS_POOL = {render.POOL_LABEL: kopf.PRESENT}
@@ -83,16 +88,6 @@ def named_namespaces_only(namespaces: Collection[str]) -> bool:
     return bool(namespaces) and not any(c in ns for ns in namespaces for c in patterns)
 
 
-def plain(body: Mapping[str, Any]) -> Obj:
-    """An object as a dict without managedFields (large, and never read).
-
-    Shallow: nested values are shared with kopf's copy, which nobody modifies (the
-    reconciler builds new objects, and kopf makes new bodies for every event).
-    """
-    meta = body["metadata"]
-    return {**body, "metadata": {k: v for k, v in meta.items() if k != "managedFields"}}
-
-
 def reconciler(memo: Mapping[str, Any]) -> Reconciler:
     """The reconciler that start-up put in the operator's memo."""
     found: Reconciler = memo["reconciler"]
@@ -137,15 +132,33 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         client, recorder, served=served, default_image=options.default_image,
         prometheus_url=options.prometheus_url, prometheus_namespace=options.prometheus_namespace,
     )  # fmt: skip
+    memo["cache"] = known = ClusterCache()
     memo["resync"] = loop = Resync(
-        found, client, namespaces=options.namespace, interval=options.resync_interval
+        found, client, known, namespaces=options.namespace, interval=options.resync_interval
     )
     memo["autoscaler"] = Autoscaler(found, loop, recorder, prometheus_url=options.prometheus_url)
     memo["rollouts"] = Rollouts(
         found, loop, client, recorder, prometheus_url=options.prometheus_url
     )
+    await prime(known, loop)
     metrics.POOLS.set_function(lambda: len(found.tracked()))
     metrics.RETRIES_PENDING.set_function(loop.pending)
+
+
+async def prime(known: ClusterCache, loop: Resync, attempts: int = 5) -> None:
+    """Fill the cache from one read of every pool and child, before the watches start
+    (their listings then bring nothing the resumed pools' reconciles lack). Without
+    it the operator still works, at the cost of reapplying what it cannot see."""
+    for attempt in range(attempts):
+        try:
+            await loop.refresh_cache()
+        except ApiError as error:
+            log.warning("cannot read the pools and their children yet: %s", error)
+            await asyncio.sleep(backoff(attempt))
+            continue
+        log.info("cached %d objects: the pools and their children", len(known))
+        return
+    log.warning("starting without a primed cache: resumed pools are applied in full")
 
 
 @kopf.on.login()
@@ -178,30 +191,10 @@ async def stop(memo: kopf.Memo, **_: Any) -> None:
         await reconciler(memo).close()
 
 
-# --- caches ------------------------------------------------------------------------------
-
-
-@kopf.index(*POOL)
-def pools(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[PoolKey, Obj]:
-    """Every ServingPool, by (namespace, name)."""
-    return {(namespace or "", name): plain(body)}
-
-
-def children(
-    namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
-) -> dict[PoolKey, Obj]:
-    """Every child object, by the (namespace, name) of its pool."""
-    return {(namespace or "", labels[render.POOL_LABEL]): plain(body)}
-
-
-def _index(kwargs: Mapping[str, Any], name: str) -> kopf.Index[PoolKey, Obj]:
-    """An index kopf passes as a keyword argument named after its indexing handler."""
-    index: kopf.Index[PoolKey, Obj] = kwargs[name]
-    return index
-
-
-def _children_of(kwargs: Mapping[str, Any], key: PoolKey) -> list[Obj]:
-    return list(_index(kwargs, "children").get(key, ()))
+def cache(memo: Mapping[str, Any]) -> ClusterCache:
+    """The pools and children start-up put in the operator's memo."""
+    found: ClusterCache = memo["cache"]
+    return found
 
 
 # --- pools ---------------------------------------------------------------------------------
@@ -210,15 +203,14 @@ def _children_of(kwargs: Mapping[str, Any], key: PoolKey) -> list[Obj]:
 @kopf.on.resume(*POOL)
 @kopf.on.create(*POOL)
 @kopf.on.update(*POOL, field="spec")
-async def reconcile_pool(
-    body: kopf.Body, reason: str, retry: int, memo: Any, **kwargs: Any
-) -> None:
+async def reconcile_pool(body: kopf.Body, reason: str, retry: int, memo: Any, **_: Any) -> None:
     """Apply the pool's rendered objects, prune the rest, write its status (kopf
     retries a refused write, with backoff)."""
-    pool = plain(body)
+    pool = cached_copy(body)
     key = (pool["metadata"]["namespace"], pool["metadata"]["name"])
+    children = cache(memo).children(key)
     try:
-        await reconciler(memo).reconcile(pool, _children_of(kwargs, key), trigger=str(reason))
+        await reconciler(memo).reconcile(pool, children, trigger=str(reason))
     except api.InvalidPoolError as error:
         raise kopf.PermanentError("; ".join(error.errors)) from None
     except ApiError as error:
@@ -241,6 +233,10 @@ async def pool_event(
     if "resync" not in memo:
         return
     if type == "DELETED":
+        cache(memo).drop_pool(body)
+    else:
+        cache(memo).put_pool(body)
+    if type == "DELETED":
         reconciler(memo).forget(uid)
         resync(memo).forget((namespace or "", name))
         autoscaler(memo).forget((namespace or "", name))
@@ -248,8 +244,8 @@ async def pool_event(
         rollout_events.forget(namespace or "", name)
     else:
         resync(memo).start()
-        autoscaler(memo).track(plain(body))
-        rollouts(memo).track(plain(body))
+        autoscaler(memo).track(cached_copy(body))
+        rollouts(memo).track(cached_copy(body))
 
 
 # --- children ------------------------------------------------------------------------------
@@ -261,22 +257,28 @@ async def child_event(
     namespace: str | None,
     labels: kopf.Labels,
     memo: Any,
-    **kwargs: Any,
+    **_: Any,
 ) -> None:
     """Put a changed or deleted child back; refresh status on Deployment news."""
+    if "cache" not in memo:
+        return
+    known = cache(memo)
+    if type == "DELETED":
+        known.drop_child(body)
+    else:
+        known.put_child(body)
     if type is None:  # the initial listing: the pools' resume handlers cover it
         return
     metrics.WATCH_EVENTS.labels(kind=body.get("kind", "")).inc()
     key = (namespace or "", labels[render.POOL_LABEL])
-    pool = next(iter(_index(kwargs, "pools").get(key, ())), None)
+    pool = known.pool(key)
     if pool is None:
         return
     try:
-        await reconciler(memo).child_changed(pool, plain(body), type, _children_of(kwargs, key))
+        await reconciler(memo).child_changed(pool, cached_copy(body), type, known.children(key))
     except ApiError:
         resync(memo).retry(key)  # no further event may come: retry with backoff
 
 
 for _kind in kube.WATCHED_KINDS:
-    kopf.index(_kind.api_version, _kind.plural, id="children", labels=HAS_POOL)(children)
     kopf.on.event(_kind.api_version, _kind.plural, id="child_event", labels=HAS_POOL)(child_event)

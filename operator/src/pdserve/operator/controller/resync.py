@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections import defaultdict
@@ -26,6 +27,7 @@ from typing import Any
 
 from pdserve.operator import api, render
 from pdserve.operator.controller import kube
+from pdserve.operator.controller.cache import ClusterCache
 from pdserve.operator.controller.kube import ApiError, KubeClient
 from pdserve.operator.controller.reconcile import Reconciler
 
@@ -62,6 +64,7 @@ class Resync:
         self,
         reconciler: Reconciler,
         client: KubeClient,
+        cache: ClusterCache,
         *,
         namespaces: Sequence[str],
         interval: float,
@@ -69,6 +72,7 @@ class Resync:
     ) -> None:
         self._reconciler = reconciler
         self._client = client
+        self._cache = cache
         self._namespaces: tuple[str | None, ...] = tuple(namespaces) or (None,)
         self._interval = interval
         self._clock = clock
@@ -127,6 +131,11 @@ class Resync:
             self._busy = False
             self._gone.clear()
 
+    @property
+    def cache(self) -> ClusterCache:
+        """The cache each fresh read refreshes."""
+        return self._cache
+
     def pending(self) -> int:
         """How many pools wait for a retry."""
         return len(self._retries)
@@ -179,7 +188,7 @@ class Resync:
         known, waiting = self._reconciler.tracked(), set(self._retries)
         with self._pass():
             try:
-                pools, children = await self._read_all()
+                pools, children = await self.refresh_cache()
             except ApiError as error:
                 log.warning("resync: cannot list the pools and their children: %s", error)
                 return
@@ -229,6 +238,13 @@ class Resync:
         for kind in kube.WATCHED_KINDS:
             children += await self._client.list_objects(kind, namespace, selector)
         return pool, children
+
+    async def refresh_cache(self) -> tuple[list[Obj], dict[PoolKey, list[Obj]]]:
+        """Read every pool and child afresh into the cache; returns what it read."""
+        since = self._cache.mark()
+        pools, children = await self._read_all()
+        self._cache.replace(pools, itertools.chain.from_iterable(children.values()), since)
+        return pools, children
 
     async def _read_all(self) -> tuple[list[Obj], dict[PoolKey, list[Obj]]]:
         """Every pool, and every child by its pool's key, in the watched namespaces."""
