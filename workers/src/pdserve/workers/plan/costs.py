@@ -76,6 +76,10 @@ class FitError(_Model):
     max_abs: float = Field(ge=0)
     holdout_samples: int = Field(default=0, ge=0)
     holdout_mean_abs: float | None = Field(default=None, ge=0)
+    # Whether the fit took the machine's pace (the reference steps) into account, and
+    # the in-sample error of a fit that does not (None: no reference steps measured).
+    paced: bool = False
+    unpaced_mean_abs: float | None = Field(default=None, ge=0)
 
 
 class StepSample(_Model):
@@ -86,6 +90,9 @@ class StepSample(_Model):
     decode_keys: int = Field(ge=0)
     prefill_keys: int = Field(ge=0)
     seconds: float = Field(gt=0)
+    # The reference step's time measured beside this one (the machine's pace then);
+    # None where the sweep did not measure it.
+    reference_s: float | None = Field(default=None, gt=0)
 
     @property
     def features(self) -> StepFeatures:

@@ -6,6 +6,11 @@ short decode steps every stream's gaps are made of weigh as much as long prefill
 steps (a fit on absolute seconds follows the long steps and misses the short ones by
 half). Steps slowed by something outside their batch (another process on the core)
 are weighted down (Huber, on the relative residual), as the engine's online fit does.
+Where the sweep timed reference steps, each step may first be brought to the machine's
+typical pace (its time scaled by the typical reference time over the one measured
+beside it), so that the machine drifting while the batches were measured one after
+another is not fitted as a cost of the batch measured then; that is done where it
+predicts the steps as timed better than a constant pace does.
 Its error is measured on the steps it was fitted on and on design points held out."""
 
 from __future__ import annotations
@@ -81,22 +86,69 @@ def relative_errors(cost: StepCost, samples: Sequence[StepSample]) -> np.ndarray
     return errors
 
 
+def typical_pace(samples: Sequence[StepSample]) -> float | None:
+    """The median reference time of these steps; None unless every step has one."""
+    references = [sample.reference_s for sample in samples]
+    if not references or any(reference is None for reference in references):
+        return None
+    return float(np.median([float(r) for r in references if r is not None]))
+
+
+def at_typical_pace(samples: Sequence[StepSample], typical: float) -> list[StepSample]:
+    """The steps as they would have taken at the typical pace (their reference time
+    `typical`)."""
+    return [
+        sample.model_copy(update={"seconds": sample.seconds * typical / sample.reference_s})
+        if sample.reference_s is not None else sample
+        for sample in samples
+    ]  # fmt: skip
+
+
+def timed_errors(
+    cost: StepCost, samples: Sequence[StepSample], typical: float | None
+) -> np.ndarray:
+    """|predicted - measured| / measured against the steps as timed; with `typical`,
+    each prediction at the pace of its step (its reference time over the typical)."""
+    if typical is None:
+        return relative_errors(cost, samples)
+    predicted = np.array([
+        cost.seconds(s.features) * (s.reference_s or typical) / typical for s in samples
+    ])  # fmt: skip
+    measured = np.array([s.seconds for s in samples])
+    errors: np.ndarray = np.abs(predicted - measured) / measured
+    return errors
+
+
+def _fit(samples: Sequence[StepSample], typical: float | None) -> StepCost:
+    return fit_step_cost(samples if typical is None else at_typical_pace(samples, typical))
+
+
 def fit_with_error(measured: Sequence[tuple[SweepPoint, StepSample]]) -> tuple[StepCost, FitError]:
-    """The fit over every step, its in-sample error, and the error on held-out
-    points of a fit made without them."""
-    samples = [sample for _, sample in measured]
-    cost = fit_step_cost(samples)
-    errors = relative_errors(cost, samples)
+    """The fit over every step, its in-sample error, and the error on held-out points
+    of a fit made without them, against the steps as timed. The machine's pace is
+    taken into account where it predicts the steps better than a constant pace: a
+    reference step's own jitter would otherwise move a quiet machine's steps."""
+    timed = [sample for _, sample in measured]
+    typical = typical_pace(timed)
+    unpaced = timed_errors(fit_step_cost(timed), timed, None)
+    paced = typical is not None and bool(
+        timed_errors(_fit(timed, typical), timed, typical).mean() < unpaced.mean()
+    )
+    pace = typical if paced else None
+    cost = _fit(timed, pace)
+    errors = timed_errors(cost, timed, pace)
     points = sorted({point for point, _ in measured}, key=repr)
     held = {point for index, point in enumerate(points) if index % HOLDOUT_EVERY == 0}
     train = [sample for point, sample in measured if point not in held]
     test = [sample for point, sample in measured if point in held]
-    holdout = relative_errors(fit_step_cost(train), test) if train and test else np.array([])
+    holdout = timed_errors(_fit(train, pace), test, pace) if train and test else np.array([])
     return cost, FitError(
-        samples=len(samples),
+        samples=len(timed),
         mean_abs=float(errors.mean()) if errors.size else 0.0,
         p90_abs=float(np.percentile(errors, 90)) if errors.size else 0.0,
         max_abs=float(errors.max()) if errors.size else 0.0,
         holdout_samples=len(test),
         holdout_mean_abs=float(holdout.mean()) if holdout.size else None,
+        paced=paced,
+        unpaced_mean_abs=float(unpaced.mean()) if typical is not None and unpaced.size else None,
     )

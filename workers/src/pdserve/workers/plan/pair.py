@@ -10,7 +10,8 @@ hand-off's time for that many bytes, fitted as fixed plus per byte. Then a few
 batches of streams decode together on the decode worker: the gaps they see, beyond
 the compute the step-cost model gives such a step, are what serving adds to a step,
 fitted as fixed plus per token streamed. Last, a router in front of the decode
-worker: the CPU it and the load generator spend per request and token (`clients`).
+worker: the CPU it and the load generator spend per request and token, and a
+request's overhead as the bench sees it, through the router (`clients`).
 """
 
 from __future__ import annotations
@@ -92,10 +93,12 @@ def measure_pair(
             decode.wait_ready()
             progress(f"profile: worker pair ready ({startup_s:.1f}s to start one worker)")
             figures = _measure(setup, cost, credential, prefill, decode, startup_s)
-            clients = measure_client_cost(
-                setup.model, decode.url, directory / "credential", directory
+            clients, overhead_s = measure_client_cost(
+                setup.model, decode.url, directory / "credential", directory, cost
             )
-            return replace(figures, clients=clients)
+            if overhead_s is None:  # no request answered through the router
+                return replace(figures, clients=clients)
+            return replace(figures, clients=clients, request_overhead_s=overhead_s)
         finally:
             for worker in workers:
                 worker.stop()
@@ -128,7 +131,9 @@ def _measure(
         overheads.append(max(0.0, local - computed))
     serving = _serving_overhead(setup, cost, decode.url, headers, rng)
     handoff = _fit_handoff(extra, setup.backend)
-    return PairFigures(handoff, min(overheads), startup_s, serving, ClientCost())
+    # The shortest prompt's: the least of its time is the predicted compute subtracted
+    # (a long prompt's is chunked, and an error in its compute would hide the overhead).
+    return PairFigures(handoff, overheads[0], startup_s, serving, ClientCost())
 
 
 def _serving_overhead(

@@ -6,11 +6,18 @@ decode-only steps: the grid spans decode tokens, prefill tokens and the keys eac
 attends, so that every term of the model is excited on its own. Each point is
 measured a few times (its decodes a token further each time). The engine is the real
 one, under the worker's flags; only each step's budget is set by the sweep.
+
+A machine's pace drifts while the sweep runs (other processes come and go), and the
+batches are measured one after another, so a drift would read as a cost of whatever
+the batch measured then. Before and after each batch the sweep times one reference
+step (a lone prefill chunk), and each step records the reference time beside it: the
+fit brings every step to the machine's typical pace (`fit`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -29,6 +36,7 @@ from pdserve.workers.server.worker import torch_threads
 
 WARM_UP_STEPS = 4
 REPEAT_ROOM = 256  # tokens a repeated batch decodes before it is made again
+REFERENCE_REPEATS = 3  # reference steps timed before and after each batch (the median)
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,8 @@ class SweepDesign:
     starts: tuple[int, ...]
     repeats: int
     together_s: float = 4.0  # workers step together this long at each level (`contention`)
+    # The reference step: a lone chunk of this many prompt tokens, no decodes.
+    reference_prefill: int = 64
 
 
 DESIGNS = {
@@ -105,11 +115,15 @@ class Sweep:
         self._warm_up()
         samples: list[tuple[SweepPoint, StepSample]] = []
         for batch in sorted({(p.context, p.decodes) for p in points}):
+            before = self._reference_s(design)
             running = self._decoding(*batch)
+            measured: list[tuple[SweepPoint, StepSample]] = []
             for point in (p for p in points if (p.context, p.decodes) == batch):
-                samples += [(point, self._measure(point)) for _ in range(design.repeats)]
+                measured += [(point, self._measure(point)) for _ in range(design.repeats)]
             for request_id in running:
                 self.engine.abort(request_id)
+            pace = {"reference_s": (before + self._reference_s(design)) / 2}
+            samples += [(point, sample.model_copy(update=pace)) for point, sample in measured]
             progress(f"profile: {len(samples)} steps measured (context {batch[0]}, "
                      f"{batch[1]} decodes)")  # fmt: skip
         return samples
@@ -140,6 +154,11 @@ class Sweep:
             self._step(8)
         for request_id in running:
             self.engine.abort(request_id)
+
+    def _reference_s(self, design: SweepDesign) -> float:
+        """The machine's pace now: the median time of the reference step, alone."""
+        point = SweepPoint(0, 0, design.reference_prefill, 0)
+        return statistics.median(self._measure(point).seconds for _ in range(REFERENCE_REPEATS))
 
     def _decoding(self, context: int, count: int) -> list[str]:
         """`count` requests of `context` prompt tokens, prefilled and decoding."""
