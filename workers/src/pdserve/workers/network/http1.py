@@ -118,6 +118,8 @@ class StreamedAnswer:
         self._connection = connection
         self._chunked = request.version != "1.0"
         framing = {"Transfer-Encoding": "chunked"} if self._chunked else _CLOSE
+        if not request.keep_alive:
+            framing = {**framing, **_CLOSE}
         self._head: bytes = _head(status, {**headers, **framing})
         if not self._chunked:
             request.keep_alive = False
@@ -198,7 +200,8 @@ class Http1Connection(asyncio.Protocol):
         self._begun = False
         self._target = bytearray()
         self._fields: list[tuple[str, str]] = []
-        self._head_bytes = 0
+        self._head_bytes = 0  # bytes received while its head is incomplete (a bound)
+        self._head_size = 0  # its request line and headers, as parsed
         self._current: Request | None = None  # its head complete
         self._body: list[bytes] = []
         self._body_size = 0
@@ -263,7 +266,7 @@ class Http1Connection(asyncio.Protocol):
                 self._start_body_read()
         elif self._begun:
             if self._head_bytes > MAX_HEAD_BYTES:
-                self._refuse(APIError(431, f"the request's head is over {MAX_HEAD_BYTES} bytes"))
+                self._refuse(_head_too_large())
             elif self._header_timer is None and self.task is None and not self._queue:
                 self._start_header_deadline()
 
@@ -288,14 +291,17 @@ class Http1Connection(asyncio.Protocol):
         if not self._reading:
             raise _Stopped
         self._begun = True
+        self._head_size = 0
 
     def on_url(self, url: bytes) -> None:
         self._target += url
+        self._head_size += len(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if len(self._fields) >= MAX_HEADERS:
             self._stop(APIError(431, f"the request has over {MAX_HEADERS} header fields"))
         self._fields.append((name.decode("latin-1"), value.decode("latin-1")))
+        self._head_size += len(name) + len(value) + 4
 
     def on_headers_complete(self) -> None:
         parser = self._parser
@@ -308,6 +314,8 @@ class Http1Connection(asyncio.Protocol):
         self._fields = []
         self._head_bytes = 0
         self._current = request
+        if self._head_size > MAX_HEAD_BYTES:
+            self._stop(_head_too_large())
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
@@ -357,13 +365,12 @@ class Http1Connection(asyncio.Protocol):
     async def _answer_queue(self) -> None:
         try:
             while self._queue and self.transport is not None:
-                request = self._queue[0]
+                request = self._queue.popleft()
                 if request.refusal is not None:
                     answer: Answer = _error_answer(request.refusal, _CLOSE)
                 else:
                     answer = await self._handle(request)
                 self._finish(request, answer)
-                self._queue.popleft()
                 if self._read_paused and len(self._queue) <= MAX_PIPELINED and self.transport:
                     self._read_paused = False
                     self.transport.resume_reading()
@@ -389,11 +396,13 @@ class Http1Connection(asyncio.Protocol):
             if not answer.finished:
                 answer.finished = True
                 self.send(answer._frame(b"") + (b"0\r\n\r\n" if answer._chunked else b""))
-            closing = False
         else:
-            closing = "close" in answer.headers.get("Connection", "").lower()
+            if "close" in answer.headers.get("Connection", "").lower():
+                request.keep_alive = False
+            elif not request.keep_alive:
+                answer.headers["Connection"] = "close"
             self.send(_whole(answer, head_only=request.method == "HEAD"))
-        if closing or not request.keep_alive or request.refusal is not None:
+        if not request.keep_alive or request.refusal is not None:
             self._closing = True
             self._queue.clear()
             if self.transport is not None:
@@ -520,6 +529,10 @@ def _busy(code: str, why: str) -> APIError:
         503, f"{why}: retry later", "server_error", code,
         headers={"Retry-After": str(RETRY_AFTER_S)},
     )  # fmt: skip
+
+
+def _head_too_large() -> APIError:
+    return APIError(431, f"the request's head is over {MAX_HEAD_BYTES} bytes")
 
 
 def _too_large(limit: int, size: int) -> APIError:
