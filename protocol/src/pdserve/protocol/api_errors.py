@@ -121,16 +121,28 @@ def error_middleware(on_error: Callable[[APIError], None] | None = None) -> Midd
                 log_client_gone(request)
             raise
         except Exception as error:
-            if isinstance(error, ConnectionResetError) and client_gone(request):
-                log_client_gone(request)
+            found = failure_of(request, error)
+            if found is None:
                 return web.Response(status=499)  # nobody reads it: aiohttp closes the connection
-            log.exception("unexpected error in %s %s", request.method, request.path)
-            failure = APIError(500, "internal server error", "server_error")
+            failure = found
         if on_error is not None:
             on_error(failure)
         return error_response(failure)
 
     return answer_errors
+
+
+def failure_of(request: ClientRequest, error: Exception) -> APIError | None:
+    """The error to answer for what a handler of `request` raised (call it in the
+    `except` block): an APIError as it is, anything unexpected as a 500 (logged with
+    its traceback); None for a client that went away (logged as such: no answer)."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, ConnectionResetError) and client_gone(request):
+        log_client_gone(request)
+        return None
+    log.exception("unexpected error in %s %s", request.method, request.path)
+    return APIError(500, "internal server error", "server_error")
 
 
 def _from_aiohttp(request: web.Request, error: web.HTTPException) -> APIError:

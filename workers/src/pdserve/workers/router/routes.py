@@ -7,14 +7,17 @@ logged as what it is)."""
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Awaitable, Callable
 
-from pdserve.protocol.api_errors import APIError, client_gone, error_response, log_client_gone
+from pdserve.protocol.api_errors import (
+    APIError,
+    client_gone,
+    error_response,
+    failure_of,
+    log_client_gone,
+)
 from pdserve.workers.network.http1 import Answer, Request
 from pdserve.workers.router.auth import PROTECTED_PREFIXES, ApiKeys
-
-log = logging.getLogger(__name__)
 
 Handler = Callable[[Request], Awaitable[Answer]]
 
@@ -38,18 +41,14 @@ class Routes:
     async def __call__(self, request: Request) -> Answer:
         try:
             return await self._dispatch(request)
-        except APIError as error:
-            failure = error
         except asyncio.CancelledError:
             if client_gone(request):
                 log_client_gone(request)
             raise
         except Exception as error:
-            if isinstance(error, ConnectionResetError) and client_gone(request):
-                log_client_gone(request)
+            failure = failure_of(request, error)
+            if failure is None:
                 raise  # nobody reads an answer: the server closes the connection
-            log.exception("unexpected error in %s %s", request.method, request.path)
-            failure = APIError(500, "internal server error", "server_error")
         self._on_error(failure)
         return error_response(failure)
 
