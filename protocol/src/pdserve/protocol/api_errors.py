@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, TypeVar
 
 import orjson
 from aiohttp import web
@@ -31,6 +31,28 @@ Body = TypeVar("Body", bound=BaseModel)
 # The code of a 500 for a request that failed alone in a worker's engine: the worker
 # goes on serving, and the request would fail anywhere, so the router does not retry it.
 REQUEST_FAILED = "request_failed"
+
+
+class ClientRequest(Protocol):
+    """What answering a request needs of it: aiohttp's `web.Request` and the router's
+    own server's requests both have it."""
+
+    @property
+    def method(self) -> str: ...
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    @property
+    def charset(self) -> str | None: ...
+
+    @property
+    def transport(self) -> asyncio.BaseTransport | None: ...
+
+    async def read(self) -> bytes: ...
 
 
 class ErrorDetail(BaseModel):
@@ -99,16 +121,28 @@ def error_middleware(on_error: Callable[[APIError], None] | None = None) -> Midd
                 log_client_gone(request)
             raise
         except Exception as error:
-            if isinstance(error, ConnectionResetError) and client_gone(request):
-                log_client_gone(request)
+            found = failure_of(request, error)
+            if found is None:
                 return web.Response(status=499)  # nobody reads it: aiohttp closes the connection
-            log.exception("unexpected error in %s %s", request.method, request.path)
-            failure = APIError(500, "internal server error", "server_error")
+            failure = found
         if on_error is not None:
             on_error(failure)
         return error_response(failure)
 
     return answer_errors
+
+
+def failure_of(request: ClientRequest, error: Exception) -> APIError | None:
+    """The error to answer for what a handler of `request` raised (call it in the
+    `except` block): an APIError as it is, anything unexpected as a 500 (logged with
+    its traceback); None for a client that went away (logged as such: no answer)."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, ConnectionResetError) and client_gone(request):
+        log_client_gone(request)
+        return None
+    log.exception("unexpected error in %s %s", request.method, request.path)
+    return APIError(500, "internal server error", "server_error")
 
 
 def _from_aiohttp(request: web.Request, error: web.HTTPException) -> APIError:
@@ -126,13 +160,13 @@ def _from_aiohttp(request: web.Request, error: web.HTTPException) -> APIError:
     return APIError(error.status, message, kind, headers=headers)
 
 
-def client_gone(request: web.Request) -> bool:
+def client_gone(request: ClientRequest) -> bool:
     """Whether the client's connection is closed (or closing)."""
     transport = request.transport
     return transport is None or transport.is_closing()
 
 
-def log_client_gone(request: web.Request) -> None:
+def log_client_gone(request: ClientRequest) -> None:
     """A client that hung up before its answer was complete: an ordinary event."""
     client_id = request.headers.get(REQUEST_ID_HEADER, "")[:256]
     named = f" ({REQUEST_ID_HEADER} {client_id})" if client_id else ""
@@ -153,7 +187,7 @@ def validation_message(error: ValidationError) -> str:
 _PARSE_INLINE_BYTES = 64 * 1024
 
 
-async def read_body(request: web.Request, model: type[Body], what: str = "request") -> Body:
+async def read_body(request: ClientRequest, model: type[Body], what: str = "request") -> Body:
     """The request's JSON body validated as `model`; a 400 naming the problem when it is
     not UTF-8 JSON, not an object, or not valid. (A body over the application's
     `client_max_size` is a 413, from aiohttp.)"""

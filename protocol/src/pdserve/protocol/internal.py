@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from pdserve.protocol.api_errors import APIError
+from pdserve.protocol.api_errors import APIError, ClientRequest
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def bearer(credential: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {credential}"}
 
 
-def presented_token(request: web.Request) -> str | None:
+def presented_token(request: ClientRequest) -> str | None:
     """The bearer token of a request, if it has one."""
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     token = token.strip()

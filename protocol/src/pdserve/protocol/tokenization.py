@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from pdserve.protocol.api_errors import APIError, read_body
+from pdserve.protocol.api_errors import APIError, ClientRequest, read_body
 from pdserve.protocol.models import ServedModel
 from pdserve.protocol.prompts import chat_text, encode
 from pdserve.protocol.requests import DetokenizeRequest, TokenizeRequest
@@ -21,7 +21,7 @@ class TokenizationServing:
         self.tokenizer = tokenizer
         self.model = model
 
-    async def tokenize(self, request: web.Request) -> web.Response:
+    async def tokenize(self, request: ClientRequest) -> web.Response:
         """POST /tokenize: to `{count, max_model_len, tokens, token_strs}`."""
         parsed = await read_body(request, TokenizeRequest)
         self.model.check(parsed.model)
@@ -43,7 +43,7 @@ class TokenizationServing:
         )
         return web.json_response(answer.model_dump())
 
-    async def detokenize(self, request: web.Request) -> web.Response:
+    async def detokenize(self, request: ClientRequest) -> web.Response:
         """POST /detokenize: `tokens` to `{prompt}`."""
         parsed = await read_body(request, DetokenizeRequest)
         self.model.check(parsed.model)

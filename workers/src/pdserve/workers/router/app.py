@@ -2,8 +2,8 @@
 `/v1/chat/completions` (SSE passed through as it streams), `/tokenize` and
 `/detokenize` (answered here, with the model's tokenizer), `/v1/models`, the probes
 `/health` and `/ready`, `/workers` (what discovery found, and each worker's state),
-`/metrics` and `/openapi.json`. Every error is answered in OpenAI's shape by the
-workers' middleware.
+`/metrics` and `/openapi.json`, on the router's own HTTP/1.1 server (`network.http1`,
+`routes`). Every error is answered in OpenAI's shape.
 
 Each request is validated and tokenized exactly as a worker does it (the chat
 template included), so its bucket is the prompt length the worker will see; it then
@@ -24,7 +24,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import TypeAdapter
 
-from pdserve.protocol.api_errors import APIError, error_middleware, read_body
+from pdserve.protocol.api_errors import APIError, read_body
 from pdserve.protocol.headers import REQUEST_ID_HEADER
 from pdserve.protocol.limits import Admission, RequestLimits
 from pdserve.protocol.models import ServedModel
@@ -35,7 +35,7 @@ from pdserve.protocol.routing import Role, RoutingFileError, RoutingTable, parse
 from pdserve.protocol.sampling import InvalidRequestError
 from pdserve.protocol.tokenization import TokenizationServing
 from pdserve.workers.model.tokenizer import Tokenizer
-from pdserve.workers.network.guard import NetworkGuard
+from pdserve.workers.network.http1 import Answer, Request
 from pdserve.workers.router.auth import ApiKeys
 from pdserve.workers.router.discovery import DiscoverySource, source_for
 from pdserve.workers.router.kv_scoring import KVPrompt
@@ -44,6 +44,7 @@ from pdserve.workers.router.metrics import RouterMetrics
 from pdserve.workers.router.openapi import router_openapi
 from pdserve.workers.router.proxy import Forwarder, Routed
 from pdserve.workers.router.revisions import RevisionSplit
+from pdserve.workers.router.routes import Routes
 from pdserve.workers.router.workers import WorkersAnswer, WorkerSet, WorkerState
 
 log = logging.getLogger(__name__)
@@ -87,36 +88,31 @@ class RouterServer:
         self._request_ids = RequestIds()
         self._discovery: tuple[DiscoverySource, asyncio.Task[None]] | None = None
 
-    def app(self, guard: NetworkGuard | None = None) -> web.Application:
-        """The aiohttp application (under `guard`'s network limits, when given)."""
-        middlewares = [error_middleware(self.metrics.observe_error)]
-        if self.api_keys.path is not None:  # no key file, no check: no layer on every request
-            middlewares.append(self.api_keys.middleware())
-        if guard is not None:
-            middlewares.append(guard.middleware())
-        app = web.Application(middlewares=middlewares, client_max_size=self.limits.max_body_size)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_post("/tokenize", self.tokenization.tokenize)
-        app.router.add_post("/detokenize", self.tokenization.detokenize)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/ready", self.readiness)
-        app.router.add_get("/workers", self.workers)
-        app.router.add_get("/metrics", self.prometheus)
-        app.router.add_get("/openapi.json", self.openapi)
-        return app
+    def routes(self) -> Routes:
+        """The router's routes: its server's one handler."""
+        routes = Routes(self.api_keys, self.metrics.observe_error)
+        routes.post("/v1/completions", self.completions)
+        routes.post("/v1/chat/completions", self.chat_completions)
+        routes.post("/tokenize", self.tokenization.tokenize)
+        routes.post("/detokenize", self.tokenization.detokenize)
+        routes.get("/v1/models", self.models)
+        routes.get("/health", self.health)
+        routes.get("/ready", self.readiness)
+        routes.get("/workers", self.workers)
+        routes.get("/metrics", self.prometheus)
+        routes.get("/openapi.json", self.openapi)
+        return routes
 
     # -- the OpenAI endpoints ---------------------------------------------------------
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def completions(self, request: Request) -> Answer:
         """POST /v1/completions."""
         parsed = await read_body(request, CompletionRequest)
         self.model.check(parsed.model)
         tokens = await completion_prompt(self.tokenizer, parsed)
         return await self._route(request, parsed, tokens)
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+    async def chat_completions(self, request: Request) -> Answer:
         """POST /v1/chat/completions."""
         parsed = await read_body(request, ChatCompletionRequest)
         self.model.check(parsed.model)
@@ -125,10 +121,10 @@ class RouterServer:
 
     async def _route(
         self,
-        request: web.Request,
+        request: Request,
         parsed: CompletionRequest | ChatCompletionRequest,
         tokens: list[int],
-    ) -> web.StreamResponse:
+    ) -> Answer:
         arrival = time.monotonic()
         prompt_tokens = len(tokens)
         try:
@@ -164,27 +160,27 @@ class RouterServer:
         )
         return await self.forwarder.serve(request, routed)
 
-    async def models(self, _: web.Request) -> web.Response:
+    async def models(self, _: Request) -> web.Response:
         """GET /v1/models."""
         return web.json_response(self.model.listing())
 
-    async def openapi(self, _: web.Request) -> web.Response:
+    async def openapi(self, _: Request) -> web.Response:
         """GET /openapi.json."""
         return web.json_response(router_openapi())
 
     # -- probes and state -----------------------------------------------------------------
 
-    async def health(self, _: web.Request) -> web.Response:
+    async def health(self, _: Request) -> web.Response:
         """GET /health: 200 while the process serves."""
         return probe_answer("ok")
 
-    async def readiness(self, _: web.Request) -> web.Response:
+    async def readiness(self, _: Request) -> web.Response:
         """GET /ready: 200 once discovery has reported the pool's workers."""
         if not self.ready:
             return probe_answer("not ready", 503)
         return probe_answer("ready", role="router")
 
-    async def workers(self, _: web.Request) -> web.Response:
+    async def workers(self, _: Request) -> web.Response:
         """GET /workers: every known worker, its breaker state and load."""
         body: WorkersAnswer = {
             role: [
@@ -202,7 +198,7 @@ class RouterServer:
         }
         return web.json_response(_WORKERS_ANSWER.dump_python(body, mode="json"))
 
-    async def prometheus(self, _: web.Request) -> web.Response:
+    async def prometheus(self, _: Request) -> web.Response:
         """GET /metrics."""
         for role, workers in self.sets.items():
             available = len(workers.available())

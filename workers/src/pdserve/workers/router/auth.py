@@ -16,7 +16,7 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from pdserve.protocol.api_errors import APIError
+from pdserve.protocol.api_errors import APIError, ClientRequest
 from pdserve.protocol.internal import CLIENT_PREFIXES, presented_token
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class ApiKeys:
                 "%s holds no API key any more: every request needing one is refused", self.path
             )
 
-    def check(self, request: web.Request) -> None:
+    def check(self, request: ClientRequest) -> None:
         """OpenAI's 401 unless the request presents a key (when keys are required)."""
         if self.path is None:
             return

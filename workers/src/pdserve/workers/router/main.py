@@ -11,7 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
-from aiohttp import web
 
 from pdserve.base.ports import PortInUseError, announce_port, binding, check_port_free
 from pdserve.protocol.internal import CredentialError, bearer, read_credential
@@ -25,9 +24,9 @@ from pdserve.protocol.routing import (
 from pdserve.workers.engine.kv_events import seed_fingerprint
 from pdserve.workers.model.tokenizer import Tokenizer
 from pdserve.workers.network.guard import NetworkGuard
+from pdserve.workers.network.http1 import Http1Server
 from pdserve.workers.network.limits import NetworkLimits
 from pdserve.workers.network.metrics import NetworkMetrics
-from pdserve.workers.network.site import listen
 from pdserve.workers.router.app import RouterServer
 from pdserve.workers.router.auth import ApiKeyError, ApiKeys
 from pdserve.workers.router.kv_metrics import KVRoutingMetrics
@@ -124,13 +123,9 @@ async def _serve(
         asyncio.create_task(poller.run(), name="load polling"),
         asyncio.create_task(server.watch_table(options.config), name="routing file"),
     ]
-    runner = web.AppRunner(
-        server.app(guard), handler_cancellation=True, access_log=None,
-        shutdown_timeout=SHUTDOWN_GRACE_S,
-    )  # fmt: skip
-    await runner.setup()
+    http = Http1Server(server.routes(), guard, server.limits.max_body_size)
     with binding(options.host, options.port):
-        port = await listen(runner, options.host, options.port, guard)
+        port = await http.listen(options.host, options.port)
     if options.port_file is not None:
         announce_port(options.port_file, port)
     stop = asyncio.Event()
@@ -146,7 +141,7 @@ async def _serve(
         log.info("router ready on http://%s:%d (pool %s)", options.host, port, server.table.pool)
         await stopping
     server.ready = False
-    await runner.cleanup()
+    await http.shutdown(SHUTDOWN_GRACE_S)
     for task in background:
         task.cancel()
     await asyncio.gather(*background, return_exceptions=True)

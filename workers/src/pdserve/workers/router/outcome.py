@@ -17,9 +17,8 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Literal
 
-from aiohttp import web
-
 from pdserve.protocol.api_errors import APIError
+from pdserve.workers.network.http1 import Answer
 from pdserve.workers.router.metrics import RouterMetrics
 from pdserve.workers.router.sse import TokenStream
 
@@ -43,7 +42,7 @@ class RequestOutcome:
         """The request ended with `outcome`."""
         self.outcome = outcome
 
-    def answered(self, response: web.StreamResponse) -> web.StreamResponse:
+    def answered(self, response: Answer) -> Answer:
         """The request ended with `response` (its status says how, unless the relay
         already said so); returns it."""
         if self.outcome is None:

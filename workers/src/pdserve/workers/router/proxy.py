@@ -39,6 +39,7 @@ from pdserve.protocol.headers import (
 from pdserve.protocol.internal import bearer
 from pdserve.protocol.routing import Mode, Slo
 from pdserve.workers.network.bodies import BUSY_CODES
+from pdserve.workers.network.http1 import Answer, Request, StreamedAnswer
 from pdserve.workers.router.kv_scoring import KVPrompt, KVScorer
 from pdserve.workers.router.metrics import RouterMetrics
 from pdserve.workers.router.outcome import RequestOutcome, counted
@@ -135,14 +136,12 @@ class Forwarder:
         self.kv = kv
         self.awaiting_first_token = 0  # the router's admission queue
 
-    async def serve(self, request: web.Request, routed: Routed) -> web.StreamResponse:
+    async def serve(self, request: Request, routed: Routed) -> Answer:
         """Answer `request` from the pool; APIError when no worker could."""
         with counted(self.metrics, routed) as outcome:
             return outcome.answered(await self._serve(request, routed, outcome))
 
-    async def _serve(
-        self, request: web.Request, routed: Routed, outcome: RequestOutcome
-    ) -> web.StreamResponse:
+    async def _serve(self, request: Request, routed: Routed, outcome: RequestOutcome) -> Answer:
         plan = _Plan(routed.mode)
         for attempt in range(1, self.max_attempts + 1):
             decode, prefill = self._choose(routed, plan)
@@ -221,13 +220,13 @@ class Forwarder:
 
     async def _attempt(
         self,
-        request: web.Request,
+        request: Request,
         routed: Routed,
         workers: tuple[Worker, Worker | None],
         attempt: int,
         outcome: RequestOutcome,
         predicted: tuple[int, int],
-    ) -> web.StreamResponse:
+    ) -> Answer:
         decode, prefill = workers
         headers = {
             REQUEST_ID_HEADER: f"{routed.request_id}-{attempt}",
@@ -346,13 +345,13 @@ class Forwarder:
 
     async def _relay_stream(
         self,
-        request: web.Request,
+        request: Request,
         routed: Routed,
         upstream: UpstreamResponse,
         outcome: RequestOutcome,
-    ) -> web.StreamResponse:
+    ) -> StreamedAnswer:
         headers = {**self._headers(routed, upstream), "Cache-Control": "no-cache"}
-        response: web.StreamResponse | None = None
+        response: StreamedAnswer | None = None
         tokens = routed.token_stream()
         broken: str | None = None
         try:
@@ -366,10 +365,9 @@ class Forwarder:
                     broken = f"the worker serving this stream failed: {error}"
                     break
                 now = time.monotonic()
-                if response is None:
-                    response = _RelayedStream(headers=headers)
+                if response is None:  # its head goes out with its first event
+                    response = request.stream(headers)
                     outcome.stream = tokens
-                    await response.prepare(request)
                 tokens.feed(data, now)
                 if tokens.done:  # the last event: it goes with the answer's end, in one write
                     await response.write_eof(data)
@@ -391,13 +389,6 @@ class Forwarder:
             log_client_gone(request)
             outcome.cancelled()
             return response
-
-
-class _RelayedStream(web.StreamResponse):
-    """A relayed SSE answer whose headers go out with its first event, in one write
-    (a StreamResponse sends them alone when prepared; its first event follows at once)."""
-
-    _send_headers_immediately = False
 
 
 def _error_code(data: bytes) -> str:
