@@ -23,7 +23,7 @@ The margin is learned from the gaps themselves: how far each recent step that ra
 decodes beside waiting prompts ran past what was predicted of its gap (the time
 already gone when it was sized, plus the model's prediction of the step), and the
 margin is the (1 - OVER_TARGET_SHARE) quantile of those overruns over the last
-GAP_WINDOW such steps. It holds everything that makes a stream wait that the model
+GAP_WINDOW such steps (never their largest: a step may run over once in a window). It holds everything that makes a stream wait that the model
 does not see (the server's own work between steps, other processes on the cores, the
 model's own errors), once, and follows them both ways: a burst of slow steps raises it
 within a few steps, and it falls once they leave the window. Until MIN_GAPS such steps
@@ -302,6 +302,7 @@ def budget_policy(
 
 def _upper_quantile(values: deque[float], share: float) -> float:
     """The value that `share` of `values` exceed (nearest rank from above), found among
-    the largest few."""
-    above = int(share * len(values))
+    the largest few; never the largest, so that one stall (the process descheduled, a
+    page fault) cannot hold the budget down for a whole window on its own."""
+    above = max(1, int(share * len(values)))
     return heapq.nlargest(above + 1, values)[-1]
