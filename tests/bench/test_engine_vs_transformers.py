@@ -217,15 +217,19 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
     sustained = {
         server: highest_sustained(by_rate, server) for server in ("pdserve", "transformers")
     }
-    ratio = _ratio(sustained["pdserve"], sustained["transformers"])
+    top = max(by_rate)
+    if sustained["transformers"] == top:  # neither limit found: no ratio to judge
+        ratio, note = None, "the peer sustains every rate tried: higher rates needed"
+    else:
+        ratio = _ratio(sustained["pdserve"], sustained["transformers"])
+        bounded = sustained["pdserve"] == top
+        note = "ours sustains every rate tried: a lower bound" if bounded else ""
     return {
         "by_rate": ahead,
         "highest_rate_sustained_rps": sustained,
         "highest_rate_ratio": ratio,
         "goal_met": ratio is not None and ratio >= GOODPUT_GOAL,
-        "note": "the highest rate tried bounds ours from below"
-        if sustained["pdserve"] == max(by_rate)
-        else "",
+        "note": note,
     }
 
 
