@@ -9,6 +9,10 @@ import pytest
 from pdserve.workers.engine.budget import (
     COLD_CHUNK,
     COLD_PREFILL_STEPS,
+    GAP_WINDOW,
+    MARGIN_BOUNDS,
+    MIN_GAPS,
+    OVER_TARGET_SHARE,
     AdaptiveBudget,
     BatchShape,
     PrefillWork,
@@ -210,22 +214,95 @@ def test_the_floor_never_takes_a_step_the_decodes_keep_under_the_target_over_it(
     assert cost.predict(near.features(prefill)) <= TARGET_S
 
 
-def test_gaps_over_the_target_raise_the_margin_and_gaps_under_it_lower_it(
-    cost: StepCostModel,
-) -> None:
-    clock = Clock()
-    policy = adaptive(cost, clock)
+class Steps:
+    """An adaptive policy stepped on a fake clock: each step's gap is what the model
+    predicts of it plus `overrun_s`."""
 
-    def step(gap_s: float) -> int:
-        granted = policy.budget(shape(8)) - 8
-        clock.now += gap_s
-        policy.step_ended(clock.now)
+    def __init__(self, cost: StepCostModel, decodes: int = 8) -> None:
+        self.cost, self.clock = cost, Clock()
+        self.policy = adaptive(cost, self.clock)
+        self.shape = shape(decodes)
+        self.policy.step_ended(self.clock.now)  # the decodes' last tokens
+
+    def step(self, overrun_s: float = 0.0) -> int:
+        """Run one step; the prefill tokens it was granted."""
+        granted = self.policy.budget(self.shape) - self.shape.num_decodes
+        self.clock.now += self.cost.predict(self.shape.features(granted)) + overrun_s
+        self.policy.step_ended(self.clock.now)
         return granted
 
-    first = step(TARGET_S * 1.5)  # the model was wrong: this step's gap ran over
-    assert policy.margin_s > cost.margin_s
-    assert step(TARGET_S * 0.5) < first  # the next step is sized more cautiously
-    for _ in range(2000):  # a long run of gaps under the target gives the time back
-        step(TARGET_S * 0.9)
-    assert policy.margin_s < cost.margin_s
-    assert step(TARGET_S * 0.9) > first
+
+def test_the_margin_starts_at_the_cost_models_until_enough_gaps_are_seen(
+    cost: StepCostModel,
+) -> None:
+    steps = Steps(cost)
+    for _ in range(MIN_GAPS - 1):
+        steps.step(overrun_s=0.03)
+    assert steps.policy.margin_s == pytest.approx(cost.margin_s)
+    steps.step(overrun_s=0.03)
+    assert steps.policy.margin_s == pytest.approx(0.03)
+
+
+def test_gaps_that_run_past_their_prediction_raise_the_margin_at_once(
+    cost: StepCostModel,
+) -> None:
+    steps = Steps(cost)
+    for _ in range(GAP_WINDOW):
+        steps.step()
+    settled = steps.step()
+    # Slow steps (other work on the cores): more than OVER_TARGET_SHARE of the window
+    # ran 40 ms past their predictions, so the next steps keep 40 ms free.
+    for _ in range(int(OVER_TARGET_SHARE * GAP_WINDOW) + 1):
+        steps.step(overrun_s=0.04)
+    assert steps.policy.margin_s == pytest.approx(0.04)
+    cautious = steps.step()
+    assert cautious < settled
+    assert cost.predict(steps.shape.features(cautious)) <= TARGET_S - 0.04
+
+
+def test_the_margin_gives_the_time_back_once_slow_gaps_leave_the_window(
+    cost: StepCostModel,
+) -> None:
+    steps = Steps(cost)
+    for _ in range(GAP_WINDOW):
+        steps.step(overrun_s=0.04)
+    cautious = steps.step()
+    for _ in range(GAP_WINDOW):
+        steps.step(overrun_s=0.001)
+    assert steps.policy.margin_s == pytest.approx(0.001)
+    assert steps.step() > cautious
+
+
+@pytest.mark.parametrize("seen", [MIN_GAPS, GAP_WINDOW])
+def test_one_stall_does_not_move_the_margin(cost: StepCostModel, seen: int) -> None:
+    steps = Steps(cost)
+    for _ in range(seen):
+        steps.step(overrun_s=0.002)
+    steps.step(overrun_s=0.5)  # the process descheduled: one step ran far over
+    assert steps.policy.margin_s == pytest.approx(0.002)
+
+
+def test_the_margin_stays_within_its_bounds(cost: StepCostModel) -> None:
+    steps = Steps(cost)
+    for _ in range(GAP_WINDOW):
+        steps.step(overrun_s=10 * TARGET_S)
+    assert steps.policy.margin_s == pytest.approx(MARGIN_BOUNDS[1] * TARGET_S)
+    for _ in range(GAP_WINDOW):
+        steps.step(overrun_s=-10 * TARGET_S)
+    assert steps.policy.margin_s == pytest.approx(MARGIN_BOUNDS[0] * TARGET_S)
+
+
+def test_a_prompt_progresses_where_the_decodes_leave_less_room_than_the_margin(
+    cost: StepCostModel,
+) -> None:
+    # Decodes alone take 80% of the target, the margin is 25% of it: nothing fits with
+    # the whole margin, but the prompt still gets up to the floor within the target
+    # (half the margin kept), rather than wait for every stream to end.
+    decodes = next(d for d in range(1, 400) if cost.predict(shape(d).features(0)) > 0.8 * TARGET_S)
+    steps = Steps(cost, decodes)
+    for _ in range(GAP_WINDOW):
+        steps.step(overrun_s=0.25 * TARGET_S)
+    assert cost.predict(steps.shape.features(0)) + steps.policy.margin_s > TARGET_S
+    prefill = steps.step()
+    assert 0 < prefill <= FLOOR
+    assert cost.predict(steps.shape.features(prefill)) <= TARGET_S - 0.125 * TARGET_S

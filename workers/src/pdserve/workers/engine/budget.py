@@ -12,18 +12,23 @@ the target of that moment: it gets the largest number of prefill tokens whose
 predicted duration (the step-cost model's, plus a margin) fits in what is left. It
 never goes above the ceiling. The floor is for steps the decodes alone already make
 miss the target: there the target is lost whatever the budget, and a waiting prompt
-still progresses by the floor, however many decodes run; a step the decodes alone
-keep under the target never goes over it for the floor's sake (under a burst, the
-prompts wait for room rather than stall every stream). With no decode running there
-is no stream to protect and prefill takes the ceiling.
+still progresses by the floor, however many decodes run. A step the decodes alone keep
+under the target never goes over it for the floor's sake, but nor does a prompt starve
+behind decodes that leave less room than the margin: it gets up to the floor of what
+fits under the target with half the margin (under a burst, prompts progress slowly
+rather than stall every stream, or wait for every long stream to end). With no decode
+running there is no stream to protect and prefill takes the ceiling.
 
-The margin is learned from the gaps themselves. It starts at the cost model's (a high
-quantile of its recent errors) and a correction follows what the decodes saw on the
-steps the target sized: each gap over the target raises it, each one under lowers it
-by a small fraction of that, so it settles where OVER_TARGET_SHARE of those gaps run
-over (stochastic quantile tracking). A model that errs more than its margin allows
-(a burst of long prompts it has not seen yet) is corrected within a few steps; one
-whose error quantile is too cautious gives the time back, step by step.
+The margin is learned from the gaps themselves: how far each recent step that ran
+decodes beside waiting prompts ran past what was predicted of its gap (the time
+already gone when it was sized, plus the model's prediction of the step), and the
+margin is the (1 - OVER_TARGET_SHARE) quantile of those overruns over the last
+GAP_WINDOW such steps (never their largest: a step may run over once in a window).
+It holds everything that makes a stream wait that the model does not see (the
+server's own work between steps, other processes on the cores, the model's own
+errors), once, and follows them both ways: a burst of slow steps raises it within a
+few steps, and it falls once they leave the window. Until MIN_GAPS such steps
+have been seen it is the cost model's (a high quantile of its own errors).
 
 Nor does it go above the chunk the model predicts computes prompts fastest (tokens per
 second of step). Where a step's fixed cost dominates, as on an accelerator, that is the
@@ -42,7 +47,10 @@ as one chunk; it takes at most COLD_CHUNK tokens meanwhile.
 
 from __future__ import annotations
 
+import heapq
+import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -50,12 +58,16 @@ from pdserve.workers.engine.clock import Clock
 from pdserve.workers.engine.config import SchedulerConfig
 from pdserve.workers.engine.step_cost import StepCostModel, StepFeatures
 
-# The share of target-sized steps whose gap may run over the target: half the 1% a P99
-# allows, since the streams also see steps the budget does not size.
+# Each decision of the adaptive budget, at DEBUG: what it saw and what it chose.
+decision_log = logging.getLogger("pdserve.workers.engine.budget")
+
+# The share of the gaps the target sizes that may run over it: half the 1% a P99 ITL
+# allows, since the client sees the streams' tokens a little later than the engine
+# (the server's delivery), and not always equally late.
 OVER_TARGET_SHARE = 0.005
-# A gap over the target raises the margin by this share of the target; one under it
-# lowers it by OVER_TARGET_SHARE / (1 - OVER_TARGET_SHARE) as much.
-MARGIN_STEP = 0.05
+# The overruns the margin is a quantile of, and how many it needs before it is used.
+GAP_WINDOW = 256
+MIN_GAPS = 16
 # Bounds of the margin, as shares of the target: a model that overestimates may have
 # its predictions run a little over the target.
 MARGIN_BOUNDS = (-0.25, 1.0)
@@ -151,52 +163,70 @@ class AdaptiveBudget:
         self.ceiling = ceiling
         self.cost = cost
         self.clock = clock
-        self.correction_s = 0.0  # added to the cost model's margin, from the gaps seen
+        # How far recent gaps ran past their predictions, seconds (see the margin).
+        self._overruns: deque[float] = deque(maxlen=GAP_WINDOW)
         self._last_tokens_at: float | None = None
-        self._sized = False  # whether the target sized the step running now
+        # The gap predicted for the step running now, if it ran decodes beside prompts.
+        self._predicted_gap: float | None = None
 
     @property
     def margin_s(self) -> float:
-        """Seconds kept free of predicted work in a step: the cost model's error
-        quantile, corrected by the gaps seen."""
+        """Seconds kept free of predicted work in a step: a high quantile of how far
+        recent gaps ran past their predictions (the cost model's error quantile until
+        MIN_GAPS are known), within MARGIN_BOUNDS of the target."""
         low, high = MARGIN_BOUNDS
-        margin = self.cost.margin_s + self.correction_s
+        if len(self._overruns) < MIN_GAPS:
+            margin = self.cost.margin_s
+        else:
+            margin = _upper_quantile(self._overruns, OVER_TARGET_SHARE)
         return min(max(margin, low * self.target_s), high * self.target_s)
 
     def budget(self, shape: BatchShape) -> int:
         """Decodes plus the prefill tokens the target leaves room for (at most the
-        ceiling in all; the floor where the decodes alone miss the target)."""
-        self._sized = False
+        ceiling in all; the floor where the decodes alone miss the target, and up to it
+        within the target where they leave less room than the margin)."""
+        self._predicted_gap = None
         room = self.ceiling - shape.num_decodes
         if not shape.prefills or room <= 0:
             return self.ceiling
         fastest = self._fastest(shape, room)
         if shape.num_decodes == 0:
             return max(fastest, min(self.floor, room))
-        left_s = self.target_s - self._elapsed()
+        elapsed = self._elapsed()
+        left_s = self.target_s - elapsed
+        margin = self.margin_s
         if self.cost.predict(shape.features(0)) > left_s:
-            return shape.num_decodes + min(self.floor, room)  # the target is lost anyway
-        fitting = self._largest_fit(shape, room, left_s - self.margin_s)
-        self._sized = fitting < min(fastest, room)
-        return shape.num_decodes + min(fitting, fastest)
+            prefill = min(self.floor, room)  # the target is lost anyway
+        else:
+            prefill = min(self._largest_fit(shape, room, left_s - margin), fastest)
+            if prefill < self.floor:  # progress, within the target
+                progress = self._largest_fit(shape, min(self.floor, room), left_s - margin / 2)
+                prefill = max(prefill, progress)
+        self._predicted_gap = elapsed + self.cost.predict(shape.features(prefill))
+        self._log(shape, elapsed, margin, fastest, prefill)
+        return shape.num_decodes + prefill
 
     def step_ended(self, at: float | None) -> None:
-        """Remember when the running decodes last got a token; if the target sized
-        the step, move the margin's correction by whether its gap ran over."""
-        if self._sized and at is not None and self._last_tokens_at is not None:
-            over = at - self._last_tokens_at > self.target_s
-            step = MARGIN_STEP * self.target_s
-            if over:
-                self.correction_s += step
-            else:
-                self.correction_s -= step * OVER_TARGET_SHARE / (1 - OVER_TARGET_SHARE)
-            low, high = MARGIN_BOUNDS  # no further than the margin's own bounds
-            base = self.cost.margin_s
-            self.correction_s = min(
-                max(self.correction_s, low * self.target_s - base), high * self.target_s - base
-            )
-        self._sized = False
+        """Remember when the running decodes last got a token; if the step ran them
+        beside prompts, how far their gap ran past its prediction."""
+        last, predicted = self._last_tokens_at, self._predicted_gap
+        if predicted is not None and at is not None and last is not None:
+            self._overruns.append(at - last - predicted)
+        self._predicted_gap = None
         self._last_tokens_at = at
+
+    def _log(
+        self, shape: BatchShape, elapsed: float, margin: float, fastest: int, prefill: int
+    ) -> None:
+        """The decision at DEBUG, for a user tuning the target."""
+        if decision_log.isEnabledFor(logging.DEBUG):
+            decision_log.debug(
+                "decodes=%d longest=%d elapsed=%.1fms decodes_alone=%.1fms margin=%.1fms "
+                "fastest=%d prefill=%d predicted_gap=%.1fms",
+                shape.num_decodes, shape.longest_decode, 1e3 * elapsed,
+                1e3 * self.cost.predict(shape.features(0)), 1e3 * margin, fastest, prefill,
+                1e3 * (self._predicted_gap or 0.0),
+            )  # fmt: skip
 
     def _elapsed(self) -> float:
         """Seconds since the running decodes' last tokens came out."""
@@ -270,3 +300,11 @@ def budget_policy(
             budget.target_itl_s, budget.min_budget, config.budget_ceiling, cost, clock
         )
     return StaticBudget(static_budget(config, max_model_len))
+
+
+def _upper_quantile(values: deque[float], share: float) -> float:
+    """The value that `share` of `values` exceed (nearest rank from above), found among
+    the largest few; never the largest, so that one stall (the process descheduled, a
+    page fault) cannot hold the budget down for a whole window on its own."""
+    above = max(1, int(share * len(values)))
+    return heapq.nlargest(above + 1, values)[-1]

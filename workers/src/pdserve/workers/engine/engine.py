@@ -47,6 +47,8 @@ from pdserve.workers.engine.step_cost import StepCostModel, StepFeatures
 log = logging.getLogger(__name__)
 # One DEBUG line per step: the chunks it ran, in order (request id, start, tokens).
 step_log = logging.getLogger("pdserve.workers.engine.steps")
+# Each step's budget, predicted and measured time, and gap since the last tokens.
+timing_log = logging.getLogger("pdserve.workers.engine.step_timing")
 Result = TypeVar("Result")
 
 
@@ -382,6 +384,12 @@ class LLMEngine:
         )
         if step_log.isEnabledFor(logging.DEBUG):
             step_log.debug("step %s", describe_chunks(output.chunks))
+        if timing_log.isEnabledFor(logging.DEBUG):
+            timing_log.debug(
+                "budget=%d tokens=%d predicted=%.1fms took=%.1fms since_last_tokens=%.1fms",
+                output.token_budget, output.num_tokens, 1e3 * predicted, 1e3 * (now - started),
+                1e3 * interval,
+            )  # fmt: skip
         return StepResult(outputs, stats, finished, failed, output.chunks)
 
     def _execute(self, output: SchedulerOutput) -> Isolated[StepOutput]:
