@@ -17,8 +17,9 @@ some earlier prompt began with (`seen_before_tokens`, the bound with unlimited c
 and perfect routing) are still reported beside it, and `found_of_seen` against them:
 no finite cache finds them all once the replay holds more distinct tokens than the
 cache (the Mooncake replay holds about five times one worker's), so they measure the
-cache's size more than the routing. The reference runs only on workloads with
-sharing (there is nothing to find without).
+cache's size more than the routing (and a multi-turn prompt also finds its previous
+answer cached, which no earlier prompt began with, so `found_of_seen` may pass 1).
+The reference runs only on workloads with sharing (there is nothing to find without).
 
 Workloads: the Mooncake synthetic trace (prefix block hashes; blocks of 512 tokens
 scaled to 32; a seeded share of its prefix groups over the whole trace, so that the
