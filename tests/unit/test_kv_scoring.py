@@ -14,6 +14,7 @@ from pdserve.workers.engine.kv_events import prefix_hashes
 from pdserve.workers.router.kv_costs import DEFAULT_COSTS, StepCosts
 from pdserve.workers.router.kv_index import block_key
 from pdserve.workers.router.kv_metrics import KVRoutingMetrics
+from pdserve.workers.router.kv_room import BatchRoom
 from pdserve.workers.router.kv_scoring import KVPrompt, KVScorer
 from pdserve.workers.router.kv_subscriber import Expected, KVFeeds
 from pdserve.workers.router.metrics import RouterMetrics
@@ -275,3 +276,123 @@ def test_costs_a_worker_publishes_out_of_bounds_are_not_believed(change: dict[st
     # A worker's /load without them (an older worker) publishes no costs.
     assert PublishedLoad.of({"in_flight": 1}, 0.0, 0, 0).costs is None
     assert PublishedLoad.of({"step_costs": GOOD_COSTS}, 0.0, 0, 0).costs is not None
+
+
+# Seats, blocks and running requests: what waiting for a seat or for KV blocks costs.
+ROOM = {"max_num_seqs": 4, "num_kv_blocks": 100, "kv_blocks_free": 60, "finishing": []}
+
+
+def room_of(**change: object) -> BatchRoom:
+    room = BatchRoom.of(ROOM | change)
+    assert room is not None
+    return room
+
+
+def test_a_request_waits_for_the_running_request_whose_end_frees_its_seat() -> None:
+    room = room_of(finishing=[[30, 5], [5, 8], [12, 2], [40, 1]])
+    assert room.finishing[0] == (5, 8)  # soonest first, whatever order was published
+    assert room.wait_steps(requests=3, blocks_needed=10) == 0  # a seat is free
+    assert room.wait_steps(requests=4, blocks_needed=10) == 5  # the first to end
+    assert room.wait_steps(requests=6, blocks_needed=10) == 30  # the third
+    # Beyond every running request: a round of ends more (the last's steps again).
+    assert room.wait_steps(requests=8, blocks_needed=10) == 40 + 5
+
+
+def test_a_request_waits_for_the_running_requests_whose_ends_free_its_blocks() -> None:
+    room = room_of(kv_blocks_free=10, finishing=[[3, 4], [7, 9], [20, 40]])
+    assert room.wait_steps(requests=0, blocks_needed=10) == 0
+    assert room.wait_steps(requests=0, blocks_needed=20) == 7  # 4 + 9 blocks: 13 >= 10
+    assert room.wait_steps(requests=0, blocks_needed=30) == 20
+    assert room.wait_steps(requests=0, blocks_needed=500) == 20  # every one ends first
+    # A seat and blocks: the longer wait.
+    assert room.wait_steps(requests=4, blocks_needed=14) == 3
+    assert room_of(kv_blocks_free=0).wait_steps(requests=0, blocks_needed=5) == 0  # nobody runs
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"max_num_seqs": 0}, {"max_num_seqs": True}, {"num_kv_blocks": -1},
+        {"kv_blocks_free": 101}, {"kv_blocks_free": 2.5}, {"finishing": {"a": 1}},
+        {"finishing": [[1, 1]] * 5}, {"finishing": [[1, 101]]}, {"finishing": [[-1, 1]]},
+        {"finishing": [[1, 2, 3]]}, {"finishing": [["1", 2]]},
+    ],
+)  # fmt: skip
+def test_a_room_a_worker_publishes_out_of_bounds_is_not_believed(change: dict[str, object]) -> None:
+    assert BatchRoom.of(ROOM | change) is None
+    for name in ROOM:
+        assert BatchRoom.of({k: v for k, v in ROOM.items() if k != name}) is None
+    assert PublishedLoad.of(ROOM | change, 0.0, 0, 0).room is None
+    assert PublishedLoad.of(ROOM, 0.0, 0, 0).room == room_of()
+
+
+def publish_room(decode: WorkerSet, url: str, room: dict[str, object], at: float) -> None:
+    worker = decode.get(url)
+    assert worker is not None
+    costs = {"base_s": 0.01, "prefill_token_s": 1e-3, "prefill_key_s": 0.0,
+             "decode_token_s": 2e-3, "decode_s": 0.0, "decodes": 0, "step_tokens": 256}  # fmt: skip
+    body = {"step_costs": costs} | room
+    worker.published = PublishedLoad.of(body, at, worker.in_flight, worker.prefill_tokens)
+    assert worker.published.costs == COSTS and worker.published.room is not None
+
+
+# A holds the whole prompt but its last token, B nothing, both idle but for A's 4
+# requests: at COSTS, A computes 1 token in one step with 4 decodes (1 + 10 + 8 =
+# 19 ms), B the whole 321 in two steps (321 + 20 = 341 ms).
+@pytest.mark.parametrize(
+    ("room", "chosen"),
+    [
+        # Its batch has a seat and its cache the blocks: the cache wins.
+        ({"max_num_seqs": 8, "kv_blocks_free": 60, "finishing": [[30, 4]] * 4}, A),
+        # No seat until one of its 4 requests ends, in 30 steps of 18 ms: 559 ms.
+        ({"max_num_seqs": 4, "kv_blocks_free": 60, "finishing": [[30, 4]] * 4}, B),
+        # A seat soon (2 steps: 36 ms more): still the cache.
+        ({"max_num_seqs": 4, "kv_blocks_free": 60, "finishing": [[2, 4], *[[30, 4]] * 3]}, A),
+        # A seat, but no free block until one of them ends (30 steps): B.
+        ({"max_num_seqs": 8, "kv_blocks_free": 0, "finishing": [[30, 1]] * 4}, B),
+    ],
+)
+async def test_a_cached_worker_that_would_make_the_request_wait_loses_to_an_idle_one(
+    room: dict[str, object], chosen: str
+) -> None:
+    prompt = prompt_of(20 * BLOCK + 1, weight=None)
+    scorer, decode = await scorer_with({A: [0] * 20, B: []}, prompt)
+    load(decode, A, 4, 0)
+    now = scorer._clock()
+    publish_room(decode, A, {"num_kv_blocks": 100} | room, now)
+    publish_room(decode, B, {"num_kv_blocks": 100, "max_num_seqs": 8, "kv_blocks_free": 100,
+                             "finishing": []}, now)  # fmt: skip
+    choice = scorer.choose(decode, prompt)
+    assert choice is not None and choice.worker.url == chosen
+
+
+async def test_steps_run_since_a_worker_published_shorten_its_wait() -> None:
+    prompt = prompt_of(20 * BLOCK + 1, weight=None)
+    scorer, decode = await scorer_with({A: [0] * 20, B: []}, prompt)
+    load(decode, A, 4, 0)
+    full = {"num_kv_blocks": 100, "max_num_seqs": 4, "kv_blocks_free": 60,
+            "finishing": [[30, 4]] * 4}  # fmt: skip
+    idle = {"num_kv_blocks": 100, "max_num_seqs": 8, "kv_blocks_free": 100, "finishing": []}
+    now = scorer._clock()
+    publish_room(decode, B, idle, now)
+    # Published 0.45 s ago (25 steps of 18 ms): 5 steps left to wait, 109 ms in all
+    # (559 ms had no step run since).
+    publish_room(decode, A, full, now - 0.45)
+    choice = scorer.choose(decode, prompt)
+    assert choice is not None and choice.worker.url == A
+
+
+async def test_a_nearly_full_cache_with_the_blocks_the_request_needs_keeps_it() -> None:
+    """A worker that publishes its room is judged on the wait it predicts, not on its
+    usage: 96% used, it still has the one block the prompt's last token needs."""
+    prompt = prompt_of(20 * BLOCK + 1, weight=None)
+    scorer, decode = await scorer_with({A: [0] * 20, B: []}, prompt)
+    now = scorer._clock()
+    nearly_full = {"num_kv_blocks": 100, "max_num_seqs": 8, "kv_blocks_free": 4,
+                   "finishing": [[30, 24]] * 4, "kv_cache_usage": 0.96}  # fmt: skip
+    publish_room(decode, A, nearly_full, now)
+    publish_room(decode, B, {"num_kv_blocks": 100, "max_num_seqs": 8, "kv_blocks_free": 100,
+                             "finishing": []}, now)  # fmt: skip
+    load(decode, A, 4, 0)
+    choice = scorer.choose(decode, prompt)
+    assert choice is not None and choice.worker.url == A

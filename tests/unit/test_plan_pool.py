@@ -5,6 +5,7 @@ every figure is known exactly)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,7 +13,9 @@ from pdserve.workers.bench.plan import PlannedRequest
 from pdserve.workers.plan.costs import StepCost
 from pdserve.workers.plan.pool import PoolSimulation, Traffic
 from pdserve.workers.plan.scenario import ScenarioError, parse_scenario
+from pdserve.workers.plan.worker import SimWorker
 from pdserve.workers.router.kv_costs import StepCosts
+from pdserve.workers.router.kv_room import BatchRoom
 from support.plan import constant_profile, model_config_dir, profile_with, scenario_line
 
 STEP_S, HANDOFF_S = 0.01, 0.05
@@ -134,3 +137,33 @@ def test_a_worker_publishes_what_its_steps_cost_once_its_model_has_learned(
     assert published.prefill_token_s == pytest.approx(cost.per_prefill_token_s, rel=0.05)
     assert published.decode_token_s == pytest.approx(cost.per_decode_token_s, rel=0.05)
     assert published.step_tokens > 0
+
+
+def test_a_worker_publishes_its_seats_blocks_and_when_its_running_requests_end(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the router predicts a seat or blocks wait from: a worker with two seats
+    and six requests publishes a full batch, its blocks and the steps its running
+    requests have left, in a form the router takes."""
+    published: list[dict[str, Any]] = []
+    publish = SimWorker.published_load
+
+    def recorded(worker: SimWorker) -> dict[str, Any]:
+        published.append(publish(worker))
+        return published[-1]
+
+    monkeypatch.setattr(SimWorker, "published_load", recorded)
+    line = scenario_line("one", ["--max-num-seqs", "2", "--num-kv-blocks", "64"])
+    run(model_dir, line, [(0.0, 40, 40)] * 6)
+    rooms = [BatchRoom.of(body) for body in published]
+    assert rooms and all(room is not None for room in rooms)
+    full = [room for room in rooms if room is not None and len(room.finishing) == 2]
+    assert full, published
+    for room in full:
+        assert room.max_num_seqs == 2 and room.num_kv_blocks == 64
+        # About 40 prompt tokens and up to 40 more: at most a step of prompt and 40
+        # steps of decodes left, blocks held, fewer free.
+        assert all(0 <= steps <= 41 and held >= 1 for steps, held in room.finishing)
+        assert room.kv_blocks_free < 64
+    steps_left = sorted({room.finishing[0][0] for room in full})
+    assert len(steps_left) > 1  # they count down as the requests decode

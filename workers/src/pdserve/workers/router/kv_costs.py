@@ -11,9 +11,13 @@ decoding:
     steps = ceil((queued + uncached) / step tokens)
     TTFT  = (queued + uncached) x prefill token s + own keys x prefill key s
             + steps x (step base s + requests held x decode s per request)
+            + what waiting for a seat or blocks adds beyond the queue's own time
 
 where own keys are the cached tokens the request's uncached tokens attend to
-(uncached x (cached + uncached / 2)). The figures are the worker's own measurements,
+(uncached x (cached + uncached / 2)). A request that must wait for a seat in the
+running batch or for KV blocks (`kv_room`) waits that many steps at the same step
+cost; the prompts queued before it are computed meanwhile, so only what the wait
+lasts beyond their time is added. The figures are the worker's own measurements,
 so a slower device, a busier machine or a larger model weighs load against cache
 hits as it really costs there. Until a worker has published (its model warms up over
 its first steps), it is taken to cost what the other candidates publish, or
@@ -72,15 +76,25 @@ class StepCosts:
             return None
         return cls(**seconds, decodes=decodes, step_tokens=step_tokens)
 
-    def ttft_s(self, queued: int, uncached: int, cached: int, requests: int) -> float:
+    def step_s(self, requests: int) -> float:
+        """A step's cost besides its prompt tokens, while `requests` others decode."""
+        return self.base_s + max(0, requests) * self.per_request_decode_s
+
+    def ttft_s(
+        self, queued: int, uncached: int, cached: int, requests: int, wait_steps: float = 0.0
+    ) -> float:
         """Predicted seconds to the first token of a request whose `uncached` prompt
         tokens are computed after `queued` others, past `cached` tokens found in the
-        cache, while `requests` others decode."""
-        work = max(0, queued) + max(0, uncached)
+        cache, while `requests` others decode, once it has waited `wait_steps` steps
+        for a seat or blocks."""
+        queued, uncached = max(0, queued), max(0, uncached)
+        work = queued + uncached
         steps = max(1, math.ceil(work / self.step_tokens))
         keys = uncached * (cached + uncached / 2)
-        step_s = self.base_s + max(0, requests) * self.per_request_decode_s
-        return work * self.prefill_token_s + keys * self.prefill_key_s + steps * step_s
+        step_s = self.step_s(requests)
+        compute_s = work * self.prefill_token_s + keys * self.prefill_key_s + steps * step_s
+        queue_s = queued * self.prefill_token_s + queued / self.step_tokens * step_s
+        return compute_s + max(0.0, wait_steps * step_s - queue_s)
 
 
 # Before any worker has published: a small model on a CPU (0.5 ms a prompt token,

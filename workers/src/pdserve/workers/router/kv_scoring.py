@@ -9,10 +9,14 @@ requests it is decoding add to each of those steps. The cheapest worker wins; a
 prediction within a millisecond of the best is a tie, and ties go to the less loaded,
 then to chance. With `loadWeightTokens` set, the cost is counted in tokens instead:
 the uncached and waiting prompt tokens plus that weight per request it holds (the
-rule before time was predicted, kept as an override). A decode worker whose KV cache
-is nearly full is passed over while another is not, as by load alone. A worker whose
-feed is not synced (starting, refused by the handshake, unreachable) holds nothing in
-the index: it competes on load alone.
+rule before time was predicted, kept as an override). A worker whose batch has no
+seat left, or whose cache lacks free blocks for the prompt and those queued before
+it, is predicted to wait for its running requests to end (`kv_room`, from what it
+publishes at /load), so a cached worker packed full loses to an idle one, unless it
+holds enough of the prompt that waiting there is still quicker. A decode worker that
+does not publish that, and whose KV cache is nearly full, is passed over while another
+is not, as by load alone. A worker whose feed is not synced (starting, refused by the
+handshake, unreachable) holds nothing in the index: it competes on load alone.
 
 The mode follows the decode worker: the routing table's bucket is looked up with
 the tokens the chosen decode worker would still compute, so a long conversation
@@ -119,14 +123,15 @@ class KVScorer:
         self, worker: Worker, prompt: KVPrompt, cached: int, now: float, fallback: StepCosts
     ) -> tuple[float, ...]:
         load = _Load(worker.requests(now), worker.waiting_prefill_tokens(now))
-        work = _expected_work(worker, prompt, cached, load, fallback)
+        work = _expected_work(worker, prompt, cached, load, now, fallback)
         # The last keys break ties: the less loaded, then chance (equal workers share
         # the traffic).
         if worker.role == "prefill":
             return (work, load.waiting, load.requests, random.random())
         # A decode worker prefills colocated requests itself: their backlog is work too.
         usage = worker.kv_cache_usage(now)
-        full = float(usage >= KV_NEARLY_FULL)
+        # Where the worker publishes its room, the wait for blocks is predicted instead.
+        full = float(usage >= KV_NEARLY_FULL and worker.room(now) is None)
         uncached = prompt.tokens - cached
         return (full, work, load.requests, uncached + load.waiting, usage, random.random())
 
@@ -162,7 +167,7 @@ class _Load:
 
 
 def _expected_work(
-    worker: Worker, prompt: KVPrompt, cached: int, load: _Load, fallback: StepCosts
+    worker: Worker, prompt: KVPrompt, cached: int, load: _Load, now: float, fallback: StepCosts
 ) -> float:
     """A worker's cost for the prompt: its predicted time to first token in whole
     milliseconds (closer predictions are ties), or with `loadWeightTokens` set, tokens."""
@@ -173,7 +178,21 @@ def _expected_work(
     costs = worker.step_costs() or fallback
     # A prefill worker decodes nothing: what it holds are prompts, already counted.
     decoding = 0 if worker.role == "prefill" else load.requests
-    return float(round(costs.ttft_s(load.waiting, uncached, cached, decoding) * 1000))
+    needed = -(-(load.waiting + uncached) // prompt.table.routing_policy.block_size)
+    wait = _wait_steps(worker, load, needed, now, costs.step_s(decoding))
+    return float(round(costs.ttft_s(load.waiting, uncached, cached, decoding, wait) * 1000))
+
+
+def _wait_steps(worker: Worker, load: _Load, blocks: int, now: float, step_s: float) -> float:
+    """Steps a request needing `blocks` new KV blocks (its own uncached tokens' and the
+    queued prompts') would wait on `worker` for a seat or blocks, less those run since
+    the worker published its room (none when it has not published lately)."""
+    published = worker.room(now)
+    if published is None:
+        return 0.0
+    room, at = published
+    elapsed = (now - at) / step_s if step_s > 0 else 0.0
+    return max(0.0, room.wait_steps(load.requests, blocks) - elapsed)
 
 
 def _cached_count(header: str | None, prompt_tokens: int) -> int | None:

@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from pdserve.protocol.routing import Role
 from pdserve.workers.router.breaker import CircuitBreaker
 from pdserve.workers.router.kv_costs import StepCosts
+from pdserve.workers.router.kv_room import BatchRoom
 from pdserve.workers.router.kv_subscriber import KVFeedStatus
 
 FRESH_S = 1.0
@@ -44,6 +45,7 @@ class PublishedLoad:
     own_in_flight: int = 0
     own_prefill_tokens: int = 0
     costs: StepCosts | None = None  # what its steps cost (None: not published)
+    room: BatchRoom | None = None  # its seats, blocks and running requests (None: not published)
 
     @property
     def other_in_flight(self) -> int:
@@ -74,6 +76,7 @@ class PublishedLoad:
             own_in_flight=own_in_flight,
             own_prefill_tokens=own_prefill_tokens,
             costs=StepCosts.of(fields.get("step_costs")),
+            room=BatchRoom.of(fields),
         )
 
 
@@ -127,6 +130,14 @@ class Worker:
         """What its steps cost, as last published (they change slowly: not only while
         fresh)."""
         return None if self.published is None else self.published.costs
+
+    def room(self, now: float) -> tuple[BatchRoom, float] | None:
+        """Its seats, blocks and running requests as lately published, and when they
+        were read (None when not fresh or not published)."""
+        published = self.fresh(now)
+        if published is None or published.room is None:
+            return None
+        return published.room, published.at
 
     def kv_cache_usage(self, now: float) -> float:
         """Its KV cache usage as lately published (0 when not fresh)."""

@@ -2,13 +2,18 @@
 worker: requests in flight, running and queued, KV cache usage, the prompt tokens
 still to be prefilled, and what its steps cost (its engine's step-cost model, learned
 from its own steps: the KV-aware router predicts a request's time to first token on
-it from them). The engine's part is taken after each step, on the engine thread
-(where its queues may be read); the server's part is counted per request.
+it from them). So that the prediction includes waiting for a seat in the running
+batch or for KV blocks, it also publishes the batch's seats (`max_num_seqs`), its
+blocks (`num_kv_blocks`, `kv_blocks_free`: free or only cached, so reusable now) and,
+for each running request, the steps it has left at most and the blocks it holds
+(`finishing`, soonest first): what a seat or blocks wait for. The engine's part is
+taken after each step, on the engine thread (where its queues may be read); the
+server's part is counted per request.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from itertools import chain
 
 from aiohttp import web
@@ -49,6 +54,12 @@ class WorkerLoad:
     prefill_tokens: int  # prompt tokens admitted and not yet computed
     revision: str = ""  # its --revision: the router splits a rollout's traffic by it
     step_costs: StepCosts | None = None  # None until its cost model has warmed up
+    max_num_seqs: int = 0  # seats of the running batch
+    num_kv_blocks: int = 0  # blocks of its KV cache
+    kv_blocks_free: int = 0  # blocks no request holds (free, or cached and unused)
+    # Each running request's [steps left at most, blocks held], soonest first: its
+    # prompt still to compute in full steps, then the tokens max_tokens still allows.
+    finishing: list[tuple[int, int]] = field(default_factory=list)
 
 
 class LoadTracker:
@@ -63,6 +74,8 @@ class LoadTracker:
         self._kv_usage = 0.0
         self._prefill_tokens = 0
         self._step_costs: StepCosts | None = None
+        self._kv_blocks_free = engine.kv_cache.pool.num_blocks
+        self._finishing: list[tuple[int, int]] = []
 
     def on_step(self, result: StepResult) -> None:
         """After each step (engine thread): the batch, the cache and the prefill backlog."""
@@ -75,6 +88,19 @@ class LoadTracker:
         )
         if result.chunks:
             self._step_costs = self._costs(result)
+        self._kv_blocks_free = self._engine.kv_cache.pool.num_free
+        self._finishing = self._running_requests(result.stats.token_budget)
+
+    def _running_requests(self, step_tokens: int) -> list[tuple[int, int]]:
+        """[steps left at most, blocks held] of each running request, soonest first."""
+        kv_cache = self._engine.kv_cache
+        found = []
+        for request in self._engine.scheduler.running:
+            prompt_left = max(0, request.num_prompt_tokens - request.num_computed_tokens)
+            outputs_left = max(0, (request.params.max_tokens or 0) - len(request.output_token_ids))
+            steps = -(-prompt_left // max(1, step_tokens)) + outputs_left
+            found.append((steps, len(kv_cache.block_table(request.request_id))))
+        return sorted(found)
 
     def _costs(self, result: StepResult) -> StepCosts | None:
         """The cost model's estimate and the decodes of the step just run (None while
@@ -110,6 +136,10 @@ class LoadTracker:
             prefill_tokens=0 if idle else self._prefill_tokens,
             revision=self._revision,
             step_costs=self._step_costs,
+            max_num_seqs=self._engine.scheduler.config.max_num_seqs,
+            num_kv_blocks=self._engine.kv_cache.pool.num_blocks,
+            kv_blocks_free=self._kv_blocks_free,
+            finishing=[] if idle else self._finishing,
         )
 
     def request_started(self) -> None:
