@@ -50,7 +50,7 @@ def cached_copy(body: Mapping[str, Any]) -> Obj:
     return copy
 
 
-def key_of_pool(pool: Mapping[str, Any]) -> PoolKey:
+def pool_key(pool: Mapping[str, Any]) -> PoolKey:
     """A pool's (namespace, name)."""
     return pool["metadata"]["namespace"], pool["metadata"]["name"]
 
@@ -90,13 +90,15 @@ class ClusterCache:
 
     # --- the watches ---------------------------------------------------------------
 
-    def put_pool(self, pool: Mapping[str, Any]) -> None:
-        """A pool as a watch event brought it."""
-        self._pools[key_of_pool(pool)] = _Entry(cached_copy(pool), self._tick())
+    def put_pool(self, pool: Mapping[str, Any]) -> Obj:
+        """A pool as a watch event brought it; returns the copy kept."""
+        kept = cached_copy(pool)
+        self._pools[pool_key(pool)] = _Entry(kept, self._tick())
+        return kept
 
     def drop_pool(self, pool: Mapping[str, Any]) -> None:
         """A deleted pool, and its children (garbage collection deletes them next)."""
-        key = key_of_pool(pool)
+        key = pool_key(pool)
         entry = self._pools.get(key)
         if entry is not None and entry.obj["metadata"]["uid"] != pool["metadata"]["uid"]:
             return  # a newer pool of the same name is already here
@@ -143,7 +145,7 @@ class ClusterCache:
         deleted = {uid for uid, written in self._deleted.items() if written > since}
         self._deleted.clear()  # the next read begins after every deletion seen so far
         fresh_pools = {
-            key_of_pool(pool): pool for pool in pools if pool["metadata"]["uid"] not in deleted
+            pool_key(pool): pool for pool in pools if pool["metadata"]["uid"] not in deleted
         }
         for key in [k for k, e in self._pools.items() if e.written <= since]:
             if key not in fresh_pools:

@@ -26,7 +26,7 @@ import kopf
 from pdserve.operator import api, metrics, render
 from pdserve.operator.cli import OperatorOptions
 from pdserve.operator.controller import kube
-from pdserve.operator.controller.cache import ClusterCache, cached_copy
+from pdserve.operator.controller.cache import ClusterCache, cached_copy, pool_key
 from pdserve.operator.controller.kube import ApiError, Credentials, KubeClient
 from pdserve.operator.controller.reconcile import Reconciler
 from pdserve.operator.controller.resync import Resync, backoff
@@ -35,7 +35,6 @@ from pdserve.operator.rollout.loop import Rollouts
 from pdserve.operator.scaling.autoscaler import Autoscaler
 
 Obj = dict[str, Any]
-PoolKey = tuple[str, str]  # (namespace, pool name)
 
 log = logging.getLogger(__name__)
 
@@ -207,8 +206,7 @@ async def reconcile_pool(body: kopf.Body, reason: str, retry: int, memo: Any, **
     """Apply the pool's rendered objects, prune the rest, write its status (kopf
     retries a refused write, with backoff)."""
     pool = cached_copy(body)
-    key = (pool["metadata"]["namespace"], pool["metadata"]["name"])
-    children = cache(memo).children(key)
+    children = cache(memo).children(pool_key(pool))
     try:
         await reconciler(memo).reconcile(pool, children, trigger=str(reason))
     except api.InvalidPoolError as error:
@@ -234,18 +232,16 @@ async def pool_event(
         return
     if type == "DELETED":
         cache(memo).drop_pool(body)
-    else:
-        cache(memo).put_pool(body)
-    if type == "DELETED":
         reconciler(memo).forget(uid)
         resync(memo).forget((namespace or "", name))
         autoscaler(memo).forget((namespace or "", name))
         rollouts(memo).forget((namespace or "", name))
         rollout_events.forget(namespace or "", name)
     else:
+        pool = cache(memo).put_pool(body)
         resync(memo).start()
-        autoscaler(memo).track(cached_copy(body))
-        rollouts(memo).track(cached_copy(body))
+        autoscaler(memo).track(pool)
+        rollouts(memo).track(pool)
 
 
 # --- children ------------------------------------------------------------------------------

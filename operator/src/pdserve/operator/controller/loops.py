@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from pdserve.operator.controller.resync import PoolKey, pool_key
+from pdserve.operator.controller.cache import PoolKey, pool_key
 
 Obj = dict[str, Any]
 

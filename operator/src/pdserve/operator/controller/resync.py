@@ -21,18 +21,17 @@ import itertools
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.operator import api, render
 from pdserve.operator.controller import kube
-from pdserve.operator.controller.cache import ClusterCache
+from pdserve.operator.controller.cache import ClusterCache, PoolKey, pool_key
 from pdserve.operator.controller.kube import ApiError, KubeClient
 from pdserve.operator.controller.reconcile import Reconciler
 
 Obj = dict[str, Any]
-PoolKey = tuple[str, str]  # (namespace, pool name)
 
 RETRY_FIRST_SECONDS = 1.0
 RETRY_MAX_SECONDS = 300.0
@@ -43,11 +42,6 @@ log = logging.getLogger(__name__)
 def backoff(attempt: int) -> float:
     """Seconds to wait before retry number `attempt` (0 for the first) of a refused write."""
     return min(RETRY_MAX_SECONDS, RETRY_FIRST_SECONDS * (1 << min(attempt, 32)))
-
-
-def pool_key(pool: Mapping[str, Any]) -> PoolKey:
-    """A pool's (namespace, name)."""
-    return pool["metadata"]["namespace"], pool["metadata"]["name"]
 
 
 @dataclass

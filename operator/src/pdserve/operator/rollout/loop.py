@@ -23,10 +23,11 @@ from typing import Any
 
 from pdserve.operator import api, render
 from pdserve.operator.controller import kube
+from pdserve.operator.controller.cache import PoolKey, pool_key
 from pdserve.operator.controller.kube import ApiError, KubeClient
 from pdserve.operator.controller.loops import PoolLoops
 from pdserve.operator.controller.reconcile import Reconciler
-from pdserve.operator.controller.resync import PoolKey, Resync, pool_key
+from pdserve.operator.controller.resync import Resync
 from pdserve.operator.rollout import analysis, changes, decision, manual
 from pdserve.operator.rollout import events as rollout_events
 from pdserve.operator.rollout.decision import Analysis

@@ -23,9 +23,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from pdserve.operator import api, metrics, render
+from pdserve.operator.controller.cache import PoolKey, pool_key
 from pdserve.operator.controller.loops import PoolLoops
 from pdserve.operator.controller.reconcile import Reconciler
-from pdserve.operator.controller.resync import PoolKey, Resync, pool_key
+from pdserve.operator.controller.resync import Resync
 from pdserve.operator.controller.status import ScalingReport
 from pdserve.operator.rollout.events import Recorder
 from pdserve.operator.scaling import planner
