@@ -10,13 +10,14 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from pdserve.base.process import pdserve_command
 from pdserve.workers.bench.config import BenchConfig
 from pdserve.workers.plan.contention import levels
 from pdserve.workers.plan.costs import load_profile
-from pdserve.workers.plan.fit import relative_errors
+from pdserve.workers.plan.fit import timed_errors, typical_pace
 from pdserve.workers.plan.scenario import parse_scenario
 from pdserve.workers.plan.simulate import simulate, traffic_of
 from support.plan import scenario_line
@@ -47,8 +48,11 @@ def test_profile_sweeps_the_engine_and_the_simulator_runs_on_it(
     assert any(s.decode_tokens == 0 and s.prefill_tokens > 0 for s in steps)
     assert len({s.decode_keys // max(1, s.decode_tokens) for s in steps if s.decode_tokens}) > 2
     assert len({s.prefill_keys for s in steps if s.prefill_tokens}) > 1
-    errors = relative_errors(profile.step_cost, steps)
-    assert float(np.mean(errors)) == profile.step_fit.mean_abs
+    # The error written is the fit's against the steps as timed, at each step's own
+    # pace where the fit took the machine's pace into account.
+    pace = typical_pace(steps) if profile.step_fit.paced else None
+    errors = timed_errors(profile.step_cost, steps, pace)
+    assert float(np.mean(errors)) == pytest.approx(profile.step_fit.mean_abs)
     # The machine the workers share: its cores, a worker's threads, and workers timed
     # alone and together up to one more than the cores hold.
     assert profile.cores == len(os.sched_getaffinity(0))
