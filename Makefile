@@ -12,9 +12,10 @@ PY := $(BIN)/python
 DEMO_MODEL := $(CACHE_DIR)/models/tiny-llama
 PYTEST_ARGS ?=
 # Test processes for `make unit`: most tests wait on worker processes rather than
-# compute, so more processes than cores shortens the run. Files stay whole (module
-# fixtures start their workers once).
-TEST_WORKERS ?= 3
+# compute (the tests' own processes and the workers they start use about one core of
+# two over the run), so twice as many processes as cores shortens the run. Files stay
+# whole (module fixtures start their workers once).
+TEST_WORKERS ?= 4
 CODE := base protocol cli operator workers tests scripts
 
 .PHONY: venv lock demo test lint typecheck unit e2e bench crd clean
