@@ -22,26 +22,33 @@ answer cached, which no earlier prompt began with, so `found_of_seen` may pass 1
 The reference runs only on workloads with sharing (there is nothing to find without).
 
 Workloads: the Mooncake synthetic trace (prefix block hashes; blocks of 512 tokens
-scaled to 32; a seeded share of its prefix groups over the whole trace, so that the
-replay has the trace's reuse), a multi-turn chat over four shared system prompts,
-and a workload with no sharing at all (where KV-aware routing must not be worse than
-load-only). vllm-router balances over the decode workers only (it does not decide
-P/D here).
+replayed at 1/8 of their words, see MOONCAKE_LENGTH_SCALE; a seeded share of its
+prefix groups over the whole trace, so that the replay has the trace's reuse), a
+multi-turn chat over four shared system prompts, and a workload with no sharing at
+all (where KV-aware routing must not be worse than load-only). vllm-router balances
+over the decode workers only (it does not decide P/D here).
 
 Each worker's KV cache is sized as a deployment's would be against this replay: it
-does not hold the whole trace. A cache that holds most of what the replay uses (2,048
-blocks of 16, 33k tokens, against the Mooncake replay's 45k distinct prompt tokens)
-lets every worker learn every prefix group in time, so that load-only routing finds
-most of the reused tokens (85-89%: the replay's reuse is in a few large groups, of
-up to 17 requests, each of which both workers learn after their first request of it)
-and routing has little left to win. With 512 blocks (8,192 tokens, a fifth of the
-distinct tokens, shared with the running requests), a worker keeps only the groups
-sent to it lately: load-only, spreading each group over both workers, keeps each
-twice and finds about half of what was seen before, as the trace's own deployments
-would.
+does not hold the whole trace. A cache that holds most of what the replay uses (at
+the 1/16 scale, 2,048 blocks of 16, 33k tokens, against the replay's 45k distinct
+prompt tokens) lets every worker learn every prefix group in time, so that load-only
+routing finds most of the reused tokens (85-89%: the replay's reuse is in a few large
+groups, of up to 17 requests, each of which both workers learn after their first
+request of it) and routing has little left to win. A cache of a fifth of the distinct
+tokens (512 blocks at 1/16; 1,024 at 1/8, 16,384 tokens against 92.6k, shared with
+the running requests) keeps only the groups sent to it lately: load-only, spreading
+each group over both workers, keeps each twice and finds about 60% of what was seen
+before, as the trace's own deployments would.
 
 Each row also says how fast the machine ran meanwhile (engine time per token
-computed): on a shared machine that speed moves between runs, and TTFT with it.
+computed, each decode worker's busy share): on a shared machine that speed moves
+between runs, and TTFT with it. And where ITL's tail comes from: a decoding request
+waits for its step, so a step that also runs a prompt's 512-token chunk is a long gap
+in every stream it decodes (the P99 of those steps against the client's ITL P99,
+the share of decode tokens beside a chunk and the chunks' depth, from the decode
+workers' step logs); what the router and the decode workers spent in CPU (KV
+routing's own cost shows against load-only's); what each worker's step-cost model
+learned (KV-aware scoring weighs it).
 Apart: what a hit can save, one request at a time (TTFT cold against cached, on the
 tiny model and on a model with 6x its work per token); the router's index memory at
 10k and 100k blocks per worker and 8 workers, and the time to rebuild a worker's part
@@ -94,17 +101,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400)]
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_synthetic.jsonl"
 BLOCK = 16
 BOUNDARY = 512  # uncached prompt tokens served colocated; more go through the prefill worker
-# The Mooncake trace's blocks of 512 tokens are replayed at 1/8 (64 tokens): its
-# prompts are long (P50 28k tokens), and what a hit on a long shared prefix saves is a
-# long prefill; shrunk to a few hundred tokens every request is mostly fixed cost
-# (router, tokenization, HTTP, a step) and a hit saves little. 1/8 is the largest
-# power of two that fits the machine: its longest prompt (12,163 tokens, P50 3,500)
-# fits the model's 16,384 positions (1/4 reaches 23,842), and the busiest engine
-# here, the single-worker reference taking every request, stays under half busy
-# (`engine_busy`: its steps' time over the run's) at the replay's 0.76 requests per
-# second, so no comparison measures a saturated queue. 1/16, the scale before, left
-# prompts at P50 1,696 tokens, about 25 ms of prefill on this machine, the order of the
-# request's fixed cost.
+# The Mooncake replay's length scale, chosen to fit the machine. The trace's prompts are
+# long (P50 14,590 tokens, up to 50,684), and what a hit on a long shared prefix saves
+# is a long prefill; shrunk to a few hundred tokens every request is mostly fixed cost
+# (router, tokenization, HTTP, a step) and a hit saves little. Its blocks are replayed
+# at 1/8 of their words: with the tiny model's small vocabulary (about 2.8 tokens a
+# word, not the 1.5 the scale assumes) prompts of P50 3,500 tokens, the longest
+# 12,163. The criterion: the largest scale whose longest prompt fits the model's
+# 16,384 positions (3/16 would reach 18k), with the pool below saturation at the
+# replay's 0.76 requests per second, its busiest engine under load-only routing at most
+# half busy (`engine_busy`: steps' time over the run's; measured 0.38). The reference's
+# one engine takes the whole pool's traffic (0.57 busy, and a queue): it measures what
+# a cache finds, not latency. At 1/16, the scale before, prompts were P50 1,700 tokens.
 MOONCAKE_LENGTH_SCALE = float(os.environ.get("PDSERVE_BENCH_KV_LENGTH_SCALE", str(1 / 8)))
 OTHER_LENGTH_SCALE = 1 / 16  # the multi-turn chat's blocks (its prompts grow turn by turn)
 # A worker's cache holds a fifth of the Mooncake replay's distinct prompt tokens at the
