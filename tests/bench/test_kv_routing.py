@@ -22,26 +22,33 @@ answer cached, which no earlier prompt began with, so `found_of_seen` may pass 1
 The reference runs only on workloads with sharing (there is nothing to find without).
 
 Workloads: the Mooncake synthetic trace (prefix block hashes; blocks of 512 tokens
-scaled to 32; a seeded share of its prefix groups over the whole trace, so that the
-replay has the trace's reuse), a multi-turn chat over four shared system prompts,
-and a workload with no sharing at all (where KV-aware routing must not be worse than
-load-only). vllm-router balances over the decode workers only (it does not decide
-P/D here).
+replayed at 1/8 of their words, see MOONCAKE_LENGTH_SCALE; a seeded share of its
+prefix groups over the whole trace, so that the replay has the trace's reuse), a
+multi-turn chat over four shared system prompts, and a workload with no sharing at
+all (where KV-aware routing must not be worse than load-only). vllm-router balances
+over the decode workers only (it does not decide P/D here).
 
 Each worker's KV cache is sized as a deployment's would be against this replay: it
-does not hold the whole trace. A cache that holds most of what the replay uses (2,048
-blocks of 16, 33k tokens, against the Mooncake replay's 45k distinct prompt tokens)
-lets every worker learn every prefix group in time, so that load-only routing finds
-most of the reused tokens (85-89%: the replay's reuse is in a few large groups, of
-up to 17 requests, each of which both workers learn after their first request of it)
-and routing has little left to win. With 512 blocks (8,192 tokens, a fifth of the
-distinct tokens, shared with the running requests), a worker keeps only the groups
-sent to it lately: load-only, spreading each group over both workers, keeps each
-twice and finds about half of what was seen before, as the trace's own deployments
-would.
+does not hold the whole trace. A cache that holds most of what the replay uses (at
+the 1/16 scale, 2,048 blocks of 16, 33k tokens, against the replay's 45k distinct
+prompt tokens) lets every worker learn every prefix group in time, so that load-only
+routing finds most of the reused tokens (85-89%: the replay's reuse is in a few large
+groups, of up to 17 requests, each of which both workers learn after their first
+request of it) and routing has little left to win. A cache of a fifth of the distinct
+tokens (512 blocks at 1/16; 1,024 at 1/8, 16,384 tokens against 92.6k, shared with
+the running requests) keeps only the groups sent to it lately: load-only, spreading
+each group over both workers, keeps each twice and finds about 60% of what was seen
+before, as the trace's own deployments would.
 
 Each row also says how fast the machine ran meanwhile (engine time per token
-computed): on a shared machine that speed moves between runs, and TTFT with it.
+computed, each decode worker's busy share): on a shared machine that speed moves
+between runs, and TTFT with it. And where ITL's tail comes from: a decoding request
+waits for its step, so a step that also runs a prompt's 512-token chunk is a long gap
+in every stream it decodes (the P99 of those steps against the client's ITL P99,
+the share of decode tokens beside a chunk and the chunks' depth, from the decode
+workers' step logs); what the router and the decode workers spent in CPU (KV
+routing's own cost shows against load-only's); what each worker's step-cost model
+learned (KV-aware scoring weighs it).
 Apart: what a hit can save, one request at a time (TTFT cold against cached, on the
 tiny model and on a model with 6x its work per token); the router's index memory at
 10k and 100k blocks per worker and 8 workers, and the time to rebuild a worker's part
@@ -59,6 +66,7 @@ import sys
 import time
 import tracemalloc
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,14 +77,23 @@ from pdserve.base.process import ServerProcess
 from pdserve.workers.bench.config import BenchConfig
 from pdserve.workers.bench.metrics import SLO
 from pdserve.workers.bench.plan import build_plan, planned_prompt
-from pdserve.workers.bench.prefix_workloads import prefix_figures, reusable_tokens
+from pdserve.workers.bench.prefix_workloads import (
+    TRACE_BLOCK_TOKENS,
+    PrefixRow,
+    prefix_figures,
+    prompt_text,
+    reusable_tokens,
+)
 from pdserve.workers.bench.runner import BenchResult, run_benchmark
+from pdserve.workers.engine.kv_events import prefix_hashes
 from pdserve.workers.kv_wire import KVSnapshotBody
 from pdserve.workers.model.tokenizer import Tokenizer
 from pdserve.workers.router.kv_index import KVIndex, block_key
+from support.cpu import cpu_seconds
 from support.kv_pool import kv_router, metric, routing_file
 from support.pd import PDPair, pd_workers
 from support.results import publish
+from support.step_log import decode_step_figures, read_steps
 from support.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400)]
@@ -84,8 +101,34 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400)]
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_synthetic.jsonl"
 BLOCK = 16
 BOUNDARY = 512  # uncached prompt tokens served colocated; more go through the prefill worker
-CACHE_BLOCKS = 512  # a fifth of the Mooncake replay's distinct prompt tokens a worker
-ENGINE = ["--max-num-batched-tokens", "512", "--max-num-seqs", "16"]
+# The Mooncake replay's length scale, chosen to fit the machine. The trace's prompts are
+# long (P50 14,590 tokens, up to 50,684), and what a hit on a long shared prefix saves
+# is a long prefill; shrunk to a few hundred tokens every request is mostly fixed cost
+# (router, tokenization, HTTP, a step) and a hit saves little. Its blocks are replayed
+# at 1/8 of their words: with the tiny model's small vocabulary (about 2.8 tokens a
+# word, not the 1.5 the scale assumes) prompts of P50 3,500 tokens, the longest
+# 12,163. The criterion: the largest scale whose longest prompt fits the model's
+# 16,384 positions (3/16 would reach 18k), with the pool below saturation at the
+# replay's 0.76 requests per second, its busiest engine under load-only routing at most
+# half busy (`engine_busy`: steps' time over the run's; measured 0.38). The reference's
+# one engine takes the whole pool's traffic (0.57 busy, and a queue): it measures what
+# a cache finds, not latency. At 1/16, the scale before, prompts were P50 1,700 tokens.
+MOONCAKE_LENGTH_SCALE = float(os.environ.get("PDSERVE_BENCH_KV_LENGTH_SCALE", str(1 / 8)))
+OTHER_LENGTH_SCALE = 1 / 16  # the multi-turn chat's blocks (its prompts grow turn by turn)
+# A worker's cache holds a fifth of the Mooncake replay's distinct prompt tokens at the
+# scale of 1/16 (8,192 of 45k); it grows with the length scale, so that the share stays.
+CACHE_BLOCKS_AT_1_16 = 512
+# At DEBUG the workers log every step's chunks and duration (a line or two a step):
+# what the requests decoding beside a prompt's chunk waited (`support.step_log`).
+ENGINE = ["--max-num-batched-tokens", "512", "--max-num-seqs", "16", "--log-level", "debug"]
+
+
+def cache_blocks_at(length_scale: float) -> int:
+    """Blocks of a worker's KV cache for a replay at `length_scale`."""
+    return round(CACHE_BLOCKS_AT_1_16 * length_scale * 16)
+
+
+CACHE_BLOCKS = cache_blocks_at(OTHER_LENGTH_SCALE)
 
 
 def worker_args(cache_blocks: int = CACHE_BLOCKS) -> list[str]:
@@ -113,7 +156,8 @@ REQUESTS = int(os.environ.get("PDSERVE_BENCH_KV_REQUESTS", "90"))
 TRACE_PREFIX_SHARE = 0.02
 TRACE_TIME_SCALE = 0.12
 # Disaggregated, one prefill worker (one thread) prefills every long prompt: half the
-# rate keeps hand-offs well inside their lease on this machine.
+# rate keeps hand-offs inside their lease on this machine (no failure), though at the
+# 1/8 length scale that worker still queues (TTFT P99 6-9 s on the first 40 requests).
 PD_SLOWER = 2.0
 WORKLOADS = ("mooncake", "multi-turn", "no-sharing")
 
@@ -124,12 +168,12 @@ def workloads(url: str, slower: float = 1.0) -> dict[str, BenchConfig]:
     return {
         "mooncake": BenchConfig(
             trace=TRACE, trace_prefix_share=TRACE_PREFIX_SHARE, num_requests=REQUESTS,
-            trace_time_scale=TRACE_TIME_SCALE * slower, trace_length_scale=1 / 16,
+            trace_time_scale=TRACE_TIME_SCALE * slower, trace_length_scale=MOONCAKE_LENGTH_SCALE,
             max_output_tokens=32, **common,
         ),
         "multi-turn": BenchConfig(
             workload="multi-turn", rate=0.4 / slower, num_requests=REQUESTS,
-            trace_length_scale=1 / 16, **common,
+            trace_length_scale=OTHER_LENGTH_SCALE, **common,
         ),
         "no-sharing": BenchConfig(
             workload="chat", rate=1.5 / slower, num_requests=REQUESTS, vocab_size=4000,
@@ -141,12 +185,12 @@ def workloads(url: str, slower: float = 1.0) -> dict[str, BenchConfig]:
 @contextlib.contextmanager
 def front(
     kind: str, workers: PDPair, model_dir: Path, folder: Path, boundary: int | None = BOUNDARY
-) -> Iterator[str]:
-    """The router under test in front of the workers: its URL."""
+) -> Iterator[Front]:
+    """The router under test in front of the workers."""
     decodes = [w.url for w in workers.decode]
     if kind == "vllm-router cache_aware":
-        with vllm_router(decodes, folder / "vllm-router.log") as url:
-            yield url
+        with vllm_router(decodes, folder / "vllm-router.log") as peer:
+            yield peer
         return
     prefills = [w.url for w in workers.prefill]
     table = routing_file(folder, model_dir, decodes, prefills, policy=kind, boundary=boundary)
@@ -156,7 +200,15 @@ def front(
         if kind == "kv-aware":
             expected = len(decodes) + len(prefills)
             wait_until(lambda: synced(router, expected), 60, "the KV feeds")
-        yield router.url
+        yield Front(router.url, router.process.pid)
+
+
+@dataclass(frozen=True)
+class Front:
+    """A router in front of the workers: where it listens, its process."""
+
+    url: str
+    pid: int
 
 
 def synced(router: ServerProcess, expected: int) -> bool:
@@ -165,7 +217,7 @@ def synced(router: ServerProcess, expected: int) -> bool:
 
 
 @contextlib.contextmanager
-def vllm_router(decodes: list[str], log: Path) -> Iterator[str]:
+def vllm_router(decodes: list[str], log: Path) -> Iterator[Front]:
     """vllm-router with its cache_aware policy over the decode workers."""
     port = free_port()
     program = Path(sys.executable).parent / "vllm-router"
@@ -180,7 +232,7 @@ def vllm_router(decodes: list[str], log: Path) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: answers(f"{url}/v1/models"), 120, "vllm-router to answer")
-        yield url
+        yield Front(url, process.pid)
     finally:
         process.terminate()
         try:
@@ -221,6 +273,7 @@ def row(
     workload: str, router: str, result: BenchResult, workers: PDPair, seen: int | None
 ) -> dict[str, Any]:
     overall = result.metrics.overall
+    duration = result.metrics.duration_s or 1.0
     figures = prefix_figures(result.records)
     moved = sum(metric(w.url, "pdserve_kv_transfer_bytes_total") for w in workers.prefill)
     kept = sum(metric(w.url, "pdserve_kv_transfer_saved_bytes_total") for w in workers.decode)
@@ -247,7 +300,7 @@ def row(
         "found_of_seen": cached / seen if seen else None,
         # What a worker's cache holds against the replay's distinct prompt tokens.
         "cache_of_distinct": (
-            cache_blocks(router) * BLOCK / (figures.prompt_tokens - seen)
+            cache_blocks(workload, router) * BLOCK / (figures.prompt_tokens - seen)
             if figures and seen is not None and figures.prompt_tokens > seen
             else None
         ),
@@ -267,12 +320,45 @@ def row(
             "pdserve_request_queue_time_seconds_sum",
             "pdserve_request_queue_time_seconds_count",
         ),
+        # Each decode worker's steps' time over the run's (how far from saturation it
+        # ran), and what its step-cost model learned (what KV-aware scoring weighs).
+        "engine_busy_by_decode": "/".join(
+            f"{metric(w.url, 'pdserve_engine_step_duration_seconds_sum') / duration:.2f}"
+            for w in workers.decode
+        ),
+        **learned_costs(workers),
     }
 
 
-def cache_blocks(router: str) -> int:
-    """Blocks of each decode worker's KV cache in a run of `router`."""
-    return 2 * CACHE_BLOCKS if router == REFERENCE else CACHE_BLOCKS
+def learned_costs(workers: PDPair) -> dict[str, str]:
+    """Each decode worker's published step costs: microseconds per prompt token,
+    milliseconds a step's fixed cost and per decoding request."""
+    costs = [load_report(w.url).get("step_costs") or {} for w in workers.decode]
+
+    def each(name: str, unit: float) -> str:
+        return "/".join(f"{c[name] * unit:.3g}" if name in c else "-" for c in costs)
+
+    return {
+        "prefill_us_per_token_by_decode": each("prefill_token_s", 1e6),
+        "step_base_ms_by_decode": each("base_s", 1e3),
+        "decode_ms_per_request_by_decode": each("decode_token_s", 1e3),
+    }
+
+
+def load_report(url: str) -> dict[str, Any]:
+    """A worker's GET /load."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/load", timeout=10) as answer:
+        body: dict[str, Any] = json.load(answer)
+    return body
+
+
+def cache_blocks(workload: str, router: str = "") -> int:
+    """Blocks of each worker's KV cache on `workload`: the reference's decode worker
+    holds both decode workers' blocks."""
+    scale = MOONCAKE_LENGTH_SCALE if workload == "mooncake" else OTHER_LENGTH_SCALE
+    return (2 if router == REFERENCE else 1) * cache_blocks_at(scale)
 
 
 def against_reference(rows: list[dict[str, Any]]) -> None:
@@ -367,18 +453,44 @@ def compare(
             with (
                 pd_workers(
                     model_dir, folder, "nixl", prefills=1, decodes=decodes,
-                    prefill_args=WORKER_ARGS, decode_args=worker_args(cache_blocks(router)),
+                    prefill_args=worker_args(cache_blocks(workload)),
+                    decode_args=worker_args(cache_blocks(workload, router)),
                 ) as workers,
                 front(
                     routed, workers, model_dir, folder, None if router == REFERENCE else boundary
-                ) as url,
+                ) as served,
             ):  # fmt: skip
-                config = workloads(url, slower)[workload]
+                config = workloads(served.url, slower)[workload]
+                processes = {"router": served.pid} | {
+                    f"decode {i}": w.process.pid for i, w in enumerate(workers.decode)
+                }
+                before = {name: cpu_seconds(pid) for name, pid in processes.items()}
                 result = run_benchmark(config)
+                cpu = {name: _spent(before[name], pid) for name, pid in processes.items()}
                 found = row(workload, router, result, workers, seen_before(config, tokenizer))
-                rows.append(found | (decided(url) if router == "kv-aware" else {}))
+                found |= cpu_figures(cpu, result) | decode_step_figures(
+                    step for w in workers.decode for step in read_steps(w.log_path)
+                )
+                rows.append(found | (decided(served.url) if router == "kv-aware" else {}))
     against_reference(rows)
     return rows
+
+
+def _spent(before: float | None, pid: int) -> float | None:
+    after = cpu_seconds(pid)
+    return None if before is None or after is None else after - before
+
+
+def cpu_figures(cpu: dict[str, float | None], result: BenchResult) -> dict[str, Any]:
+    """CPU the router spent per request (KV routing's own cost shows against load
+    only's), and each decode worker's CPU seconds over the run (its KV event feed's
+    among them)."""
+    router = cpu.pop("router")
+    requests = max(1, len(result.records))
+    return {
+        "router_cpu_ms_per_request": None if router is None else router * 1000 / requests,
+        "decode_cpu_s": "/".join("-" if s is None else f"{s:.1f}" for s in cpu.values()),
+    }
 
 
 def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -411,7 +523,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if not a or not b else a / b
 
 
-LENGTHS = (256, 512, 1024)  # prompt tokens of the TTFT breakdown
+# Prompts of the TTFT breakdown, in blocks of the Mooncake replay (text, as it sends):
+# about 500, 2,000 and 3,500 tokens (the replay's P50 at its length scale).
+PROMPT_BLOCKS = (4, 16, 29)
 REPEATS = 3
 
 
@@ -420,29 +534,34 @@ def test_ttft_parts_cold_against_cached(
     model: str, tiny_model_dir: Path, prefill_heavy_model_dir: Path, tmp_path: Path
 ) -> None:
     """What a prefix hit can save, one request at a time (no queueing): TTFT of a
-    prompt computed whole (cold) against the same prompt again (all but its last
+    text prompt computed whole (cold) against the same prompt again (all but its last
     token cached), straight to the decode worker and through the KV-aware router,
     and the minimum a one-token prompt takes (the step and HTTP floor). KV-aware
-    routing can only cut TTFT by what a hit saves here plus the queueing it avoids."""
+    routing can only cut TTFT by what a hit saves here plus the queueing it avoids.
+    Beside them, what the router's own work on such a prompt costs, timed in this
+    process: tokenizing it (the worker does it again), hashing its blocks and looking
+    them up in an index of two workers (KV routing's own cost)."""
     model_dir = tiny_model_dir if model == "tiny" else prefill_heavy_model_dir
-    rng = np.random.default_rng(0)
+    tokenizer = Tokenizer.from_dir(model_dir)
     rows = []
     with (
         pd_workers(
             model_dir, tmp_path, "nixl", prefills=1, decodes=1,
             prefill_args=WORKER_ARGS, decode_args=WORKER_ARGS,
         ) as workers,
-        front("kv-aware", workers, model_dir, tmp_path, None) as router,
+        front("kv-aware", workers, model_dir, tmp_path, None) as served,
     ):  # fmt: skip
         worker = workers.decode[0].url
         floor = [_seconds_to_answer(worker, [7]) for _ in range(REPEATS + 1)][1:]
-        for length in LENGTHS:
-            cold, hit, routed = [], [], []
-            for _ in range(REPEATS):
-                prompt = [int(t) for t in rng.integers(10, 4000, length)]
+        for blocks in PROMPT_BLOCKS:
+            cold, hit, routed, prompts = [], [], [], []
+            for repeat in range(REPEATS):
+                prompt = _text_prompt(blocks, repeat)
+                prompts.append(prompt)
                 cold.append(_seconds_to_answer(worker, prompt))
                 hit.append(_seconds_to_answer(worker, prompt))
-                routed.append(_seconds_to_answer(router, prompt))
+                routed.append(_seconds_to_answer(served.url, prompt))
+            length = len(tokenizer.encode(prompts[0]))
             rows.append(
                 {
                     "model": model,
@@ -455,12 +574,48 @@ def test_ttft_parts_cold_against_cached(
                     "prefill_ms_per_token": float(np.median(cold) - np.median(hit))
                     * 1000
                     / (length - BLOCK),
+                    **router_parts_ms(tokenizer, prompts),
                 }
             )
     publish(f"kv_ttft_parts_{model}", rows)
 
 
-def _seconds_to_answer(url: str, prompt: list[int]) -> float:
+def _text_prompt(blocks: int, repeat: int) -> str:
+    """A prompt of `blocks` Mooncake blocks at the replay's length scale, its blocks
+    drawn apart from every other prompt's."""
+    ids = tuple(range(1_000_000 * (repeat + 1), 1_000_000 * (repeat + 1) + blocks))
+    row = PrefixRow(0.0, ids, blocks * TRACE_BLOCK_TOKENS, 1)
+    return prompt_text(blocks, row, MOONCAKE_LENGTH_SCALE)
+
+
+def router_parts_ms(tokenizer: Tokenizer, prompts: list[str]) -> dict[str, float]:
+    """Median milliseconds the router spends on a prompt of `prompts` before it
+    forwards it: tokenizing it, hashing its blocks, looking them up in an index where
+    one of two workers holds them all."""
+    tokenize, hashing, lookup = [], [], []
+    for prompt in prompts:
+        started = time.perf_counter()
+        ids = tokenizer.encode(prompt)
+        tokenized = time.perf_counter()
+        keys = [block_key(h) for h in prefix_hashes(ids, BLOCK)]
+        hashed = time.perf_counter()
+        index = KVIndex()
+        index.replace("held", keys, capacity=len(keys))
+        index.replace("other", [], capacity=len(keys))
+        looked_up = time.perf_counter()
+        index.cached_blocks(keys)
+        done = time.perf_counter()
+        tokenize.append(tokenized - started)
+        hashing.append(hashed - tokenized)
+        lookup.append(done - looked_up)
+    return {
+        "router_tokenize_ms": float(np.median(tokenize)) * 1000,
+        "router_kv_hash_ms": float(np.median(hashing)) * 1000,
+        "router_kv_lookup_ms": float(np.median(lookup)) * 1000,
+    }
+
+
+def _seconds_to_answer(url: str, prompt: list[int] | str) -> float:
     """Seconds a one-token completion of `prompt` takes (its TTFT, sent whole)."""
     import urllib.request
 

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from pdserve.operator import api, render
+from support.cpu import cpu_seconds
 from support.fake_server import fake_server
 from support.network import free_port
 from support.results import publish
@@ -99,16 +100,6 @@ def most_requests_per_second(urls: dict[str, str]) -> dict[str, float]:
         for name, url in urls.items():
             done[name] += asyncio.run(completed_in(url, seconds))
     return {name: count / LOAD_SECONDS for name, count in done.items()}
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User and system CPU time of process `pid` so far (None where /proc is not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()  # after the command's name, which may hold spaces
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def measure(

@@ -1,0 +1,82 @@
+"""A worker's steps as its DEBUG step logs tell them (`pdserve.workers.engine.steps`:
+the chunks a step ran; `pdserve.workers.engine.step_timing`: what it took), and what
+they did to the requests decoding in them: every decoding request waits for its step,
+so a step that also ran a prompt's chunk is a long gap in each of their streams."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+_CHUNKS = re.compile(r"engine\.steps: step (?P<chunks>.*)$")
+_TIMING = re.compile(r"engine\.step_timing: .* took=(?P<took>[\d.]+)ms")
+_CHUNK = re.compile(r"^(?P<request>.+)@(?P<start>\d+)\+(?P<tokens>\d+)$")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step: the requests it decoded, the prompt tokens it computed and how deep
+    into their prompts (the last position of its deepest chunk), and its duration."""
+
+    decodes: int
+    prompt_tokens: int
+    depth: int
+    took_ms: float
+
+
+def read_steps(log: Path) -> list[Step]:
+    """The steps a worker's log tells (warm-up steps left out)."""
+    steps: list[Step] = []
+    chunks: list[tuple[str, int, int]] | None = None
+    for line in log.read_text(errors="replace").splitlines():
+        if found := _CHUNKS.search(line):
+            chunks = _parse_chunks(found["chunks"])
+        elif (timed := _TIMING.search(line)) and chunks is not None:
+            if not any(request.startswith("warm-up") for request, _, _ in chunks):
+                steps.append(_step(chunks, float(timed["took"])))
+            chunks = None
+    return steps
+
+
+def _parse_chunks(text: str) -> list[tuple[str, int, int]]:
+    parsed = []
+    for chunk in text.split():
+        if found := _CHUNK.match(chunk):
+            parsed.append((found["request"], int(found["start"]), int(found["tokens"])))
+    return parsed
+
+
+def _step(chunks: list[tuple[str, int, int]], took_ms: float) -> Step:
+    # A decode computes one token past its prompt; a prompt's chunk computes more (a
+    # one-token prompt chunk counts as a decode: it waits the same).
+    prompt = [(start, tokens) for _, start, tokens in chunks if tokens > 1]
+    return Step(
+        decodes=len(chunks) - len(prompt),
+        prompt_tokens=sum(tokens for _, tokens in prompt),
+        depth=max((start + tokens for start, tokens in prompt), default=0),
+        took_ms=took_ms,
+    )
+
+
+def decode_step_figures(steps: Iterable[Step]) -> dict[str, float | None]:
+    """What decoding requests waited for, per token decoded: the share of decode tokens
+    whose step also ran a prompt's chunk, the P99 of their steps' durations (the
+    engine's own part of ITL P99), and the mean depth of the chunks beside them."""
+    waits, beside, depths = [], [], []
+    for step in steps:
+        waits += [step.took_ms] * step.decodes
+        if step.prompt_tokens:
+            beside += [step.took_ms] * step.decodes
+            depths += [step.depth] * step.decodes
+    if not waits:
+        return {"decode_tokens_beside_prompt": None, "decode_step_p99_ms": None,
+                "depth_beside_decodes": None}  # fmt: skip
+    return {
+        "decode_tokens_beside_prompt": len(beside) / len(waits),
+        "decode_step_p99_ms": float(np.percentile(waits, 99)),
+        "depth_beside_decodes": float(np.mean(depths)) if depths else 0.0,
+    }
