@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
@@ -73,12 +73,18 @@ class FakeApi:
         return copy.deepcopy(self.pool) if kind == kube.SERVING_POOL else None
 
     async def list_objects(
-        self, kind: kube.Kind, namespace: str | None, label_selector: str | None = None
+        self,
+        kind: kube.Kind,
+        namespace: str | None,
+        label_selector: str | None = None,
+        keep: Callable[[Obj], Obj] | None = None,
     ) -> list[Obj]:
         self.requests.append(f"list {kind.kind}")
         if kind == kube.SERVING_POOL:
-            return [] if self.pool is None else [copy.deepcopy(self.pool)]
-        return [copy.deepcopy(o) for o in self.objects.values() if o["kind"] == kind.kind]
+            listed = [] if self.pool is None else [copy.deepcopy(self.pool)]
+        else:
+            listed = [copy.deepcopy(o) for o in self.objects.values() if o["kind"] == kind.kind]
+        return listed if keep is None else [keep(obj) for obj in listed]
 
     async def patch_status(
         self, namespace: str, name: str, uid: str, status: Mapping[str, Any]

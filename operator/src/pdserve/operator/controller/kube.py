@@ -12,7 +12,7 @@ import json
 import os
 import ssl
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -350,11 +350,16 @@ class KubeClient:
         )
 
     async def list_objects(
-        self, kind: Kind, namespace: str | None, label_selector: str | None = None
+        self,
+        kind: Kind,
+        namespace: str | None,
+        label_selector: str | None = None,
+        keep: Callable[[Obj], Obj] | None = None,
     ) -> list[Obj]:
         """Every object of a kind in a namespace (every namespace: None), read in pages;
         each carries its kind and apiVersion, which list answers leave out of items.
-        [] when the kind is not served."""
+        [] when the kind is not served. `keep` makes what is kept of each object as its
+        page arrives, so a list of thousands never holds them whole at once."""
         params = {"limit": str(LIST_PAGE)}
         if label_selector:
             params["labelSelector"] = label_selector
@@ -366,8 +371,10 @@ class KubeClient:
             if answer is None:
                 return []
             head = {"apiVersion": kind.api_version, "kind": kind.kind}
-            items.extend({**head, **item} for item in answer.get("items", []))
             more = answer.get("metadata", {}).get("continue")
+            page = ({**head, **item} for item in answer.pop("items", None) or ())
+            items.extend(page if keep is None else map(keep, page))
+            del answer, page  # this page's whole objects go before the next is read
             if not more:
                 return items
             params = {**params, "continue": more}

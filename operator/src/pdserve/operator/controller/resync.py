@@ -27,7 +27,7 @@ from typing import Any
 
 from pdserve.operator import api, render
 from pdserve.operator.controller import kube
-from pdserve.operator.controller.cache import ClusterCache, PoolKey, pool_key
+from pdserve.operator.controller.cache import ClusterCache, PoolKey, cached_copy, pool_key
 from pdserve.operator.controller.kube import ApiError, KubeClient
 from pdserve.operator.controller.reconcile import Reconciler
 
@@ -230,7 +230,7 @@ class Resync:
         selector = f"{render.POOL_LABEL}={name}"
         children = []
         for kind in kube.WATCHED_KINDS:
-            children += await self._client.list_objects(kind, namespace, selector)
+            children += await self._client.list_objects(kind, namespace, selector, cached_copy)
         return pool, children
 
     async def refresh_cache(self) -> tuple[list[Obj], dict[PoolKey, list[Obj]]]:
@@ -241,13 +241,18 @@ class Resync:
         return pools, children
 
     async def _read_all(self) -> tuple[list[Obj], dict[PoolKey, list[Obj]]]:
-        """Every pool, and every child by its pool's key, in the watched namespaces."""
+        """Every pool, and every child by its pool's key, in the watched namespaces, as
+        the cache keeps them (a resync over thousands of pools would otherwise hold every
+        pod's spec and every object's managedFields at once: the operator's peak memory)."""
         pools: list[Obj] = []
         children: dict[PoolKey, list[Obj]] = defaultdict(list)
         for namespace in self._namespaces:
-            pools += await self._client.list_objects(kube.SERVING_POOL, namespace)
+            pools += await self._client.list_objects(kube.SERVING_POOL, namespace, keep=cached_copy)
             for kind in kube.WATCHED_KINDS:
-                for obj in await self._client.list_objects(kind, namespace, render.POOL_LABEL):
+                listed = await self._client.list_objects(
+                    kind, namespace, render.POOL_LABEL, cached_copy
+                )
+                for obj in listed:
                     meta = obj["metadata"]
                     children[meta["namespace"], meta["labels"][render.POOL_LABEL]].append(obj)
         return pools, children
