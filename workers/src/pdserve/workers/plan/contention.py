@@ -75,7 +75,8 @@ def measure_contention(
             for pipe in pipes[:count]:
                 pipe.send(level_s)
             steps: list[list[tuple[float, float]]] = [p.recv() for p in pipes[:count]]
-            medians.append(statistics.median(pair_median(pairs) for pairs in steps))
+            # A worker whose first pair outlasted the level (a slow machine) has none.
+            medians.append(statistics.median(pair_median(pairs) for pairs in steps if pairs))
             spreads.append((count, level_spread(steps)))
             progress(f"profile: {count} workers stepping together: {medians[-1] * 1e3:.1f} ms")
     finally:
