@@ -60,6 +60,11 @@ def test_profile_sweeps_the_engine_and_the_simulator_runs_on_it(
     together = [count for count, _ in profile.contention.samples]
     assert together == list(levels(profile.cores, profile.threads))
     assert profile.contention.samples[0] == (1, 1.0)
+    # Each level's steps spread around their typical time: the typical step at 1.
+    assert [level for level, _ in profile.contention.spreads] == together
+    for _, spread in profile.contention.spreads:
+        assert spread.samples > 0
+        assert spread.quantiles[0] <= 1.0 <= spread.quantiles[-1]
 
     # Simulated time costs next to nothing: a drain long enough for a profile taken on
     # the slowest machine lets every request finish, whatever the steps cost.

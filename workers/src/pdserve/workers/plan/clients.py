@@ -6,20 +6,31 @@ this CPU is taken from their cores (`hosts`).
 
 The run of single-token answers also times what a request pays on its way in and its
 first token's way out, through the router as the bench sees it: each request's time
-to its first token less the predicted compute of its prompt's one step."""
+to its first token less the predicted compute of its prompt's one step. A last run of
+single-token answers goes while a few streams decode on the worker (sent to it
+directly): there the request also waits for the step under way (half a decode step,
+typically) and its prompt shares its step with their decodes, and what is left beyond
+those is a request's overhead on a busy worker: its way in and out now competes with
+the worker's own streaming and its steps."""
 
 from __future__ import annotations
 
 import json
 import os
 import statistics
+import threading
+import time
+import urllib.request
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from pdserve.base.process import ServerProcess, start_server
-from pdserve.workers.bench.config import BenchConfig
+from pdserve.protocol.internal import bearer, read_credential
+from pdserve.workers.bench.config import FIRST_PROMPT_TOKEN_ID, BenchConfig
 from pdserve.workers.bench.records import RequestRecord
 from pdserve.workers.bench.runner import run_benchmark
 from pdserve.workers.engine.step_cost import StepFeatures
@@ -30,13 +41,29 @@ RATE = 8.0  # requests per second
 ANSWER_TOKENS = (1, 32)  # the most tokens a request of each run asks for
 PROMPT_TOKENS = 64  # the most prompt tokens (short: the worker is not what is timed)
 VOCAB = 256  # token ids the prompts draw from (any model has them)
+REQUEST_TIMEOUT_S = 120.0
+# The streams decoding on the worker while the busy overhead is timed, each of prompts
+# and answers of these lengths, one after another until the run is over.
+BUSY_STREAMS = 4
+BUSY_PROMPT_TOKENS = 32
+BUSY_OUTPUT_TOKENS = 48
+BUSY_WARM_UP_S = 0.5
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """A request's overhead through the router on an idle and on a busy worker (None:
+    no request answered)."""
+
+    idle_s: float | None
+    busy_s: float | None
 
 
 def measure_client_cost(
     model: Path, decode_url: str, credential: Path, scratch: Path, cost: StepCost
-) -> tuple[ClientCost, float | None]:
-    """Route two runs through a router to the decode worker at `decode_url`: the
-    client cost, and a request's overhead through the router (None: none answered)."""
+) -> tuple[ClientCost, Overheads]:
+    """Route runs through a router to the decode worker at `decode_url`: the client
+    cost, and a request's overhead through the router on the worker idle and busy."""
     table = {
         "pool": "profile",
         "model": {"name": str(model), "path": str(model)},
@@ -49,26 +76,82 @@ def measure_client_cost(
         "router", scratch / "router.log", ["--config", str(config),
                                            "--internal-token-file", str(credential)],
     )  # fmt: skip
+    headers = {"Content-Type": "application/json", **bearer(read_credential(credential))}
     try:
         router.wait_ready()
         runs = [_run(router, tokens) for tokens in ANSWER_TOKENS]
+        busy = _busy_run(router, decode_url, headers)
     finally:
         router.stop()
     samples = tuple(sample for sample, _ in runs)
-    return _fit(samples), request_overhead_s(runs[0][1], cost)
+    overheads = Overheads(
+        request_overhead_s(runs[0][1], cost), request_overhead_s(busy, cost, BUSY_STREAMS)
+    )
+    return _fit(samples), overheads
 
 
-def request_overhead_s(records: Sequence[RequestRecord], cost: StepCost) -> float | None:
+def request_overhead_s(
+    records: Sequence[RequestRecord], cost: StepCost, decodes: int = 0
+) -> float | None:
     """The median of each answered request's time to its first token less the
-    predicted compute of its prompt in one step (never below zero)."""
+    predicted compute of its prompt in one step beside `decodes` decodes, and of half
+    a decode-only step before it where there are decodes (never below zero)."""
+    context = BUSY_PROMPT_TOKENS + BUSY_OUTPUT_TOKENS // 2  # the decodes' keys, mid-run
+    waited = 0.0
+    if decodes:
+        waited = cost.seconds(StepFeatures(decodes, 0, decodes * context, 0)) / 2
     beyond = [
-        record.chunk_times[0] - record.sent_at
-        - cost.seconds(StepFeatures(prefill_tokens=record.input_tokens,
-                                    prefill_keys=record.input_tokens**2))
+        record.chunk_times[0] - record.sent_at - waited
+        - cost.seconds(StepFeatures(decodes, record.input_tokens, decodes * context,
+                                    record.input_tokens**2))
         for record in records
         if record.ok and record.sent_at is not None
     ]  # fmt: skip
     return max(0.0, statistics.median(beyond)) if beyond else None
+
+
+def _busy_run(
+    router: ServerProcess, decode_url: str, headers: dict[str, str]
+) -> list[RequestRecord]:
+    """The records of single-token answers through the router while BUSY_STREAMS
+    streams decode on the worker."""
+    stop = threading.Event()
+
+    def stream_on(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        while not stop.is_set():
+            prompt = rng.integers(FIRST_PROMPT_TOKEN_ID, VOCAB, BUSY_PROMPT_TOKENS).tolist()
+            stream_times(decode_url, prompt, headers, BUSY_OUTPUT_TOKENS)
+
+    with ThreadPoolExecutor(BUSY_STREAMS) as pool:
+        streams = [pool.submit(stream_on, seed) for seed in range(BUSY_STREAMS)]
+        try:
+            time.sleep(BUSY_WARM_UP_S)  # the streams are decoding
+            _, records = _run(router, 1)
+        finally:
+            stop.set()
+        for stream in streams:
+            stream.result()
+    return records
+
+
+def stream_times(
+    url: str, prompt: list[int], headers: dict[str, str], max_tokens: int
+) -> list[float]:
+    """When each event of a streamed completion from `url` arrived."""
+    body = {
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "stream": True,
+    }  # fmt: skip
+    request = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), headers, method="POST"
+    )
+    times: list[float] = []
+    with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as answer:
+        for line in answer:
+            if line.startswith(b"data:") and not line.startswith(b"data: [DONE]"):
+                times.append(time.perf_counter())
+    return times
 
 
 def _run(

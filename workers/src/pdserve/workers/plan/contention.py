@@ -5,7 +5,9 @@ and threads, as the sweep's); each repeats one mixed step (a decode batch and a
 prefill chunk) and one decode-only step. First one worker alone, then two together,
 and so on to one more worker than the cores hold: each level's median step time over
 the lone worker's is the slowdown, and the contention model's slope is the one whose
-predictions come closest to the slowdowns measured (`costs.Contention`)."""
+predictions come closest to the slowdowns measured (`costs.Contention`). Each level's
+steps, each over the median of its kind there, are that level's spread: the steps
+that waited out another's time slice."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.workers.engine.engine import LLMEngine
-from pdserve.workers.plan.costs import Contention
+from pdserve.workers.plan.costs import Contention, StepSpread
 from pdserve.workers.plan.scenario import role_setup
 from pdserve.workers.plan.sweep import Sweep, SweepPoint, worker_threads
 
@@ -68,10 +70,14 @@ def measure_contention(
                 raise RuntimeError("a contention worker did not start")
             pipe.recv()
         medians: list[float] = []
+        spreads: list[tuple[int, StepSpread]] = []
         for count in counts:
             for pipe in pipes[:count]:
                 pipe.send(level_s)
-            medians.append(statistics.median(statistics.median(p.recv()) for p in pipes[:count]))
+            steps: list[list[tuple[float, float]]] = [p.recv() for p in pipes[:count]]
+            # A worker whose first pair outlasted the level (a slow machine) has none.
+            medians.append(statistics.median(pair_median(pairs) for pairs in steps if pairs))
+            spreads.append((count, level_spread(steps)))
             progress(f"profile: {count} workers stepping together: {medians[-1] * 1e3:.1f} ms")
     finally:
         for pipe in pipes:
@@ -83,7 +89,27 @@ def measure_contention(
                 process.kill()
     slowdowns = (median / medians[0] for median in medians)
     samples = tuple(zip(counts, slowdowns, strict=True))
-    return Contention(slope=fit_slope(samples, cores, threads), samples=samples)
+    return Contention(
+        slope=fit_slope(samples, cores, threads), samples=samples, spreads=tuple(spreads)
+    )
+
+
+def pair_median(pairs: Sequence[tuple[float, float]]) -> float:
+    """The median time of a worker's pairs of steps (a mixed one and a decode-only one)."""
+    return statistics.median(chunk + decode for chunk, decode in pairs)
+
+
+def level_spread(steps: Sequence[Sequence[tuple[float, float]]]) -> StepSpread:
+    """The spread of one level's steps: each worker's mixed and decode-only steps, each
+    over the median of its kind on that worker."""
+    ratios: list[float] = []
+    for pairs in steps:
+        for kind in range(2):
+            times = [pair[kind] for pair in pairs]
+            if times:
+                typical = statistics.median(times)
+                ratios += [seconds / typical for seconds in times]
+    return StepSpread.of(ratios)
 
 
 def fit_slope(samples: Sequence[tuple[int, float]], cores: int, threads: int) -> float:

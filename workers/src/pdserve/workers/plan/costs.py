@@ -7,6 +7,12 @@ non-negative; a serving worker adds a fixed time per step and a time per token i
 streams. A hand-off costs a fixed time plus a time per byte of KV sent; a request
 pays a fixed overhead on its way in (HTTP, tokenization, the router's hop).
 
+A step's time is not the same twice: the machine's other threads take the cores for
+a time slice now and then, a step that waits out such a slice runs several times its
+usual time, and the latency tails users see are those steps. The profile keeps the
+measured spread (`StepSpread`: each measured step over the typical one), and the
+simulator draws each step's from it with a fixed seed.
+
 Workers that share a machine's cores slow each other down: a step runs longer by the
 contention while it runs (the threads computing beside it, and the CPU the router and
 the load generator spend on requests and streamed tokens), as the profile measured
@@ -16,9 +22,12 @@ on this machine with workers stepping together.
 from __future__ import annotations
 
 import json
+import random
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdserve.protocol.api_errors import validation_message
@@ -102,6 +111,40 @@ class StepSample(_Model):
         )
 
 
+# The points of a spread kept in a profile: its quantiles at these probabilities.
+SPREAD_POINTS = 101
+
+
+class StepSpread(_Model):
+    """How far steps run from their typical time: quantiles (at evenly spaced
+    probabilities from 0 to 1) of measured step time over the median of steps that
+    compute the same, so the typical step keeps its predicted time and the slow ones
+    come out slow. Empty: every step takes its predicted time."""
+
+    quantiles: tuple[float, ...] = ()
+    samples: int = Field(default=0, ge=0)  # steps it was measured on
+
+    @classmethod
+    def of(cls, ratios: Sequence[float]) -> StepSpread:
+        """The spread of measured ratios (step time over its typical time)."""
+        kept = [ratio for ratio in ratios if ratio > 0]
+        if not kept:
+            return cls()
+        points = np.quantile(np.asarray(kept), np.linspace(0.0, 1.0, SPREAD_POINTS))
+        return cls(quantiles=tuple(float(point) for point in points), samples=len(kept))
+
+    def draw(self, rng: random.Random) -> float:
+        """One step's time over its typical time, drawn from the spread (1: none)."""
+        if not self.quantiles:
+            return 1.0
+        if len(self.quantiles) == 1:
+            return self.quantiles[0]
+        position = rng.random() * (len(self.quantiles) - 1)
+        below = int(position)
+        low, high = self.quantiles[below], self.quantiles[min(below + 1, len(self.quantiles) - 1)]
+        return low + (high - low) * (position - below)
+
+
 class HandoffCost(_Model):
     """A hand-off's time beyond the prefill's compute: fixed plus per byte of KV."""
 
@@ -127,6 +170,10 @@ class ServingOverhead(_Model):
     per_token_s: float = Field(default=0.0, ge=0)
     # (streams decoding together, seconds each step took beyond its compute).
     samples: tuple[tuple[int, float], ...] = ()
+    # The gaps those streams saw, each over the median gap of its batch: a serving
+    # worker's steps as its clients see them (its own server's thread, the clients
+    # reading, the machine's other work taking a slice now and then).
+    spread: StepSpread = StepSpread()
 
     def seconds(self, tokens: int) -> float:
         """What a step that streams `tokens` tokens takes beyond its compute."""
@@ -145,12 +192,21 @@ class Contention(_Model):
     slope: float = Field(default=0.0, ge=0)
     # (workers stepping together, their step time over one worker's alone).
     samples: tuple[tuple[int, float], ...] = ()
+    # (workers stepping together, their steps' spread at that level), by level.
+    spreads: tuple[tuple[int, StepSpread], ...] = ()
 
     def stretch(self, demand: float, own: float, cores: int) -> float:
         """A step's time over its time alone, with `demand` busy threads on `cores`
         (its own `own` threads among them)."""
         shared = self.slope * max(0.0, demand - own) / cores
         return max(1.0 + shared, demand / max(cores, own))
+
+    def spread(self, workers: int) -> StepSpread:
+        """The spread of steps with `workers` stepping together: the highest level
+        measured up to it. None under two workers: a lone worker's own spread is the
+        one its serving measured (`ServingOverhead.spread`)."""
+        measured = [spread for level, spread in self.spreads if 2 <= level <= workers]
+        return measured[-1] if measured else StepSpread()
 
 
 class ClientCost(_Model):
@@ -183,9 +239,21 @@ class Profile(_Model):
     handoff: HandoffCost = HandoffCost()
     serving: ServingOverhead = ServingOverhead()
     request_overhead_s: float = Field(default=0.0, ge=0)
+    # The same with the decode worker already streaming to other clients (its server
+    # thread and its steps share the process with the new request's way in and out);
+    # None: not measured, the idle figure holds.
+    busy_request_overhead_s: float | None = Field(default=None, ge=0)
     startup_s: float | None = Field(default=None, ge=0)
     contention: Contention = Contention()
     clients: ClientCost = ClientCost()
+
+    def request_overhead(self, busy: bool) -> float:
+        """What a request pays on its way in and its first token on its way out,
+        beyond the steps, on a decode worker that is streaming to others (`busy`) or
+        not."""
+        if busy and self.busy_request_overhead_s is not None:
+            return self.busy_request_overhead_s
+        return self.request_overhead_s
 
 
 def load_profile(path: Path) -> Profile:

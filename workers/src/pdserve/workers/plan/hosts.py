@@ -4,10 +4,13 @@ worker, the router and the load generator on one machine's cores. There, the ste
 running at once share the cores: each step's work (its time alone) goes at the pace
 the contention of the moment allows (`costs.Contention`: the threads of every worker
 stepping, and the CPU the router and the clients spent over the last moment), and
-whenever a step starts or ends on the host the others' ends move accordingly."""
+whenever a step starts or ends on the host the others' ends move accordingly. A step
+that starts with others running draws its time from the spread measured with as many
+workers stepping together (`Contention.spread`), with the host's own fixed seed."""
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +22,8 @@ Placement = Literal["node-per-worker", "one-host"]
 PLACEMENTS: tuple[Placement, ...] = ("node-per-worker", "one-host")
 # The router's and the clients' CPU is spread over this window before a step.
 CLIENT_WINDOW_S = 1.0
+# The seed of the host's draws from the contention's step spread.
+SPREAD_SEED = "shared-host"
 
 # A step's time on its host, as foreseen at its start: (start, seconds alone) -> seconds.
 Pace = Callable[[float, float], float]
@@ -47,6 +52,7 @@ class SharedHost:
         self._steps: dict[str, _Step] = {}  # by worker
         self._client_work: deque[tuple[float, float]] = deque()  # (when, CPU seconds)
         self._client_cpu_s = 0.0  # of the work in the window
+        self._rng = random.Random(SPREAD_SEED)
 
     def pace(self, worker: str, threads: float, moved: Moved) -> Pace:
         """The pace of `worker`'s steps on `threads` threads; `moved` is told when a
@@ -54,7 +60,8 @@ class SharedHost:
 
         def started(start: float, alone_s: float) -> float:
             self._settle(start)
-            step = _Step(threads, alone_s, 1.0, start, moved)
+            spread = self.contention.spread(len(self._steps) + 1)
+            step = _Step(threads, alone_s * spread.draw(self._rng), 1.0, start, moved)
             self._steps[worker] = step
             self._rerate(start, started=worker)
             return step.work_s / step.rate

@@ -9,7 +9,8 @@ prefill worker does, then hands the KV over); the difference of the medians is t
 hand-off's time for that many bytes, fitted as fixed plus per byte. Then a few
 batches of streams decode together on the decode worker: the gaps they see, beyond
 the compute the step-cost model gives such a step, are what serving adds to a step,
-fitted as fixed plus per token streamed. Last, a router in front of the decode
+fitted as fixed plus per token streamed, and each gap over its batch's median is the
+spread of a serving worker's steps. Last, a router in front of the decode
 worker: the CPU it and the load generator spend per request and token, and a
 request's overhead as the bench sees it, through the router (`clients`).
 """
@@ -33,11 +34,16 @@ from pdserve.protocol.headers import PREFILL_URL_HEADER
 from pdserve.protocol.internal import bearer
 from pdserve.workers.bench.config import FIRST_PROMPT_TOKEN_ID
 from pdserve.workers.engine.step_cost import StepFeatures
-from pdserve.workers.plan.clients import measure_client_cost
-from pdserve.workers.plan.costs import ClientCost, HandoffCost, ServingOverhead, StepCost
+from pdserve.workers.plan.clients import REQUEST_TIMEOUT_S, measure_client_cost, stream_times
+from pdserve.workers.plan.costs import (
+    ClientCost,
+    HandoffCost,
+    ServingOverhead,
+    StepCost,
+    StepSpread,
+)
 from pdserve.workers.server.process import ServerProcess, start_worker
 
-REQUEST_TIMEOUT_S = 120.0
 REPEATS = 5
 # Streams decoding together, each with a prompt and an answer of these lengths; the
 # first gaps of each stream (its batch still prefilling) are left out.
@@ -56,6 +62,7 @@ class PairFigures:
     startup_s: float
     serving: ServingOverhead
     clients: ClientCost
+    busy_request_overhead_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -93,12 +100,13 @@ def measure_pair(
             decode.wait_ready()
             progress(f"profile: worker pair ready ({startup_s:.1f}s to start one worker)")
             figures = _measure(setup, cost, credential, prefill, decode, startup_s)
-            clients, overhead_s = measure_client_cost(
+            clients, overheads = measure_client_cost(
                 setup.model, decode.url, directory / "credential", directory, cost
             )
-            if overhead_s is None:  # no request answered through the router
-                return replace(figures, clients=clients)
-            return replace(figures, clients=clients, request_overhead_s=overhead_s)
+            figures = replace(figures, clients=clients, busy_request_overhead_s=overheads.busy_s)
+            if overheads.idle_s is None:  # no request answered through the router
+                return figures
+            return replace(figures, request_overhead_s=overheads.idle_s)
         finally:
             for worker in workers:
                 worker.stop()
@@ -146,38 +154,26 @@ def _serving_overhead(
     """The median gap of streams decoding together, beyond the step's predicted
     compute, per batch size; fitted as fixed plus per token streamed."""
     points: list[tuple[int, float]] = []
+    ratios: list[float] = []  # each gap over its batch's median gap
     context = STREAM_PROMPT_TOKENS + STREAM_OUTPUT_TOKENS // 2  # a decode's keys, mid-run
+    tokens = STREAM_OUTPUT_TOKENS
     for streams in STREAMS:
         prompts = [
             rng.integers(FIRST_PROMPT_TOKEN_ID, setup.vocab, STREAM_PROMPT_TOKENS).tolist()
             for _ in range(streams)
         ]
         with ThreadPoolExecutor(streams) as pool:
-            times = list(pool.map(lambda prompt: _stream_times(url, prompt, headers), prompts))
+            times = list(pool.map(lambda p: stream_times(url, p, headers, tokens), prompts))
         gaps = [float(gap) for t in times for gap in np.diff(t[STREAM_SKIP_GAPS:])]
+        typical = statistics.median(gaps)
+        ratios += [gap / typical for gap in gaps]
         step = StepFeatures(decode_tokens=streams, decode_keys=streams * context)
-        points.append((streams, statistics.median(gaps) - cost.seconds(step)))
+        points.append((streams, typical - cost.seconds(step)))
     fixed, per_token = _non_negative_line(points)
     return ServingOverhead(
-        fixed_s=fixed, per_token_s=per_token, samples=tuple((n, float(s)) for n, s in points)
-    )
-
-
-def _stream_times(url: str, prompt: list[int], headers: dict[str, str]) -> list[float]:
-    """When each event of a streamed completion arrived."""
-    body = {
-        "prompt": prompt, "max_tokens": STREAM_OUTPUT_TOKENS, "temperature": 0,
-        "ignore_eos": True, "stream": True,
-    }  # fmt: skip
-    request = urllib.request.Request(
-        f"{url}/v1/completions", json.dumps(body).encode(), headers, method="POST"
-    )
-    times: list[float] = []
-    with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as answer:
-        for line in answer:
-            if line.startswith(b"data:") and not line.startswith(b"data: [DONE]"):
-                times.append(time.perf_counter())
-    return times
+        fixed_s=fixed, per_token_s=per_token, samples=tuple((n, float(s)) for n, s in points),
+        spread=StepSpread.of(ratios),
+    )  # fmt: skip
 
 
 def _fit_handoff(points: Sequence[tuple[int, float]], backend: str) -> HandoffCost:

@@ -12,7 +12,8 @@ prefix blocks is tokenized by the model's tokenizer, as the router tokenizes it)
 What is modelled: a step's duration (the profile's step cost, stretched by the
 contention of the machine where workers share one: `hosts`), a hand-off's time
 beyond the prefill (the profile's fixed plus per-byte cost, for the blocks the
-decode worker lacks) and a request's way in (the profile's overhead). The router
+decode worker lacks), each step's spread, and a request's way in and its first
+token's way out (the profile's overhead, on an idle or a busy decode worker). The router
 counts what it sent as `Forwarder._outstanding` does: a request is in flight on its
 decode worker until it ends, and its prompt waits on its prefill worker until the
 first token is back.
@@ -181,7 +182,8 @@ class PoolSimulation:
         if route.prefill is not None:
             route.prefill.prefill_tokens += len(prompt)
         self._outstanding += 1
-        reach = now + self.profile.request_overhead_s
+        # Its way in costs more where the decode worker already streams to others.
+        reach = now + self.profile.request_overhead(busy=route.decode.in_flight > 1)
         self.events.at(reach, lambda at: self._reach_decode(request, at))
 
     def _answered(self, request: SimRequest) -> None:

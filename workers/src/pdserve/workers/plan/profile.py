@@ -91,6 +91,7 @@ def profile_model(run: ProfileRun, progress: Callable[[str], None] = lambda line
         update={
             "handoff": figures.handoff,
             "request_overhead_s": figures.request_overhead_s,
+            "busy_request_overhead_s": figures.busy_request_overhead_s,
             "serving": figures.serving,
             "startup_s": figures.startup_s,
             "clients": figures.clients,

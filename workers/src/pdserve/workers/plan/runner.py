@@ -1,11 +1,14 @@
 """A runner that computes nothing: each step takes the time the profile predicts for
 it (its compute, and what serving adds per step and per token streamed), on the
 worker's simulated clock (stretched by its host's contention where it shares cores:
-`hosts`), and every request that reaches the end of its
-tokens draws one token. The engine around it (scheduler, budget, KV cache, leases,
-fork and finish) is the real one."""
+`hosts`) and drawn from the spread a serving worker's steps showed
+(`ServingOverhead.spread`, with the worker's own fixed seed), and every request that
+reaches the end of its tokens draws one token. The engine around it (scheduler,
+budget, KV cache, leases, fork and finish) is the real one."""
 
 from __future__ import annotations
+
+import random
 
 import torch
 
@@ -28,12 +31,18 @@ class SimulatedRunner:
     """The `StepRunner` of a simulated worker."""
 
     def __init__(
-        self, clock: SimClock, cost: StepCost, serving: ServingOverhead, pace: Pace | None
+        self,
+        clock: SimClock,
+        cost: StepCost,
+        serving: ServingOverhead,
+        pace: Pace | None,
+        seed: str = "",
     ) -> None:
         self.clock = clock
         self.cost = cost
         self.serving = serving
         self.pace = pace  # None: the worker has its cores to itself
+        self.rng = random.Random(seed)
         self.kv_cache = torch.empty(0)  # no KV is computed, so none is held
 
     def execute(self, output: SchedulerOutput, block_tables: BlockTables) -> StepOutput:
@@ -49,7 +58,7 @@ class SimulatedRunner:
             sampled.append((request, Sampled([DRAWN_TOKEN] * draws)))
         streamed = sum(len(drawn.tokens) for _, drawn in sampled)
         compute = self.cost.seconds(StepFeatures.of(output.chunks))
-        alone_s = compute + self.serving.seconds(streamed)
+        alone_s = (compute + self.serving.seconds(streamed)) * self.serving.spread.draw(self.rng)
         self.clock.advance(alone_s if self.pace is None else self.pace(self.clock.now, alone_s))
         return StepOutput(sampled, [])
 
@@ -58,13 +67,18 @@ class SimulatedRunner:
 
 
 def runner_factory(
-    clock: SimClock, cost: StepCost, serving: ServingOverhead, pace: Pace | None = None
+    clock: SimClock,
+    cost: StepCost,
+    serving: ServingOverhead,
+    pace: Pace | None = None,
+    seed: str = "",
 ) -> RunnerFactory:
-    """The engine's `runner` argument for a worker on `clock`, at `pace` on its host."""
+    """The engine's `runner` argument for a worker on `clock`, at `pace` on its host,
+    drawing its steps' spread with `seed`."""
 
     def build(
         config: EngineConfig, model: ModelConfig, num_blocks: int, block_size: int
     ) -> SimulatedRunner:
-        return SimulatedRunner(clock, cost, serving, pace)
+        return SimulatedRunner(clock, cost, serving, pace, seed)
 
     return build

@@ -128,14 +128,14 @@ class Sweep:
                      f"{batch[1]} decodes)")  # fmt: skip
         return samples
 
-    def repeat(self, point: SweepPoint, seconds: float) -> list[float]:
+    def repeat(self, point: SweepPoint, seconds: float) -> list[tuple[float, float]]:
         """The point's step, then a decode-only step of its batch, over and over for
-        `seconds` of wall time: the seconds of each such pair."""
+        `seconds` of wall time: the seconds of each step of each such pair."""
         capacity = self.engine.num_blocks * self.engine.block_size
         cache_room = (capacity - point.start - point.prefill - 1) // max(1, point.decodes)
         room = min(self.engine.max_model_len - point.context - 1, cache_room - point.context)
         self._decode_room = max(4, min(REPEAT_ROOM, room))
-        pairs: list[float] = []
+        pairs: list[tuple[float, float]] = []
         until = time.perf_counter() + seconds
         while time.perf_counter() < until:
             running = self._decoding(point.context, point.decodes)
@@ -143,7 +143,7 @@ class Sweep:
                 if time.perf_counter() >= until:
                     break
                 chunk = self._measure(point).seconds
-                pairs.append(chunk + self._measure(replace(point, prefill=0)).seconds)
+                pairs.append((chunk, self._measure(replace(point, prefill=0)).seconds))
             for request_id in running:
                 self.engine.abort(request_id)
         return pairs

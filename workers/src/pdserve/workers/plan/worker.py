@@ -51,7 +51,7 @@ class SimWorker:
         # On a shared host (with the worker's torch threads) its steps take its pace.
         self.host = None if host is None else host[0]
         pace = None if host is None else host[0].pace(url, host[1], self._end_at)
-        runner = runner_factory(self.clock, *cost, pace)
+        runner = runner_factory(self.clock, *cost, pace, seed=url)
         self.engine = LLMEngine(config, model, runner, self.clock)
         self.load = LoadTracker(self.engine, role)
         self.events = events
