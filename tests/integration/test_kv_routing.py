@@ -279,10 +279,14 @@ def test_a_worker_with_another_block_size_or_seed_is_refused_for_kv_scoring_and_
             failures = "pdserve_router_kv_handshake_failures_total"
             assert metric(router.url, failures, target="decode", reason=differs) == 1
             assert "refused for KV-aware routing" in router.log()
-            # The pool serves, the refused worker included (chosen by load alone).
+            # The pool serves, the refused worker included (chosen by load alone): eight
+            # requests at once, each long enough to be under way when the next is routed,
+            # so the usual worker's load, not its learned step cost, decides.
             before = metric(odd, "pdserve_requests_total")
-            for index in range(8):
-                assert post(router, random_tokens(40 + index, 40), 4)[0] == 200
+            prompts = [random_tokens(40 + index, 40) for index in range(8)]
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                answers = list(pool.map(lambda prompt: post(router, prompt, 64), prompts))
+            assert [status for status, *_ in answers] == [200] * len(prompts)
             assert metric(odd, "pdserve_requests_total") > before
 
 
