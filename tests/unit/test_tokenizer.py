@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -216,3 +219,22 @@ def test_encode_gives_the_libraries_own_ids(
         for special in (True, False):
             expected = backend.encode(text, add_special_tokens=special).ids
             assert ours.encode(text, add_special_tokens=special) == expected, (text, special)
+
+
+def test_encode_stays_on_the_calling_thread(model_dir: Path) -> None:
+    """A prompt is tokenized where it is asked for: no thread pool is started (its
+    hand-off would add a wait for another thread to every request)."""
+    script = (
+        "import os, sys\n"
+        "from pdserve.workers.model.tokenizer import Tokenizer\n"
+        "tokenizer = Tokenizer.from_dir(sys.argv[1])\n"
+        "for n in range(20):\n"
+        "    tokenizer.encode(f'a prompt of a few words {n}')\n"
+        "print(len(os.listdir('/proc/self/task')))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(model_dir)], env=env, capture_output=True,
+        text=True, check=True,
+    )  # fmt: skip
+    assert done.stdout.strip() == "1"
