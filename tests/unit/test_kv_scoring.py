@@ -214,9 +214,7 @@ async def test_what_the_engine_found_is_counted_against_the_prediction() -> None
     def outcomes() -> dict[str, float]:
         counter = scorer.metrics.predictions
         return {
-            result: counter.labels(
-                pool="p", role="router", target="decode", result=result
-            ).value
+            result: counter.labels(pool="p", role="router", target="decode", result=result).value
             for result in ("exact", "over", "under", "unknown")
         }
 

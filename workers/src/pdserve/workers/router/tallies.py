@@ -14,6 +14,7 @@ import math
 import time
 from bisect import bisect_left
 from collections.abc import Sequence
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, metrics
 from prometheus_client.metrics_core import Metric
@@ -61,7 +62,10 @@ class HistogramChild:
             self.counts[bisect_left(self.bounds, amount)] += 1.0
 
 
-class _Family(Collector):
+Child = TypeVar("Child", CounterChild, HistogramChild)
+
+
+class _Family(Collector, Generic[Child]):
     """A metric with labels whose children are plain numbers."""
 
     kind = ""
@@ -72,7 +76,19 @@ class _Family(Collector):
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], Child] = {}
         registry.register(self)
+
+    def labels(self, *values: str, **named: str) -> Child:
+        """The child of one label set (made on first use, as it stays)."""
+        key = self._key(values, named)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._new_child()
+        return child
+
+    def _new_child(self) -> Child:
+        raise NotImplementedError
 
     def _key(self, values: tuple[str, ...], named: dict[str, str]) -> tuple[str, ...]:
         if named:
@@ -90,7 +106,7 @@ class _Family(Collector):
         return {**dict(zip(self.labelnames, values, strict=True)), **extra}
 
 
-class PlainCounter(_Family):
+class PlainCounter(_Family[CounterChild]):
     """A counter family (`name` without `_total`, as prometheus_client names it)."""
 
     kind = "counter"
@@ -99,15 +115,9 @@ class PlainCounter(_Family):
         self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry
     ) -> None:
         super().__init__(name.removesuffix("_total"), documentation, labelnames, registry)
-        self._children: dict[tuple[str, ...], CounterChild] = {}
 
-    def labels(self, *values: str, **named: str) -> CounterChild:
-        """The child of one label set (made on first use, as it stays)."""
-        key = self._key(values, named)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = CounterChild()
-        return child
+    def _new_child(self) -> CounterChild:
+        return CounterChild()
 
     def collect(self) -> list[Metric]:
         family = Metric(self.name, self.documentation, self.kind)
@@ -120,7 +130,7 @@ class PlainCounter(_Family):
         return [family]
 
 
-class PlainHistogram(_Family):
+class PlainHistogram(_Family[HistogramChild]):
     """A histogram family with fixed bucket bounds (+Inf added, as prometheus_client
     adds it)."""
 
@@ -134,7 +144,6 @@ class PlainHistogram(_Family):
         registry: CollectorRegistry,
         buckets: Sequence[float],
     ) -> None:
-        super().__init__(name, documentation, labelnames, registry)
         bounds = [float(bound) for bound in buckets]
         if bounds != sorted(bounds):
             raise ValueError("buckets not in sorted order")
@@ -143,15 +152,10 @@ class PlainHistogram(_Family):
         self.bounds = tuple(bounds)
         # The `le` label as prometheus_client writes a bound (1.0, +Inf).
         self._names = tuple(str(floatToGoString(bound)) for bound in self.bounds)  # type: ignore[no-untyped-call]
-        self._children: dict[tuple[str, ...], HistogramChild] = {}
+        super().__init__(name, documentation, labelnames, registry)
 
-    def labels(self, *values: str, **named: str) -> HistogramChild:
-        """The child of one label set (made on first use, as it stays)."""
-        key = self._key(values, named)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = HistogramChild(self.bounds)
-        return child
+    def _new_child(self) -> HistogramChild:
+        return HistogramChild(self.bounds)
 
     def collect(self) -> list[Metric]:
         family = Metric(self.name, self.documentation, self.kind)
