@@ -97,7 +97,7 @@ class UpstreamResponse:
     async def read(self) -> bytes:
         """The whole body (UpstreamError when it breaks off)."""
         pieces = []
-        async for piece in self:
+        while (piece := await self.next_piece()) is not None:
             pieces.append(piece)
         return b"".join(pieces)
 
@@ -105,20 +105,26 @@ class UpstreamResponse:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[bytes]:
-        """The body as it arrives: each piece all that had arrived when it was taken."""
+        while (piece := await self.next_piece()) is not None:
+            yield piece
+
+    async def next_piece(self) -> bytes | None:
+        """The body's next piece as it arrives (all that had arrived when it is taken);
+        None once it ended (UpstreamError when it broke off). What iterating the
+        answer does, without an async generator per answer (which the event loop
+        tracks in a set of its own)."""
         while True:
             if self._pieces:
-                yield self._take()
-            elif self._error is not None:
+                return self._take()
+            if self._error is not None:
                 raise self._error
-            elif self._ended:
-                return
-            else:
-                self._waiter = asyncio.get_running_loop().create_future()
-                try:
-                    await self._waiter
-                finally:
-                    self._waiter = None
+            if self._ended:
+                return None
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
 
     def _take(self) -> bytes:
         pieces = self._pieces
