@@ -303,3 +303,27 @@ def test_shutdown_waits_for_requests_under_way_not_for_idle_connections() -> Non
         idle_writer.close()
 
     run(test)
+
+
+def test_the_keep_alive_timeout_counts_from_the_last_answer() -> None:
+    """A connection idle for less than the timeout since its last answer stays open,
+    though longer since it was first idle; idle past the timeout, it is closed."""
+
+    async def test() -> None:
+        async with serving(Echo(), timeout_keep_alive=1.0) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+
+            async def ask(path: str) -> str:
+                writer.write(post(path, b"x"))
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+                return str(json.loads(await reader.readexactly(length))["path"])
+
+            await asyncio.sleep(0.6)
+            assert await ask("/a") == "/a"
+            await asyncio.sleep(0.6)  # 1.2 s since the connection opened
+            assert await ask("/b") == "/b"
+            assert await asyncio.wait_for(reader.read(), 10.0) == b""  # then closed
+            writer.close()
+
+    run(test)

@@ -215,6 +215,9 @@ class Http1Connection(asyncio.Protocol):
         self._header_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
+        # When the connection last fell idle (None: a request is under way). The idle
+        # timer is not re-armed per request: when it fires early it waits the rest.
+        self._idle_from: float | None = None
         self._write_timer: asyncio.TimerHandle | None = None
         self._drained: asyncio.Future[None] | None = None
         self._write_paused = False
@@ -227,7 +230,7 @@ class Http1Connection(asyncio.Protocol):
         self.server.connections.add(self)
         self.admitted = self.guard.open_connection()
         if self.admitted:
-            self._idle_timer = self._later(self.guard.limits.timeout_keep_alive, self._idle_out)
+            self._idle()
         else:  # its request is refused; it is due at once
             self._header_timer = self._later(
                 self.guard.limits.timeout_request_headers, self._cut, "header_timeout"
@@ -251,9 +254,7 @@ class Http1Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if not self._reading:
             return
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
+        self._idle_from = None
         if self._current is None:
             self._head_bytes += len(data)
         try:
@@ -439,8 +440,8 @@ class Http1Connection(asyncio.Protocol):
             return
         if self._begun and self._current is None:
             self._start_header_deadline()
-        elif not self._begun and self._idle_timer is None:
-            self._idle_timer = self._later(self.guard.limits.timeout_keep_alive, self._idle_out)
+        elif not self._begun:
+            self._idle()
 
     @property
     def answering(self) -> bool:
@@ -532,8 +533,21 @@ class Http1Connection(asyncio.Protocol):
             self.guard.limits.timeout_request_headers, self._cut, "header_timeout"
         )
 
+    def _idle(self) -> None:
+        """The connection fell idle: closed if no request comes within the keep-alive
+        timeout."""
+        self._idle_from = self._loop.time()
+        if self._idle_timer is None:
+            self._idle_timer = self._later(self.guard.limits.timeout_keep_alive, self._idle_out)
+
     def _idle_out(self) -> None:
         self._idle_timer = None
+        if self._idle_from is None:
+            return  # a request came: the timer is armed again when it falls idle
+        left = self._idle_from + self.guard.limits.timeout_keep_alive - self._loop.time()
+        if left > 0:  # it fell idle again since the timer was armed
+            self._idle_timer = self._later(left, self._idle_out)
+            return
         if self._answerable() and not self._begun:
             self.abort()
 
