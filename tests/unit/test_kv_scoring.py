@@ -214,9 +214,7 @@ async def test_what_the_engine_found_is_counted_against_the_prediction() -> None
     def outcomes() -> dict[str, float]:
         counter = scorer.metrics.predictions
         return {
-            result: counter.labels(
-                pool="p", role="router", target="decode", result=result
-            )._value.get()
+            result: counter.labels(pool="p", role="router", target="decode", result=result).value
             for result in ("exact", "over", "under", "unknown")
         }
 
@@ -225,7 +223,7 @@ async def test_what_the_engine_found_is_counted_against_the_prediction() -> None
     # A worker's word that is no count of this prompt's tokens is counted as unknown.
     for word in (None, "-1", "1e3", "٣", str(10 * BLOCK + 1)):
         scorer.observed("r", prompt, 48, word)
-    assert actual._value.get() == 48 + 32 + 16
+    assert actual.value == 48 + 32 + 16
     assert outcomes() == {"exact": 1, "over": 1, "under": 1, "unknown": 5}
 
 

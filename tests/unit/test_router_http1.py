@@ -245,3 +245,85 @@ def test_half_sent_heads_are_cut_off_and_idle_connections_closed() -> None:
             assert await exchange(port, b"") == b""
 
     run(test)
+
+
+class Slow(Echo):
+    """Echo, but /slow answers once `release` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+        self.waiting = asyncio.Event()
+
+    async def __call__(self, request: Request) -> Answer:
+        if request.path == "/slow":
+            self.waiting.set()
+            await self.release.wait()
+        return await super().__call__(request)
+
+
+def test_a_kept_alive_connection_answers_request_after_request() -> None:
+    """Requests sent one after another on one connection, each once the last was
+    answered (the connection waits idle between them), are all answered."""
+
+    async def test() -> None:
+        async with serving(Echo()) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            for n in range(5):
+                writer.write(post(f"/{n}", b"x"))
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+                assert json.loads(await reader.readexactly(length))["path"] == f"/{n}"
+                await asyncio.sleep(0.01)
+            writer.close()
+
+    run(test)
+
+
+def test_shutdown_waits_for_requests_under_way_not_for_idle_connections() -> None:
+    async def test() -> None:
+        handler = Slow()
+        guard = NetworkGuard(NetworkLimits(), NetworkMetrics(CollectorRegistry(), "t", "router"))
+        server = Http1Server(handler, guard, MAX_BODY)
+        port = await server.listen("127.0.0.1", 0)
+        idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", port)
+        idle_writer.write(post("/first", b"x"))  # answered, then the connection idles
+        await idle_reader.readuntil(b"\r\n\r\n")
+        busy = asyncio.create_task(exchange(port, post("/slow", b"y")))
+        await handler.waiting.wait()
+        stopping = asyncio.create_task(server.shutdown(10.0))
+        # The idle connection: the rest of its answer, then closed at once.
+        assert json.loads(await asyncio.wait_for(idle_reader.read(), 2.0))["path"] == "/first"
+        await asyncio.sleep(0.05)
+        assert not stopping.done()  # the request under way is waited for
+        handler.release.set()
+        (status, _, body), *_ = answers(await busy)
+        assert status == 200 and json.loads(body)["path"] == "/slow"
+        await asyncio.wait_for(stopping, 2.0)
+        idle_writer.close()
+
+    run(test)
+
+
+def test_the_keep_alive_timeout_counts_from_the_last_answer() -> None:
+    """A connection idle for less than the timeout since its last answer stays open,
+    though longer since it was first idle; idle past the timeout, it is closed."""
+
+    async def test() -> None:
+        async with serving(Echo(), timeout_keep_alive=1.0) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+
+            async def ask(path: str) -> str:
+                writer.write(post(path, b"x"))
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+                return str(json.loads(await reader.readexactly(length))["path"])
+
+            await asyncio.sleep(0.6)
+            assert await ask("/a") == "/a"
+            await asyncio.sleep(0.6)  # 1.2 s since the connection opened
+            assert await ask("/b") == "/b"
+            assert await asyncio.wait_for(reader.read(), 10.0) == b""  # then closed
+            writer.close()
+
+    run(test)

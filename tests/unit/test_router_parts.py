@@ -17,8 +17,10 @@ import pytest
 import yaml
 from aiohttp import web
 
+from pdserve.protocol import codec
 from pdserve.protocol.api_errors import APIError
 from pdserve.protocol.routing import KubernetesDiscovery, Slo
+from pdserve.protocol.sse import choice_token_count
 from pdserve.workers.router.kubernetes import (
     EndpointSliceSource,
     KubeAccess,
@@ -111,6 +113,80 @@ def test_token_events_count_alike_in_any_layout(separators: tuple[str, str]) -> 
     tokens = TokenStream()
     tokens.feed(b"data: " + json.dumps(two, separators=separators).encode() + b"\n\n", 1.0)
     assert tokens.streams == [[1.0], [1.0]]
+
+
+def _parsed_counts(stream: bytes) -> tuple[dict[int, int], bool, bool]:
+    """What a stream carries, every event parsed: tokens by choice, [DONE], an error."""
+    counts: dict[int, int] = {}
+    done = error = False
+    for line in stream.split(b"\n"):
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            done = True
+            continue
+        try:
+            event = codec.loads(payload)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and "error" in event:
+            error = True
+        elif isinstance(event, dict):
+            for choice in event.get("choices") or ():
+                index = choice.get("index", 0)
+                counts[index] = counts.get(index, 0) + choice_token_count(choice)
+    return counts, done, error
+
+
+def _events(separators: tuple[str, str]) -> list[bytes]:
+    def event(body: Any) -> bytes:
+        return b"data: " + json.dumps(body, separators=separators).encode() + b"\n\n"
+
+    def one(**choice: Any) -> bytes:
+        return event({"id": "c", "object": "text_completion", "choices": [choice]})
+
+    return [
+        one(index=0, text="a", finish_reason=None),
+        one(index=1, text="b", logprobs=None, finish_reason=None),
+        one(index=0, delta={"content": "hi"}, finish_reason=None),
+        one(index=0, text="", finish_reason=None),
+        one(index=0, text="ab", token_ids=[1, 2], finish_reason=None),  # several tokens
+        one(index=0, text="abc", logprobs={"tokens": ["a", "b", "c"]}, finish_reason=None),
+        one(index=0, text="x", logprobs={"content": [{"token": "x"}]}, finish_reason=None),
+        one(index=0, text='"choices": [] and "error"', finish_reason=None),
+        one(index=2, text="[", finish_reason="length"),
+        one(index=0, text="", finish_reason="stop"),
+        event({"choices": [{"index": 0, "text": "a", "finish_reason": None},
+                           {"index": 1, "text": "b", "finish_reason": None}]}),
+        event({"choices": [], "usage": {"completion_tokens": 9}}),
+        event({"choices": [], "usage": None, "extra": {"choices": [{"index": 0}]}}),
+        event({"object": "x", "choices": [{"index": 0, "text": "y", "finish_reason": None}],
+               "usage": {"completion_tokens": 1}}),
+        b": a comment\n\n",
+        b"data: not json\n\n",
+        event({"error": {"message": "failed mid-stream", "code": "worker_failed"}}),
+        b"data: [DONE]\n\n",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("separators", [(",", ":"), (", ", ": ")])
+def test_reading_the_bytes_counts_as_parsing_every_event(separators: tuple[str, str]) -> None:
+    """Token events read without parsing them count exactly as parsing each event
+    would: multi-token events, usage and error events, cut by reads anywhere."""
+    events = _events(separators)
+    for start in range(len(events)):
+        stream = b"".join(events[start:] + events[:start])
+        counts, done, error = _parsed_counts(stream)
+        for step in (1, 5, 64, len(stream)):
+            tokens = TokenStream()
+            for at in range(0, len(stream), step):
+                tokens.feed(stream[at : at + step], 0.0)
+            assert {i: len(t) for i, t in tokens.choices.items() if t} == {
+                i: n for i, n in counts.items() if n
+            }, (start, step)
+            assert (tokens.done, tokens.error is not None) == (done, error)
 
 
 def test_a_stream_ended_by_an_error_event() -> None:

@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from pdserve.workers.router.upstream import BUFFER_LIMIT, UpstreamError, Upstreams
+from pdserve.workers.router.upstream import BUFFER_LIMIT, UpstreamError, Upstreams, _Body
 
 # A script answers one request on a connection: it gets the request's head and body
 # and the writer; it returns False to close the connection after it.
@@ -233,3 +233,36 @@ async def test_an_answer_ended_later_keeps_its_connection_if_its_end_comes() -> 
                     await asyncio.sleep(0.01)
         assert server.connections == 1  # the first answer's end came: its connection reused
         await asyncio.wait_for(server.closed.wait(), 5)  # the second's did not: closed
+
+
+_CHUNKED_BODIES = [
+    (chunked(b"data: 1\n\n", b"x" * 300, b"data: [DONE]\n\n"), b"data: 1\n\n" + b"x" * 300
+     + b"data: [DONE]\n\n", False),
+    (b"5;name=value\r\nhello\r\nA \r\n0123456789\r\n0\r\n\r\n", b"hello0123456789", False),
+    (b"3\r\nabc\r\n0\r\nTrailer: yes\r\n\r\n", b"abc", False),  # a trailer
+    (b"3\r\nabc\r\n0\r\n\r\nHTTP/1.1 200", b"abc", True),  # bytes after the end
+    (b"0X3\r\nabc\r\n0\r\n\r\n", b"abc", False),  # int() takes the prefix: so does this
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("wire", "body", "trailing"), _CHUNKED_BODIES)
+def test_a_chunked_body_decodes_alike_however_it_is_cut(
+    wire: bytes, body: bytes, trailing: bool
+) -> None:
+    for first in range(len(wire) + 1):
+        for second in (first, min(len(wire), first + 1), min(len(wire), first + 9)):
+            decoder = _Body.of({"transfer-encoding": "chunked"}, 200)
+            pieces, ended = [], False
+            for part in (wire[:first], wire[first:second], wire[second:]):
+                got, ended = decoder.decode(part)
+                pieces += got
+            assert (b"".join(pieces), ended, decoder.trailing) == (body, True, trailing)
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [b"zz\r\n", b"-3\r\nabc\r\n", b"+3\r\nabc\r\n", b"3\r\nabcXY", b"\r\n", b"1_0\r\n", b"3 x\r\n"],
+)
+def test_a_malformed_chunk_is_refused(wire: bytes) -> None:
+    with pytest.raises(UpstreamError):
+        _Body.of({"transfer-encoding": "chunked"}, 200).decode(wire)

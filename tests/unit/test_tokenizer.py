@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -181,3 +184,57 @@ def test_token_bytes_add_up_to_the_text(tokenizer: Tokenizer, sentencepiece_dir:
     assert b"".join(pieced.token_bytes(token) for token in ids).lstrip(b" ") == text.encode()
     assert pieced.token_bytes(pieced.token_to_id("<0xE4>") or 0) == b"\xe4"
     assert pieced.token_bytes(1) == b"<s>"  # a special token is its text
+
+
+# Prompts a router and a worker tokenize: unicode, whitespace runs, special tokens
+# written in the text, control characters, an empty prompt, a long one.
+_CORPUS = [
+    ASCII_TEXT,
+    MULTIBYTE_TEXT,
+    "",
+    " ",
+    "   leading and trailing   ",
+    "tabs\tand\t\tnew\nlines\n\n\nand\r\nreturns",
+    "runs of spaces:          end",
+    "<|begin_of_text|>a prompt that writes its own special tokens<|eot_id|>",
+    "<s>[user] hi</s>[assistant] ",
+    "zero\u200bwidth, combining e\u0301, nbsp\u00a0here, rtl \u05e9\u05dc\u05d5\u05dd",
+    "emoji sequences 👩‍👩‍👧‍👦 🏳️‍🌈 and flags 🇯🇵",
+    "control \x00\x01\x7f characters",
+    "numbers 3.14159 1,000,000 0x1F 1e-9 and punctuation !?…—«»",
+    " ".join(f"word{i}" for i in range(2000)),
+]
+
+
+@pytest.mark.parametrize("fixture", ["tokenizer", "sentencepiece"])
+def test_encode_gives_the_libraries_own_ids(
+    fixture: str, tokenizer: Tokenizer, sentencepiece_dir: Path
+) -> None:
+    """The ids `encode` gives (by the library's fast path, without offsets) are the
+    library's plain `encode`'s, on every prompt of the corpus and on chat prompts."""
+    ours = tokenizer if fixture == "tokenizer" else Tokenizer.from_dir(sentencepiece_dir)
+    backend = ours._backend
+    chats = [ours.apply_chat_template(CHAT), ours.apply_chat_template(CHAT, False)]
+    for text in [*_CORPUS, *chats]:
+        for special in (True, False):
+            expected = backend.encode(text, add_special_tokens=special).ids
+            assert ours.encode(text, add_special_tokens=special) == expected, (text, special)
+
+
+def test_encode_stays_on_the_calling_thread(model_dir: Path) -> None:
+    """A prompt is tokenized where it is asked for: no thread pool is started (its
+    hand-off would add a wait for another thread to every request)."""
+    script = (
+        "import os, sys\n"
+        "from pdserve.workers.model.tokenizer import Tokenizer\n"
+        "tokenizer = Tokenizer.from_dir(sys.argv[1])\n"
+        "for n in range(20):\n"
+        "    tokenizer.encode(f'a prompt of a few words {n}')\n"
+        "print(len(os.listdir('/proc/self/task')))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(model_dir)], env=env, capture_output=True,
+        text=True, check=True,
+    )  # fmt: skip
+    assert done.stdout.strip() == "1"

@@ -174,7 +174,8 @@ class Http1Server:
             self._listener.close()
         for connection in list(self.connections):
             connection.close_when_idle()
-        tasks = [c.task for c in self.connections if c.task is not None]
+        # The tasks of idle connections wait for a request that will not come.
+        tasks = [c.task for c in self.connections if c.task is not None and c.answering]
         if tasks:
             await asyncio.wait(tasks, timeout=grace_s)
         for connection in list(self.connections):
@@ -188,7 +189,11 @@ class Http1Connection(asyncio.Protocol):
         self.server = server
         self.guard = server.guard
         self.transport: asyncio.Transport | None = None
-        self.task: asyncio.Task[None] | None = None  # answering the queued requests
+        # Answering the queued requests, then waiting for the next: one task for the
+        # connection's life (a task per request costs more than the wait).
+        self.task: asyncio.Task[None] | None = None
+        self._busy = False  # a request is being answered
+        self._wakeup: asyncio.Future[None] | None = None  # the task waits for a request
         self.admitted = False
         self._loop = asyncio.get_running_loop()
         self._parser = httptools.HttpRequestParser(self)
@@ -210,6 +215,9 @@ class Http1Connection(asyncio.Protocol):
         self._header_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
+        # When the connection last fell idle (None: a request is under way). The idle
+        # timer is not re-armed per request: when it fires early it waits the rest.
+        self._idle_from: float | None = None
         self._write_timer: asyncio.TimerHandle | None = None
         self._drained: asyncio.Future[None] | None = None
         self._write_paused = False
@@ -222,7 +230,7 @@ class Http1Connection(asyncio.Protocol):
         self.server.connections.add(self)
         self.admitted = self.guard.open_connection()
         if self.admitted:
-            self._idle_timer = self._later(self.guard.limits.timeout_keep_alive, self._idle_out)
+            self._idle()
         else:  # its request is refused; it is due at once
             self._header_timer = self._later(
                 self.guard.limits.timeout_request_headers, self._cut, "header_timeout"
@@ -246,9 +254,7 @@ class Http1Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if not self._reading:
             return
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
+        self._idle_from = None
         if self._current is None:
             self._head_bytes += len(data)
         try:
@@ -267,7 +273,7 @@ class Http1Connection(asyncio.Protocol):
         elif self._begun:
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._refuse(_head_too_large())
-            elif self._header_timer is None and self.task is None and not self._queue:
+            elif self._header_timer is None and not self._busy and not self._queue:
                 self._start_header_deadline()
 
     def eof_received(self) -> bool | None:
@@ -358,27 +364,47 @@ class Http1Connection(asyncio.Protocol):
         self._queue.append(request)
         if self.task is None:
             self.task = self._loop.create_task(self._answer_queue())
+        elif self._wakeup is not None:
+            if not self._wakeup.done():
+                self._wakeup.set_result(None)
         elif len(self._queue) > MAX_PIPELINED and not self._read_paused and self.transport:
             self._read_paused = True
             self.transport.pause_reading()
 
     async def _answer_queue(self) -> None:
+        """Answer the queued requests in order; when none is left, wait for the next
+        (until the connection closes, or is to close once the queue is answered)."""
         try:
-            while self._queue and self.transport is not None:
-                request = self._queue.popleft()
-                if request.refusal is not None:
-                    answer: Answer = _error_answer(request.refusal, _CLOSE)
-                else:
-                    answer = await self._handle(request)
-                self._finish(request, answer)
-                if self._read_paused and len(self._queue) <= MAX_PIPELINED and self.transport:
-                    self._read_paused = False
-                    self.transport.resume_reading()
+            while self.transport is not None:
+                if not self._queue:
+                    self._await_next()
+                    if self._closing:
+                        return
+                    self._wakeup = self._loop.create_future()
+                    try:
+                        await self._wakeup
+                    finally:
+                        self._wakeup = None
+                    continue
+                await self._answer(self._queue.popleft())
         except ConnectionResetError:
             self.abort()
         finally:
             self.task = None
-        self._await_next()
+
+    async def _answer(self, request: Request) -> None:
+        self._busy = True
+        try:
+            if request.refusal is not None:
+                answer: Answer = _error_answer(request.refusal, _CLOSE)
+            else:
+                answer = await self._handle(request)
+            self._finish(request, answer)
+        finally:
+            self._busy = False
+        if self._read_paused and len(self._queue) <= MAX_PIPELINED and self.transport:
+            self._read_paused = False
+            self.transport.resume_reading()
 
     async def _handle(self, request: Request) -> Answer:
         try:
@@ -414,11 +440,16 @@ class Http1Connection(asyncio.Protocol):
             return
         if self._begun and self._current is None:
             self._start_header_deadline()
-        elif not self._begun and self._idle_timer is None:
-            self._idle_timer = self._later(self.guard.limits.timeout_keep_alive, self._idle_out)
+        elif not self._begun:
+            self._idle()
+
+    @property
+    def answering(self) -> bool:
+        """Whether a request is being answered or waits to be."""
+        return self._busy or bool(self._queue)
 
     def _answerable(self) -> bool:
-        return self.task is None and not self._queue
+        return not self.answering
 
     def send(self, data: bytes) -> None:
         """Write to the client (ConnectionResetError once it is gone)."""
@@ -502,8 +533,21 @@ class Http1Connection(asyncio.Protocol):
             self.guard.limits.timeout_request_headers, self._cut, "header_timeout"
         )
 
+    def _idle(self) -> None:
+        """The connection fell idle: closed if no request comes within the keep-alive
+        timeout."""
+        self._idle_from = self._loop.time()
+        if self._idle_timer is None:
+            self._idle_timer = self._later(self.guard.limits.timeout_keep_alive, self._idle_out)
+
     def _idle_out(self) -> None:
         self._idle_timer = None
+        if self._idle_from is None:
+            return  # a request came: the timer is armed again when it falls idle
+        left = self._idle_from + self.guard.limits.timeout_keep_alive - self._loop.time()
+        if left > 0:  # it fell idle again since the timer was armed
+            self._idle_timer = self._later(left, self._idle_out)
+            return
         if self._answerable() and not self._begun:
             self.abort()
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from pdserve.workers.router.tallies import CounterChild, PlainCounter
+
 ROLE = "router"
 
 
@@ -17,44 +19,44 @@ class KVRoutingMetrics:
         self.pool = pool
         base = ("pool", "role", "target")
         reg = registry
-        self.prompt_tokens = Counter(
+        self.prompt_tokens = PlainCounter(
             "pdserve_router_kv_prompt_tokens_total",
             "Prompt tokens of the requests routed to workers of a role (target).",
-            base, registry=reg,
+            base, reg,
         )  # fmt: skip
-        self.predicted_hits = Counter(
+        self.predicted_hits = PlainCounter(
             "pdserve_router_kv_predicted_hit_tokens_total",
             "Of those, the tokens the router's index said the chosen worker held cached "
             "(the predicted hit rate: this over the prompt tokens; the workers' own "
             "pdserve_prefix_cache_hits_total is the actual).",
-            base, registry=reg,
+            base, reg,
         )  # fmt: skip
-        self.actual_hits = Counter(
+        self.actual_hits = PlainCounter(
             "pdserve_router_kv_actual_hit_tokens_total",
             "Of the prompt tokens routed, those the serving worker's engine found cached, "
             "as its answer says (the actual hit rate of the router's decisions; against "
             "pdserve_router_kv_predicted_hit_tokens_total: the index's accuracy).",
-            base, registry=reg,
+            base, reg,
         )  # fmt: skip
-        self.predictions = Counter(
+        self.predictions = PlainCounter(
             "pdserve_router_kv_predictions_total",
             "Decisions by how the cached tokens the index predicted compare with the "
             "engine's count for that request: exact, over (predicted more), under, or "
             "unknown (the answer did not say).",
-            (*base, "result"), registry=reg,
+            (*base, "result"), reg,
         )  # fmt: skip
-        self.decisions = Counter(
+        self.decisions = PlainCounter(
             "pdserve_router_kv_decisions_total",
             "KV-aware choices of a worker, by reason: cache (the chosen worker holds the "
             "longest cached prefix), load (a worker holding more was passed over for "
             "load), none (no worker holds any of the prompt).",
-            (*base, "reason"), registry=reg,
+            (*base, "reason"), reg,
         )  # fmt: skip
-        self.pd_decisions = Counter(
+        self.pd_decisions = PlainCounter(
             "pdserve_router_kv_pd_decisions_total",
             "Requests whose mode was decided on the tokens the chosen decode worker "
             "lacks, by the mode their length alone gave (by_length) and the mode taken.",
-            ("pool", "role", "by_length", "mode"), registry=reg,
+            ("pool", "role", "by_length", "mode"), reg,
         )  # fmt: skip
         self.index_blocks = Gauge(
             "pdserve_router_kv_index_blocks",
@@ -84,10 +86,11 @@ class KVRoutingMetrics:
             "Workers by the state of their KV feed: synced, syncing, refused, unreachable.",
             (*base, "state"), registry=reg,
         )  # fmt: skip
-        # Children of the per-request counters, bound as each label set is first seen.
-        self._chosen: dict[tuple[str, str], tuple[Counter, Counter, Counter]] = {}
-        self._modes: dict[tuple[str, str], Counter] = {}
-        self._bound: dict[tuple[object, ...], Counter] = {}
+        # Children of the per-request counters (plain numbers, see `tallies`), bound as
+        # each label set is first seen.
+        self._chosen: dict[tuple[str, str], tuple[CounterChild, ...]] = {}
+        self._modes: dict[tuple[str, str], CounterChild] = {}
+        self._bound: dict[tuple[object, ...], CounterChild] = {}
 
     def _labels(self, target: str, **extra: str) -> dict[str, str]:
         return {"pool": self.pool, "role": ROLE, "target": target, **extra}
@@ -118,7 +121,7 @@ class KVRoutingMetrics:
             result = "exact" if actual == predicted else "over" if predicted > actual else "under"
         self._child(self.predictions, target, result=result).inc()
 
-    def _child(self, counter: Counter, target: str, **extra: str) -> Counter:
+    def _child(self, counter: PlainCounter, target: str, **extra: str) -> CounterChild:
         """The child of a per-request counter, bound once (a label lookup per request
         costs more than the count)."""
         key = (counter, target, *extra.values())

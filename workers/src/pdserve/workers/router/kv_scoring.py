@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pdserve.protocol.routing import Mode, Role, RoutingTable
-from pdserve.workers.engine.kv_events import prefix_hashes
 from pdserve.workers.router.kv_costs import StepCosts, pool_costs
-from pdserve.workers.router.kv_index import BlockKey, KVIndex, block_key
+from pdserve.workers.router.kv_index import BlockKey, KVIndex
+from pdserve.workers.router.kv_keys import prompt_block_keys
 from pdserve.workers.router.kv_metrics import KVRoutingMetrics
 from pdserve.workers.router.workers import KV_NEARLY_FULL, Worker, WorkerSet
 
@@ -57,8 +57,8 @@ class KVPrompt:
         policy = table.routing_policy
         if policy.type != "kv-aware":
             return None
-        hashes = prefix_hashes(token_ids, policy.block_size, policy.hash_seed)
-        return cls(tuple(block_key(h) for h in hashes), len(token_ids), table)
+        keys = prompt_block_keys(token_ids, policy.block_size, policy.hash_seed)
+        return cls(keys, len(token_ids), table)
 
 
 class KVIndexes(Protocol):

@@ -11,11 +11,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pdserve.protocol.api_errors import APIError
 from pdserve.protocol.routing import Slo
 from pdserve.workers.metric_labels import LATENCY_BUCKETS, rejection_reason
+from pdserve.workers.router.tallies import (
+    CounterChild,
+    HistogramChild,
+    PlainCounter,
+    PlainHistogram,
+)
 
 ROLE = "router"
 
@@ -25,16 +31,17 @@ class _PathChildren:
     """The metrics of one bucket, mode and pair of revisions, their labels bound once
     (a label lookup per request and per token is a large share of the router's time)."""
 
-    ttft: Histogram
-    itl: Histogram
-    tpot: Histogram
-    e2e: Histogram
-    slo_met: Counter
-    requests: dict[str, Counter]  # by outcome, bound as each is first seen
+    ttft: HistogramChild
+    itl: HistogramChild
+    tpot: HistogramChild
+    e2e: HistogramChild
+    slo_met: CounterChild
+    requests: dict[str, CounterChild]  # by outcome, bound as each is first seen
 
 
 class RouterMetrics:
-    """All metrics of one router, in a registry of their own."""
+    """All metrics of one router, in a registry of their own. Those counted per request
+    are plain numbers (`tallies`), exposed as prometheus_client would expose them."""
 
     def __init__(self, pool: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = reg = registry or CollectorRegistry()
@@ -45,8 +52,8 @@ class RouterMetrics:
         # rollout), so a canary's figures are told from the stable revision's.
         labeled = (*decided, "prefill_revision", "decode_revision")
 
-        def histogram(name: str, text: str) -> Histogram:
-            return Histogram(name, text, labeled, buckets=LATENCY_BUCKETS, registry=reg)
+        def histogram(name: str, text: str) -> PlainHistogram:
+            return PlainHistogram(name, text, labeled, reg, LATENCY_BUCKETS)
 
         self.ttft = histogram(
             "pdserve_time_to_first_token_seconds",
@@ -64,18 +71,18 @@ class RouterMetrics:
         self.e2e = histogram(
             "pdserve_e2e_request_latency_seconds", "Request arrival to its last byte."
         )
-        self.requests = Counter(
+        self.requests = PlainCounter(
             "pdserve_router_requests_total",
             "Requests the router routed, each under one outcome when it ended, by bucket, "
             "mode served and outcome (ok; error: no worker could answer, or its answer "
             "failed; invalid: refused as the client's fault; cancelled: the client went "
             "away first).",
-            (*labeled, "outcome"), registry=reg,
+            (*labeled, "outcome"), reg,
         )  # fmt: skip
-        self.decisions = Counter(
+        self.decisions = PlainCounter(
             "pdserve_router_decisions_total",
             "Routing decisions: the path the routing table chose for each request.",
-            decided, registry=reg,
+            decided, reg,
         )  # fmt: skip
         self.retries = Counter(
             "pdserve_router_retries_total",
@@ -88,10 +95,10 @@ class RouterMetrics:
             "(no_prefill) or the hand-off failed (handoff_failed).",
             (*base, "bucket", "reason"), registry=reg,
         )  # fmt: skip
-        self.slo_met = Counter(
+        self.slo_met = PlainCounter(
             "pdserve_router_slo_met_total",
             "Requests that met every SLO of the pool (goodput is its rate).",
-            labeled, registry=reg,
+            labeled, reg,
         )  # fmt: skip
         self.rejected = Counter(
             "pdserve_requests_rejected_total",
@@ -110,7 +117,7 @@ class RouterMetrics:
             (*base, "result"), registry=reg,
         )  # fmt: skip
         self._paths: dict[tuple[str, str, str, str], _PathChildren] = {}
-        self._decisions: dict[tuple[str, str], Counter] = {}
+        self._decisions: dict[tuple[str, str], CounterChild] = {}
 
     def _labels(self, **extra: str) -> dict[str, str]:
         return {"pool": self.pool, "role": ROLE, **extra}

@@ -12,9 +12,8 @@ out of it (a return, an error, a cancel) goes uncounted.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Iterator
+from types import TracebackType
 from typing import TYPE_CHECKING, Literal
 
 from pdserve.protocol.api_errors import APIError
@@ -77,21 +76,38 @@ def outcome_of(status: int) -> Outcome:
     return "error"
 
 
-@contextlib.contextmanager
-def counted(metrics: RouterMetrics, routed: Routed) -> Iterator[RequestOutcome]:
+def counted(metrics: RouterMetrics, routed: Routed) -> Counted:
     """Count the routing decision now, and the request's one outcome when the block
     ends, however it ends (an outcome nobody set is an error's)."""
     metrics.decided(routed.bucket, routed.mode)
-    record = RequestOutcome(routed.mode)
-    try:
-        yield record
-    except BaseException as error:
-        if record.outcome is None:
+    return Counted(metrics, routed)
+
+
+class Counted:
+    """The block of one request's serving (see `counted`); a class rather than a
+    generator, as it wraps every request."""
+
+    __slots__ = ("_metrics", "_routed", "record")
+
+    def __init__(self, metrics: RouterMetrics, routed: Routed) -> None:
+        self._metrics = metrics
+        self._routed = routed
+        self.record = RequestOutcome(routed.mode)
+
+    def __enter__(self) -> RequestOutcome:
+        return self.record
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        record, routed = self.record, self._routed
+        if error is not None and record.outcome is None:
             record.failed(error)
-        raise
-    finally:
         streams = record.stream.streams if record.stream is not None else ()
-        metrics.observe_request(
+        self._metrics.observe_request(
             routed.bucket, record.mode, record.outcome or "error", routed.arrival, streams,
             time.monotonic(), routed.slo, record.output_tokens, record.revisions,
         )  # fmt: skip

@@ -355,14 +355,13 @@ class Forwarder:
         tokens = routed.token_stream()
         broken: str | None = None
         try:
-            chunks = aiter(upstream)
             while True:
                 try:
-                    data = await anext(chunks)
-                except StopAsyncIteration:
-                    break
+                    data = await upstream.next_piece()
                 except UpstreamError as error:
                     broken = f"the worker serving this stream failed: {error}"
+                    break
+                if data is None:
                     break
                 now = time.monotonic()
                 if response is None:  # its head goes out with its first event

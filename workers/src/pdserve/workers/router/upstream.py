@@ -97,7 +97,7 @@ class UpstreamResponse:
     async def read(self) -> bytes:
         """The whole body (UpstreamError when it breaks off)."""
         pieces = []
-        async for piece in self:
+        while (piece := await self.next_piece()) is not None:
             pieces.append(piece)
         return b"".join(pieces)
 
@@ -105,20 +105,26 @@ class UpstreamResponse:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[bytes]:
-        """The body as it arrives: each piece all that had arrived when it was taken."""
+        while (piece := await self.next_piece()) is not None:
+            yield piece
+
+    async def next_piece(self) -> bytes | None:
+        """The body's next piece as it arrives (all that had arrived when it is taken);
+        None once it ended (UpstreamError when it broke off). What iterating the
+        answer does, without an async generator per answer (which the event loop
+        tracks in a set of its own)."""
         while True:
             if self._pieces:
-                yield self._take()
-            elif self._error is not None:
+                return self._take()
+            if self._error is not None:
                 raise self._error
-            elif self._ended:
-                return
-            else:
-                self._waiter = asyncio.get_running_loop().create_future()
-                try:
-                    await self._waiter
-                finally:
-                    self._waiter = None
+            if self._ended:
+                return None
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
 
     def _take(self) -> bytes:
         pieces = self._pieces
@@ -279,8 +285,8 @@ class _Connection(asyncio.Protocol):
         body, response = self._body, self._response
         assert body is not None and response is not None
         pieces, ended = body.decode(data)
-        for piece in pieces:
-            response._feed(piece)
+        if pieces:  # what one read brought goes to the taker as one piece
+            response._feed(pieces[0] if len(pieces) == 1 else b"".join(pieces))
         if ended:
             if body.trailing:  # bytes after the answer: nothing was asked for them
                 self._keep_alive = False
@@ -345,51 +351,61 @@ class _Body:
 
     def _chunks(self, data: bytes) -> tuple[list[bytes], bool]:
         pending = self._pending
-        pending += data
+        if pending:  # what an earlier read left undecoded, then this one
+            pending += data
+            data = bytes(pending)
+            pending.clear()
         pieces: list[bytes] = []
         at = 0
+        size = len(data)
         while not self.ended:
-            if self._chunk_left > 0:  # a chunk's data, then its CRLF
-                end = at + self._chunk_left
-                if len(pending) < end + 2:
-                    if len(pending) > at:
-                        taken = min(len(pending), end) - at
-                        pieces.append(bytes(pending[at : at + taken]))
+            left = self._chunk_left
+            if left > 0:  # a chunk's data, then its CRLF
+                end = at + left
+                if size < end + 2:
+                    if size > at:
+                        taken = min(size, end) - at
+                        pieces.append(data[at : at + taken])
                         self._chunk_left -= taken
                         at += taken
                     break
-                pieces.append(bytes(pending[at:end]))
-                if pending[end : end + 2] != b"\r\n":
+                pieces.append(data[at:end])
+                if data[end : end + 2] != b"\r\n":
                     raise UpstreamError("malformed chunked body")
                 at = end + 2
                 self._chunk_left = -1
-            elif self._chunk_left == 0:  # the CRLF after a chunk whose data came earlier
-                if len(pending) < at + 2:
+            elif left == 0:  # the CRLF after a chunk whose data came earlier
+                if size < at + 2:
                     break
-                if pending[at : at + 2] != b"\r\n":
+                if data[at : at + 2] != b"\r\n":
                     raise UpstreamError("malformed chunked body")
                 at += 2
                 self._chunk_left = -1
             else:  # a size line, or a trailer line (the body ends at an empty one)
-                line_end = pending.find(b"\r\n", at)
+                line_end = data.find(b"\r\n", at)
                 if line_end < 0:
-                    if len(pending) - at > MAX_HEAD_BYTES:
+                    if size - at > MAX_HEAD_BYTES:
                         raise UpstreamError("malformed chunked body")
                     break
-                line = bytes(pending[at:line_end])
+                line = data[at:line_end]
                 at = line_end + 2
-                if self._chunk_left == -2:
+                if left == -2:
                     self.ended = not line
                     continue
-                size = _chunk_size(line)
-                self._chunk_left = size if size else -2
-        del pending[:at]
-        if self.ended and pending:
-            self.trailing = True
+                chunk = _chunk_size(line)
+                self._chunk_left = chunk if chunk else -2
+        if at < size:
+            pending += data[at:]
+            self.trailing = self.trailing or self.ended
         return pieces, self.ended
 
 
 def _chunk_size(line: bytes) -> int:
+    if line.isalnum():  # a size alone, as nearly every server writes it
+        try:
+            return int(line, 16)
+        except ValueError:
+            raise UpstreamError("malformed chunk size") from None
     size = line.split(b";", 1)[0].strip()
     try:
         value = int(size, 16)
