@@ -13,7 +13,7 @@ import pytest
 
 from pdserve.workers.bench.plan import PlannedRequest
 from pdserve.workers.engine.step_cost import StepFeatures
-from pdserve.workers.plan.costs import ServingOverhead, StepCost
+from pdserve.workers.plan.costs import Profile, ServingOverhead, StepCost
 from pdserve.workers.plan.pair import mixed_gap
 from pdserve.workers.plan.pool import PoolSimulation, Traffic
 from pdserve.workers.plan.scenario import parse_scenario
@@ -51,11 +51,11 @@ def test_the_simulator_charges_the_prompts_step_the_factor(tmp_path: Path) -> No
     plain = constant_profile(model_config_dir(tmp_path), STEP_S)
     slower = plain.model_copy(update={"serving": ServingOverhead(mixed_factor=1.8)})
 
-    def token_times(profile: object) -> list[float]:
+    def token_times(profile: Profile) -> list[float]:
         line = scenario_line("mixed", ["--max-num-batched-tokens", "64"])
         plan = [PlannedRequest(0, 0.0, 16, 20, "t")]
         simulation = PoolSimulation(
-            parse_scenario(line), profile, Traffic(plan, 0, 256, 60.0, None)  # type: ignore[arg-type]
+            parse_scenario(line), profile, Traffic(plan, 0, 256, 60.0, None)
         )
         (record,) = simulation.run()
         return record.chunk_times
