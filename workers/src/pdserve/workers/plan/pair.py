@@ -149,8 +149,8 @@ def _measure(
         blocks = -(-length // setup.block_size)
         extra.append((blocks * setup.block_bytes, statistics.median(disaggregated[1:]) - local))
         overheads.append((length, local))
-    serving = _serving_overhead(setup, cost, decode.url, headers, rng)
-    serving = _with_mixed_factor(serving, setup, cost, decode.url, headers, rng)
+    streamed = _Streamed(decode.url, headers, setup.vocab, rng)
+    serving = _with_mixed_factor(_serving_overhead(streamed, cost), streamed, cost)
     handoff = _fit_handoff(extra, setup.backend)
     # The shortest prompt's: the least of its time is the predicted compute subtracted
     # (a long prompt's is chunked, and an error in its compute would hide the overhead).
@@ -159,13 +159,23 @@ def _measure(
     return PairFigures(handoff, max(0.0, local - computed), startup_s, serving, ClientCost())
 
 
-def _serving_overhead(
-    setup: PairSetup,
-    cost: StepCost,
-    url: str,
-    headers: dict[str, str],
-    rng: np.random.Generator,
-) -> ServingOverhead:
+@dataclass(frozen=True)
+class _Streamed:
+    """The worker that streams and answers the prompts of a measurement, and how they
+    are drawn."""
+
+    url: str
+    headers: dict[str, str]
+    vocab: int
+    rng: np.random.Generator
+
+    def prompt(self, length: int) -> list[int]:
+        """A prompt of `length` random tokens."""
+        drawn: list[int] = self.rng.integers(FIRST_PROMPT_TOKEN_ID, self.vocab, length).tolist()
+        return drawn
+
+
+def _serving_overhead(worker: _Streamed, cost: StepCost) -> ServingOverhead:
     """The median gap of streams decoding together, beyond the step's predicted
     compute, per batch size; fitted as fixed plus per token streamed."""
     points: list[tuple[int, float]] = []
@@ -173,12 +183,11 @@ def _serving_overhead(
     context = STREAM_PROMPT_TOKENS + STREAM_OUTPUT_TOKENS // 2  # a decode's keys, mid-run
     tokens = STREAM_OUTPUT_TOKENS
     for streams in STREAMS:
-        prompts = [
-            rng.integers(FIRST_PROMPT_TOKEN_ID, setup.vocab, STREAM_PROMPT_TOKENS).tolist()
-            for _ in range(streams)
-        ]
+        prompts = [worker.prompt(STREAM_PROMPT_TOKENS) for _ in range(streams)]
         with ThreadPoolExecutor(streams) as pool:
-            times = list(pool.map(lambda p: stream_times(url, p, headers, tokens), prompts))
+            times = list(
+                pool.map(lambda p: stream_times(worker.url, p, worker.headers, tokens), prompts)
+            )
         gaps = [float(gap) for t in times for gap in np.diff(t[STREAM_SKIP_GAPS:])]
         typical = statistics.median(gaps)
         ratios += [gap / typical for gap in gaps]
@@ -192,12 +201,7 @@ def _serving_overhead(
 
 
 def _with_mixed_factor(
-    serving: ServingOverhead,
-    setup: PairSetup,
-    cost: StepCost,
-    url: str,
-    headers: dict[str, str],
-    rng: np.random.Generator,
+    serving: ServingOverhead, worker: _Streamed, cost: StepCost
 ) -> ServingOverhead:
     """`serving` with the mixed factor: prompts of MIXED_PROMPTS tokens sent one at a
     time (one token each) while streams decode; the step that carries each is the
@@ -211,8 +215,8 @@ def _with_mixed_factor(
         stream_rng = np.random.default_rng(seed)
         times: list[float] = []
         while not stop.is_set():
-            prompt = stream_rng.integers(FIRST_PROMPT_TOKEN_ID, setup.vocab, STREAM_PROMPT_TOKENS)
-            answer = stream_times(url, prompt.tolist(), headers, MIXED_OUTPUT_TOKENS)
+            prompt = stream_rng.integers(FIRST_PROMPT_TOKEN_ID, worker.vocab, STREAM_PROMPT_TOKENS)
+            answer = stream_times(worker.url, prompt.tolist(), worker.headers, MIXED_OUTPUT_TOKENS)
             times += [math.nan, *answer]
         return times
 
@@ -223,9 +227,10 @@ def _with_mixed_factor(
             time.sleep(MIXED_WARM_UP_S)
             for _ in range(REPEATS):
                 for length in MIXED_PROMPTS:
-                    prompt = rng.integers(FIRST_PROMPT_TOKEN_ID, setup.vocab, length).tolist()
+                    prompt = worker.prompt(length)
                     started = time.perf_counter()
-                    sent.append((length, started, started + _first_token_s(url, prompt, headers)))
+                    answered = started + _first_token_s(worker.url, prompt, worker.headers)
+                    sent.append((length, started, answered))
         finally:
             stop.set()
         events = [stream.result() for stream in streams]
