@@ -18,7 +18,7 @@ from pdserve.workers.plan.clients import (
     BUSY_STREAMS,
     request_overhead_s,
 )
-from pdserve.workers.plan.costs import StepCost
+from pdserve.workers.plan.costs import ServingOverhead, StepCost
 from pdserve.workers.plan.pool import PoolSimulation, Traffic
 from pdserve.workers.plan.scenario import parse_scenario
 from support.plan import constant_profile, model_config_dir, scenario_line
@@ -30,6 +30,7 @@ COST = StepCost(
     per_decode_key_s=0.0,
     per_prefill_key_s=8e-8,
 )
+COSTS = (COST, ServingOverhead())
 
 
 def answered(prompt: int, beyond_s: float, index: int = 0) -> RequestRecord:
@@ -46,15 +47,25 @@ def test_the_overhead_is_the_typical_time_beyond_the_prompts_compute() -> None:
     failed = RequestRecord(3, "chat", 32, 1, scheduled_at=0.0, sent_at=10.0)
     failed.fail("connection reset", 10.5)
 
-    assert request_overhead_s([*records, failed], COST) == pytest.approx(0.022)
+    assert request_overhead_s([*records, failed], COSTS) == pytest.approx(0.022)
+
+
+def test_a_prompts_step_is_charged_at_the_serving_workers_slower_compute() -> None:
+    # The prompt's step took twice the sweep's compute: that is the mixed factor's,
+    # not the request's overhead.
+    record = answered(64, 0.020)
+    record.chunk_times[0] += COST.seconds(StepFeatures(0, 64, 0, 64 * 64))
+    slower = (COST, ServingOverhead(mixed_factor=2.0))
+    assert request_overhead_s([record], slower) == pytest.approx(0.020)
+    assert request_overhead_s([record], COSTS) > 0.020
 
 
 def test_no_answered_request_measures_no_overhead() -> None:
     failed = RequestRecord(0, "chat", 32, 1, scheduled_at=0.0, sent_at=10.0)
     failed.fail("connection reset", 10.5)
-    assert request_overhead_s([failed], COST) is None
+    assert request_overhead_s([failed], COSTS) is None
     # A prompt whose compute was overestimated does not make the overhead negative.
-    assert request_overhead_s([answered(16, -0.001)], COST) == 0.0
+    assert request_overhead_s([answered(16, -0.001)], COSTS) == 0.0
 
 
 def test_on_a_busy_worker_the_step_under_way_and_the_decodes_beside_are_not_overhead() -> None:
@@ -66,7 +77,7 @@ def test_on_a_busy_worker_the_step_under_way_and_the_decodes_beside_are_not_over
     record.chunk_times.append(10.0 + waited + mixed + 0.015)
     record.chunk_tokens.append(1)
     record.finished = True
-    assert request_overhead_s([record], cost, decodes) == pytest.approx(0.015)
+    assert request_overhead_s([record], (cost, ServingOverhead()), decodes) == pytest.approx(0.015)
 
 
 def test_a_request_pays_the_busy_overhead_where_its_decode_worker_streams_to_others(

@@ -34,7 +34,7 @@ from pdserve.workers.bench.config import FIRST_PROMPT_TOKEN_ID, BenchConfig
 from pdserve.workers.bench.records import RequestRecord
 from pdserve.workers.bench.runner import run_benchmark
 from pdserve.workers.engine.step_cost import StepFeatures
-from pdserve.workers.plan.costs import ClientCost, StepCost
+from pdserve.workers.plan.costs import ClientCost, ServingOverhead, StepCost
 
 REQUESTS = 24
 RATE = 8.0  # requests per second
@@ -60,10 +60,15 @@ class Overheads:
 
 
 def measure_client_cost(
-    model: Path, decode_url: str, credential: Path, scratch: Path, cost: StepCost
+    model: Path,
+    decode_url: str,
+    credential: Path,
+    scratch: Path,
+    costs: tuple[StepCost, ServingOverhead],
 ) -> tuple[ClientCost, Overheads]:
     """Route runs through a router to the decode worker at `decode_url`: the client
-    cost, and a request's overhead through the router on the worker idle and busy."""
+    cost, and a request's overhead through the router on the worker idle and busy
+    (beyond the steps' compute as the step cost and the serving worker's give it)."""
     table = {
         "pool": "profile",
         "model": {"name": str(model), "path": str(model)},
@@ -85,25 +90,26 @@ def measure_client_cost(
         router.stop()
     samples = tuple(sample for sample, _ in runs)
     overheads = Overheads(
-        request_overhead_s(runs[0][1], cost), request_overhead_s(busy, cost, BUSY_STREAMS)
+        request_overhead_s(runs[0][1], costs), request_overhead_s(busy, costs, BUSY_STREAMS)
     )
     return _fit(samples), overheads
 
 
 def request_overhead_s(
-    records: Sequence[RequestRecord], cost: StepCost, decodes: int = 0
+    records: Sequence[RequestRecord], costs: tuple[StepCost, ServingOverhead], decodes: int = 0
 ) -> float | None:
     """The median of each answered request's time to its first token less the
     predicted compute of its prompt in one step beside `decodes` decodes, and of half
     a decode-only step before it where there are decodes (never below zero)."""
+    cost, serving = costs
     context = BUSY_PROMPT_TOKENS + BUSY_OUTPUT_TOKENS // 2  # the decodes' keys, mid-run
     waited = 0.0
     if decodes:
         waited = cost.seconds(StepFeatures(decodes, 0, decodes * context, 0)) / 2
     beyond = [
         record.chunk_times[0] - record.sent_at - waited
-        - cost.seconds(StepFeatures(decodes, record.input_tokens, decodes * context,
-                                    record.input_tokens**2))
+        - serving.compute(StepFeatures(decodes, record.input_tokens, decodes * context,
+                                       record.input_tokens**2), cost)
         for record in records
         if record.ok and record.sent_at is not None
     ]  # fmt: skip

@@ -7,6 +7,10 @@ non-negative; a serving worker adds a fixed time per step and a time per token i
 streams. A hand-off costs a fixed time plus a time per byte of KV sent; a request
 pays a fixed overhead on its way in (HTTP, tokenization, the router's hop).
 
+A step that carries a prompt's chunk computes slower in a serving worker than the
+engine alone in the sweep (`ServingOverhead.mixed_factor`, measured on a real worker
+with prompts sent while streams decode).
+
 A step's time is not the same twice: the machine's other threads take the cores for
 a time slice now and then, a step that waits out such a slice runs several times its
 usual time, and the latency tails users see are those steps. The profile keeps the
@@ -174,10 +178,24 @@ class ServingOverhead(_Model):
     # worker's steps as its clients see them (its own server's thread, the clients
     # reading, the machine's other work taking a slice now and then).
     spread: StepSpread = StepSpread()
+    # A step that carries a prompt's chunk computes slower in a serving worker than
+    # the sweep's engine alone (its server's threads, the streams' events and the
+    # machine's other work take the cores the chunk's parallel compute waits on): its
+    # compute over the step-cost model's, measured with prompts sent to a worker while
+    # streams decode on it. 1: not measured.
+    mixed_factor: float = Field(default=1.0, gt=0)
+    # (prompt tokens, that step's compute over the model's) of each prompt measured.
+    mixed_samples: tuple[tuple[int, float], ...] = ()
 
     def seconds(self, tokens: int) -> float:
         """What a step that streams `tokens` tokens takes beyond its compute."""
         return self.fixed_s + self.per_token_s * tokens
+
+    def compute(self, features: StepFeatures, cost: StepCost) -> float:
+        """A serving worker's compute of a step: the step-cost model's, by the mixed
+        factor where the step carries a prompt's chunk."""
+        seconds = cost.seconds(features)
+        return seconds * self.mixed_factor if features.prefill_tokens else seconds
 
 
 class Contention(_Model):

@@ -17,9 +17,12 @@ request's overhead as the bench sees it, through the router (`clients`).
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import statistics
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -51,6 +54,15 @@ STREAMS = (1, 4, 8, 16)
 STREAM_PROMPT_TOKENS = 32
 STREAM_OUTPUT_TOKENS = 48
 STREAM_SKIP_GAPS = 6
+# The prompts sent, each alone in its step (under the default token budget), while
+# MIXED_STREAMS streams decode answers of MIXED_OUTPUT_TOKENS one after another.
+MIXED_PROMPTS = (128, 256, 448)
+MIXED_STREAMS = 4
+MIXED_OUTPUT_TOKENS = 192
+MIXED_WARM_UP_S = 0.5
+# How late a stream's event may come after the prompt's answer and still be the
+# event of the step that carried the prompt (the two leave the server together).
+MIXED_SLACK_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -101,8 +113,9 @@ def measure_pair(
             progress(f"profile: worker pair ready ({startup_s:.1f}s to start one worker)")
             figures = _measure(setup, cost, credential, prefill, decode, startup_s)
             clients, overheads = measure_client_cost(
-                setup.model, decode.url, directory / "credential", directory, cost
-            )
+                setup.model, decode.url, directory / "credential", directory,
+                (cost, figures.serving),
+            )  # fmt: skip
             figures = replace(figures, clients=clients, busy_request_overhead_s=overheads.busy_s)
             if overheads.idle_s is None:  # no request answered through the router
                 return figures
@@ -124,7 +137,7 @@ def _measure(
     headers = {"Content-Type": "application/json", **bearer(credential)}
     handed = {**headers, PREFILL_URL_HEADER: prefill.url}
     extra: list[tuple[int, float]] = []
-    overheads: list[float] = []
+    overheads: list[tuple[int, float]] = []  # (prompt tokens, its first token's time)
     for length in setup.lengths:
         colocated, disaggregated = [], []
         for _ in range(REPEATS + 1):  # the first of each is a warm-up
@@ -135,22 +148,34 @@ def _measure(
         local = statistics.median(colocated[1:])
         blocks = -(-length // setup.block_size)
         extra.append((blocks * setup.block_bytes, statistics.median(disaggregated[1:]) - local))
-        computed = cost.seconds(StepFeatures(prefill_tokens=length, prefill_keys=length * length))
-        overheads.append(max(0.0, local - computed))
-    serving = _serving_overhead(setup, cost, decode.url, headers, rng)
+        overheads.append((length, local))
+    streamed = _Streamed(decode.url, headers, setup.vocab, rng)
+    serving = _with_mixed_factor(_serving_overhead(streamed, cost), streamed, cost)
     handoff = _fit_handoff(extra, setup.backend)
     # The shortest prompt's: the least of its time is the predicted compute subtracted
     # (a long prompt's is chunked, and an error in its compute would hide the overhead).
-    return PairFigures(handoff, overheads[0], startup_s, serving, ClientCost())
+    length, local = overheads[0]
+    computed = serving.compute(StepFeatures(prefill_tokens=length, prefill_keys=length**2), cost)
+    return PairFigures(handoff, max(0.0, local - computed), startup_s, serving, ClientCost())
 
 
-def _serving_overhead(
-    setup: PairSetup,
-    cost: StepCost,
-    url: str,
-    headers: dict[str, str],
-    rng: np.random.Generator,
-) -> ServingOverhead:
+@dataclass(frozen=True)
+class _Streamed:
+    """The worker that streams and answers the prompts of a measurement, and how they
+    are drawn."""
+
+    url: str
+    headers: dict[str, str]
+    vocab: int
+    rng: np.random.Generator
+
+    def prompt(self, length: int) -> list[int]:
+        """A prompt of `length` random tokens."""
+        drawn: list[int] = self.rng.integers(FIRST_PROMPT_TOKEN_ID, self.vocab, length).tolist()
+        return drawn
+
+
+def _serving_overhead(worker: _Streamed, cost: StepCost) -> ServingOverhead:
     """The median gap of streams decoding together, beyond the step's predicted
     compute, per batch size; fitted as fixed plus per token streamed."""
     points: list[tuple[int, float]] = []
@@ -158,12 +183,11 @@ def _serving_overhead(
     context = STREAM_PROMPT_TOKENS + STREAM_OUTPUT_TOKENS // 2  # a decode's keys, mid-run
     tokens = STREAM_OUTPUT_TOKENS
     for streams in STREAMS:
-        prompts = [
-            rng.integers(FIRST_PROMPT_TOKEN_ID, setup.vocab, STREAM_PROMPT_TOKENS).tolist()
-            for _ in range(streams)
-        ]
+        prompts = [worker.prompt(STREAM_PROMPT_TOKENS) for _ in range(streams)]
         with ThreadPoolExecutor(streams) as pool:
-            times = list(pool.map(lambda p: stream_times(url, p, headers, tokens), prompts))
+            times = list(
+                pool.map(lambda p: stream_times(worker.url, p, worker.headers, tokens), prompts)
+            )
         gaps = [float(gap) for t in times for gap in np.diff(t[STREAM_SKIP_GAPS:])]
         typical = statistics.median(gaps)
         ratios += [gap / typical for gap in gaps]
@@ -174,6 +198,69 @@ def _serving_overhead(
         fixed_s=fixed, per_token_s=per_token, samples=tuple((n, float(s)) for n, s in points),
         spread=StepSpread.of(ratios),
     )  # fmt: skip
+
+
+def _with_mixed_factor(
+    serving: ServingOverhead, worker: _Streamed, cost: StepCost
+) -> ServingOverhead:
+    """`serving` with the mixed factor: prompts of MIXED_PROMPTS tokens sent one at a
+    time (one token each) while streams decode; the step that carries each is the
+    streams' longest gap from the prompt's sending to its answer, and that gap less
+    what serving adds to a step, over the step-cost model's compute of it, is the
+    prompt's sample. The factor is the samples' median."""
+    stop = threading.Event()
+    context = STREAM_PROMPT_TOKENS + MIXED_OUTPUT_TOKENS // 2  # a decode's keys, mid-run
+
+    def stream_on(seed: int) -> list[float]:
+        stream_rng = np.random.default_rng(seed)
+        times: list[float] = []
+        while not stop.is_set():
+            prompt = stream_rng.integers(FIRST_PROMPT_TOKEN_ID, worker.vocab, STREAM_PROMPT_TOKENS)
+            answer = stream_times(worker.url, prompt.tolist(), worker.headers, MIXED_OUTPUT_TOKENS)
+            times += [math.nan, *answer]
+        return times
+
+    sent: list[tuple[int, float, float]] = []  # (prompt tokens, sent, answered)
+    with ThreadPoolExecutor(MIXED_STREAMS) as pool:
+        streams = [pool.submit(stream_on, seed) for seed in range(MIXED_STREAMS)]
+        try:
+            time.sleep(MIXED_WARM_UP_S)
+            for _ in range(REPEATS):
+                for length in MIXED_PROMPTS:
+                    prompt = worker.prompt(length)
+                    started = time.perf_counter()
+                    answered = started + _first_token_s(worker.url, prompt, worker.headers)
+                    sent.append((length, started, answered))
+        finally:
+            stop.set()
+        events = [stream.result() for stream in streams]
+    samples: list[tuple[int, float]] = []
+    for length, start, end in sent:
+        gap = mixed_gap(events, start, end + MIXED_SLACK_S)
+        step = StepFeatures(MIXED_STREAMS, length, MIXED_STREAMS * context, length**2)
+        if gap is not None:
+            samples.append((length, (gap - serving.seconds(MIXED_STREAMS)) / cost.seconds(step)))
+    if not samples:
+        return serving
+    factor = max(1e-3, statistics.median(ratio for _, ratio in samples))
+    return serving.model_copy(update={"mixed_factor": factor, "mixed_samples": tuple(samples)})
+
+
+def mixed_gap(streams: Sequence[Sequence[float]], start: float, end: float) -> float | None:
+    """The median over streams of each one's longest gap between events that ends in
+    (`start`, `end`]: the step that carried a prompt sent at `start` and answered by
+    `end`. A NaN in a stream's events marks where it started a new request (no gap
+    across it). None: no stream saw one."""
+    longest: list[float] = []
+    for times in streams:
+        gaps = [
+            later - earlier
+            for earlier, later in itertools.pairwise(times)
+            if start < later <= end and not math.isnan(earlier)
+        ]
+        if gaps:
+            longest.append(max(gaps))
+    return statistics.median(longest) if longest else None
 
 
 def _fit_handoff(points: Sequence[tuple[int, float]], backend: str) -> HandoffCost:

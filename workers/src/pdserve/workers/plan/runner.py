@@ -1,10 +1,10 @@
 """A runner that computes nothing: each step takes the time the profile predicts for
-it (its compute, and what serving adds per step and per token streamed), on the
-worker's simulated clock (stretched by its host's contention where it shares cores:
-`hosts`) and drawn from the spread a serving worker's steps showed
-(`ServingOverhead.spread`, with the worker's own fixed seed), and every request that
-reaches the end of its tokens draws one token. The engine around it (scheduler,
-budget, KV cache, leases, fork and finish) is the real one."""
+it (its compute, slower where it carries a prompt's chunk, and what serving adds per
+step and per token streamed), on the worker's simulated clock (stretched by its host's
+contention where it shares cores: `hosts`) and drawn from the spread a serving
+worker's steps showed (`ServingOverhead.spread`, with the worker's own fixed seed),
+and every request that reaches the end of its tokens draws one token. The engine
+around it (scheduler, budget, KV cache, leases, fork and finish) is the real one."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ class SimulatedRunner:
             draws = (request.params.n if request.forks else 1) if request.samples else 0
             sampled.append((request, Sampled([DRAWN_TOKEN] * draws)))
         streamed = sum(len(drawn.tokens) for _, drawn in sampled)
-        compute = self.cost.seconds(StepFeatures.of(output.chunks))
+        compute = self.serving.compute(StepFeatures.of(output.chunks), self.cost)
         alone_s = (compute + self.serving.seconds(streamed)) * self.serving.spread.draw(self.rng)
         self.clock.advance(alone_s if self.pace is None else self.pace(self.clock.now, alone_s))
         return StepOutput(sampled, [])
