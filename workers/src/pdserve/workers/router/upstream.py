@@ -401,19 +401,15 @@ class _Body:
 
 
 def _chunk_size(line: bytes) -> int:
-    if line.isalnum():  # a size alone, as nearly every server writes it
-        try:
-            return int(line, 16)
-        except ValueError:
-            raise UpstreamError("malformed chunk size") from None
-    size = line.split(b";", 1)[0].strip()
+    # A size alone, as nearly every server writes it, needs no splitting off of
+    # extensions.
+    size = line if line.isalnum() else line.split(b";", 1)[0].strip()
+    if not size.isalnum():  # no sign, no space, no underscore int() would take
+        raise UpstreamError("malformed chunk size")
     try:
-        value = int(size, 16)
+        return int(size, 16)
     except ValueError:
         raise UpstreamError("malformed chunk size") from None
-    if value < 0 or not size.isalnum():
-        raise UpstreamError("malformed chunk size")
-    return value
 
 
 def _parse_head(head: bytes) -> tuple[int, dict[str, str], str]:
