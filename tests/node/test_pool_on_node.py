@@ -123,7 +123,7 @@ def test_a_prefill_pod_deleted_under_load_fails_no_request(served: ServedPool) -
         moved = node.pod_total(cluster, decode, TRANSFERRED)
 
         def handed_over_again() -> bool:
-            _, headers = node.complete(served.url, node.LONG_PROMPT, 4)
+            _, headers = node.complete(served.url, node.fresh_long_prompt(), 4)
             now = node.pod_total(cluster, decode, TRANSFERRED)
             return headers["X-Pdserve-Mode"] == "disaggregated" and now > moved
 
@@ -172,7 +172,7 @@ def test_the_network_policy_admits_the_pool_and_monitoring_only(served: ServedPo
         for path in ("/metrics", "/pd/connect", "/v1/models"):
             assert not node.reaches(cluster, outsider_ns, image, f"{worker}{path}"), path
         assert node.reaches(cluster, monitoring_ns, image, f"{worker}/metrics")
-        _, headers = node.complete(served.url, node.LONG_PROMPT, 4)
+        _, headers = node.complete(served.url, node.fresh_long_prompt(), 4)
         assert headers["X-Pdserve-Mode"] == "disaggregated"
     finally:
         cluster.kubectl("delete", "namespace", outsider_ns, "--wait=false")
@@ -191,9 +191,8 @@ def handoff_totals(read: Sequence[Totals]) -> tuple[float, float, float]:
 def handoff_rate(router: str, workers: Sequence[Totals], prompts: int) -> dict[str, float]:
     """Send `prompts` disaggregated prompts one at a time; the hand-offs' bandwidth."""
     before = handoff_totals(workers)
-    for i in range(prompts):
-        prompt = [(token + i) % 1000 + 3 for token in node.LONG_PROMPT]  # no prefix hits
-        _, headers = node.complete(router, prompt, 2)
+    for _ in range(prompts):
+        _, headers = node.complete(router, node.fresh_long_prompt(), 2)
         assert headers["X-Pdserve-Mode"] == "disaggregated"
     moved, seconds, count = (a - b for a, b in zip(handoff_totals(workers), before, strict=True))
     assert count > 0 and seconds > 0, "no hand-off was counted"

@@ -4,6 +4,7 @@ and what its pods and the router's Service say."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import tempfile
@@ -37,6 +38,15 @@ NODE_MODEL = TinyModelSpec(
 # A prompt the router serves colocated, and one it hands over (longer than BOUNDARY).
 SHORT_PROMPT = list(range(5, 5 + 16))
 LONG_PROMPT = [(7 * i) % 1000 + 3 for i in range(BOUNDARY * 3)]
+_variants = itertools.count(1)
+
+
+def fresh_long_prompt() -> list[int]:
+    """A prompt as long as LONG_PROMPT that shares no KV block with any prompt sent
+    before: a decode worker holding a prompt's prefix serves it colocated (KV-aware
+    routing decides on uncached tokens), so a test that must see a hand-off sends one."""
+    shift = next(_variants)
+    return [(token + shift) % 1000 + 3 for token in LONG_PROMPT]
 
 
 def helm_on(cluster: NodeCluster, *args: str) -> str:
