@@ -26,7 +26,8 @@ import kopf
 from pdserve.operator import api, metrics, render
 from pdserve.operator.cli import OperatorOptions
 from pdserve.operator.controller import kube
-from pdserve.operator.controller.cache import ClusterCache, cached_copy, pool_key
+from pdserve.operator.controller.cache import ClusterCache, PoolKey, cached_copy, pool_key
+from pdserve.operator.controller.child_events import Changed, ChildEvents
 from pdserve.operator.controller.kube import ApiError, Credentials, KubeClient
 from pdserve.operator.controller.reconcile import Reconciler
 from pdserve.operator.controller.resync import Resync, backoff
@@ -139,6 +140,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     memo["rollouts"] = Rollouts(
         found, loop, client, recorder, prometheus_url=options.prometheus_url
     )
+    memo["children"] = ChildEvents(lambda key, changed: repair_children(memo, key, changed))
     await prime(known, loop)
     metrics.POOLS.set_function(lambda: len(found.tracked()))
     metrics.RETRIES_PENDING.set_function(loop.pending)
@@ -179,7 +181,10 @@ def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:
 
 @kopf.on.cleanup()
 async def stop(memo: kopf.Memo, **_: Any) -> None:
-    """Stop the autoscaler, rollout and resync loops; close the reconciler's connections."""
+    """Stop handling children's events; stop the autoscaler, rollout and resync loops;
+    close the reconciler's connections."""
+    if "children" in memo:
+        await child_events(memo).close()
     if "autoscaler" in memo:
         await autoscaler(memo).close()
     if "rollouts" in memo:
@@ -188,6 +193,12 @@ async def stop(memo: kopf.Memo, **_: Any) -> None:
         await resync(memo).close()
     if "reconciler" in memo:
         await reconciler(memo).close()
+
+
+def child_events(memo: Mapping[str, Any]) -> ChildEvents:
+    """The children's events not handled yet, which start-up put in the operator's memo."""
+    found: ChildEvents = memo["children"]
+    return found
 
 
 def cache(memo: Mapping[str, Any]) -> ClusterCache:
@@ -255,8 +266,9 @@ async def child_event(
     memo: Any,
     **_: Any,
 ) -> None:
-    """Put a changed or deleted child back; refresh status on Deployment news."""
-    if "cache" not in memo:
+    """Cache the child; have its pool's task put it back if changed or deleted and
+    refresh the status on Deployment news (child_events.py: why not here)."""
+    if "children" not in memo:
         return
     known = cache(memo)
     if type == "DELETED":
@@ -267,13 +279,22 @@ async def child_event(
         return
     metrics.WATCH_EVENTS.labels(kind=body.get("kind", "")).inc()
     key = (namespace or "", labels[render.POOL_LABEL])
-    pool = known.pool(key)
-    if pool is None:
-        return
-    try:
-        await reconciler(memo).child_changed(pool, cached_copy(body), type, known.children(key))
-    except ApiError:
-        resync(memo).retry(key)  # no further event may come: retry with backoff
+    if known.pool(key) is not None:
+        child_events(memo).note(key, type, cached_copy(body))
+
+
+async def repair_children(memo: Mapping[str, Any], key: PoolKey, changed: Changed) -> None:
+    """Each changed child of one pool put back if needed, against the cache as it is
+    now; a refused repair is retried with backoff (no further event may come)."""
+    known = cache(memo)
+    for event, child in changed.values():
+        pool = known.pool(key)
+        if pool is None:
+            return  # deleted meanwhile
+        try:
+            await reconciler(memo).child_changed(pool, child, event, known.children(key))
+        except ApiError:
+            resync(memo).retry(key)
 
 
 for _kind in kube.WATCHED_KINDS:
