@@ -472,7 +472,7 @@ def compare(
                     step for w in workers.decode for step in read_steps(w.log_path)
                 )
                 rows.append(found | (decided(served.url) if router == "kv-aware" else {}))
-                publish_records(f"kv_routing_requests_{workload}_{folder.name}", result)
+                publish_records(f"kv_routing_requests_{folder.name}", result)
     against_reference(rows)
     return rows
 
