@@ -52,7 +52,9 @@ learned (KV-aware scoring weighs it).
 Apart: what a hit can save, one request at a time (TTFT cold against cached, on the
 tiny model and on a model with 6x its work per token); the router's index memory at
 10k and 100k blocks per worker and 8 workers, and the time to rebuild a worker's part
-of it from a snapshot. Run with `make bench`; results in out/bench/kv_*.json."""
+of it from a snapshot. Run with `make bench`; results in out/bench/kv_*.json, and each
+run's requests (sent, prompt, cached tokens, TTFT, mode) in
+out/bench/kv_routing_requests_<workload>-<router>.json."""
 
 from __future__ import annotations
 
