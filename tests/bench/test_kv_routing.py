@@ -52,7 +52,9 @@ learned (KV-aware scoring weighs it).
 Apart: what a hit can save, one request at a time (TTFT cold against cached, on the
 tiny model and on a model with 6x its work per token); the router's index memory at
 10k and 100k blocks per worker and 8 workers, and the time to rebuild a worker's part
-of it from a snapshot. Run with `make bench`; results in out/bench/kv_*.json."""
+of it from a snapshot. Run with `make bench`; results in out/bench/kv_*.json, and each
+run's requests (sent, prompt, cached tokens, TTFT, mode) in
+out/bench/kv_routing_requests_<workload>-<router>.json."""
 
 from __future__ import annotations
 
@@ -92,7 +94,7 @@ from pdserve.workers.router.kv_index import KVIndex, block_key
 from support.cpu import cpu_seconds
 from support.kv_pool import kv_router, metric, routing_file
 from support.pd import PDPair, pd_workers
-from support.results import publish
+from support.results import RESULTS_DIR, publish
 from support.step_log import decode_step_figures, read_steps
 from support.waiting import wait_until
 
@@ -472,8 +474,31 @@ def compare(
                     step for w in workers.decode for step in read_steps(w.log_path)
                 )
                 rows.append(found | (decided(served.url) if router == "kv-aware" else {}))
+                publish_records(f"kv_routing_requests_{folder.name}", result)
     against_reference(rows)
     return rows
+
+
+def publish_records(name: str, result: BenchResult) -> None:
+    """Each request of a run, in arrival order (out/bench/NAME.json, no table): when it
+    was sent, its prompt, the tokens the engine found cached, its TTFT and mode, so
+    that where TTFT went can be read request by request."""
+    started = min((r.sent_at for r in result.records if r.sent_at is not None), default=0.0)
+    requests = [
+        {
+            "index": r.index,
+            "sent_s": None if r.sent_at is None else r.sent_at - started,
+            "prompt_tokens": r.usage_prompt_tokens,
+            "cached_tokens": r.usage_cached_tokens,
+            "ttft_ms": (r.chunk_times[0] - r.sent_at) * 1000
+            if r.ok and r.sent_at is not None
+            else None,
+            "mode": r.mode,
+        }
+        for r in result.records
+    ]
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / f"{name}.json").write_text(json.dumps(requests, indent=1))
 
 
 def _spent(before: float | None, pid: int) -> float | None:

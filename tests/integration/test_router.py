@@ -21,9 +21,14 @@ import pytest
 
 from pdserve.base.process import pdserve_command
 from pdserve.operator.local.pool import LocalPool
-from pdserve.protocol.headers import PREFILL_URL_HEADER
+from pdserve.protocol.headers import (
+    PREFILL_URL_HEADER,
+    PROMPT_TOKEN_IDS_FIELD,
+    PROMPT_TOKENIZER_HEADER,
+)
 from pdserve.protocol.internal import bearer
 from pdserve.protocol.sampling import SamplingParams
+from pdserve.workers.model.tokenizer import Tokenizer
 from support.engine import make_engine, run_to_completion
 from support.network import witness
 from support.prom import total
@@ -286,6 +291,46 @@ def test_the_router_tokenizes_as_the_workers(pool: LocalPool) -> None:
     assert asyncio.run(post(f"{routers}/detokenize", {"tokens": tokens["tokens"]})) == (
         200, {"prompt": text},
     )  # fmt: skip
+
+
+def test_the_worker_takes_the_routers_token_ids_only_as_its_own(
+    pool: LocalPool, small_model_dir: Path
+) -> None:
+    """The router sends its token ids with the prompt (the worker does not tokenize it
+    again): the answers are the worker's own, echo, logprobs and usage included; a
+    worker takes ids only from the pool's router, and only from its own tokenizer."""
+    text = "Café naïve 😀 你好 — 42 " * 3
+    body = {"prompt": text, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 2}
+    chat = {"messages": [{"role": "user", "content": text}], "max_tokens": 4, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    for path, request in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+        routed = asyncio.run(post(f"{pool.url}{path}", request))
+        direct = asyncio.run(post(f"{decode_url(pool)}{path}", request, as_router(pool)))
+        assert routed[0] == direct[0] == 200, routed
+        for answer in (routed[1], direct[1]):
+            for key in ("id", "created", "system_fingerprint"):
+                answer.pop(key, None)
+            answer["usage"].pop("prompt_tokens_details", None)  # the second finds it cached
+        assert routed == direct
+    tokenizer = Tokenizer.from_dir(small_model_dir)
+    prompt_tokens = len(tokenizer.encode(text))
+    other = tokenizer.encode("something else entirely")
+    sent = {**body, PROMPT_TOKEN_IDS_FIELD: other}
+    completions = f"{decode_url(pool)}/v1/completions"
+    # From the router, with its tokenizer's fingerprint: the ids are the prompt's.
+    as_its_own = {PROMPT_TOKENIZER_HEADER: tokenizer.fingerprint, **as_router(pool)}
+    status, answer = asyncio.run(post(completions, sent, as_its_own))
+    assert status == 200 and answer["usage"]["prompt_tokens"] == len(other)
+    assert answer["choices"][0]["text"].startswith(text)  # echo is the client's text
+    # Another tokenizer's ids: the worker tokenizes the prompt itself.
+    foreign = {PROMPT_TOKENIZER_HEADER: "0" * 32, **as_router(pool)}
+    status, answer = asyncio.run(post(completions, sent, foreign))
+    assert status == 200 and answer["usage"]["prompt_tokens"] == prompt_tokens
+    # Without the pool's credential: refused; ids that are not ids: a 400.
+    status, answer = asyncio.run(post(completions, sent, {PROMPT_TOKENIZER_HEADER: "0" * 32}))
+    assert status == 401
+    bad = {**body, PROMPT_TOKEN_IDS_FIELD: ["a"]}
+    assert asyncio.run(post(completions, bad, as_its_own))[0] == 400
 
 
 def test_a_client_cannot_make_a_worker_connect_where_it_chooses(pool: LocalPool) -> None:

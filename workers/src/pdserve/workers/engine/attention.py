@@ -62,15 +62,16 @@ def paged_attention(
     return out
 
 
-def _gather(
-    kv_layer: torch.Tensor, block_tables: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the blocks in `block_tables` ([..., n]) as [..., kv_heads, n*block, dim]."""
-    blocks = kv_layer[block_tables]  # [..., n, 2, block, kv_heads, dim]
-    *lead, n, _, block_size, kv_heads, dim = blocks.shape
-    keys = blocks[..., 0, :, :, :].reshape(*lead, n * block_size, kv_heads, dim)
-    values = blocks[..., 1, :, :, :].reshape(*lead, n * block_size, kv_heads, dim)
-    return keys.transpose(-3, -2), values.transpose(-3, -2)
+def _gather(kv_layer: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the blocks in `block_table` ([n]) as [kv_heads, n*block, dim]: each
+    copied once, whole blocks at a time (a block's K or V is one contiguous run), not
+    gathered together and then copied apart."""
+    kv_heads, dim = kv_layer.shape[-2:]
+    keys, values = (
+        kv_layer[:, part].flatten(1).index_select(0, block_table).view(-1, kv_heads, dim)
+        for part in (0, 1)
+    )  # [n*block, kvh, dim]
+    return keys.transpose(0, 1), values.transpose(0, 1)
 
 
 def _decode_attention(

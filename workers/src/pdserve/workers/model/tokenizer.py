@@ -7,6 +7,7 @@ the special tokens and the chat template.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -47,8 +48,10 @@ class Tokenizer:
         self._settings = settings
         self.bos_id: int | None = self._token_id(settings.special_tokens.get("bos_token"))
         self.eos_ids: frozenset[int] = self._collect_eos_ids()
-        self._byte_level = _is_byte_level(json.loads(backend.to_str()).get("decoder"))
+        serialized = backend.to_str()
+        self._byte_level = _is_byte_level(json.loads(serialized).get("decoder"))
         self._token_bytes: dict[int, bytes] = {}
+        self.fingerprint = _fingerprint(serialized, settings)
 
     @classmethod
     def from_dir(cls, path: Path | str) -> Tokenizer:
@@ -132,6 +135,19 @@ class Tokenizer:
         names = [self._settings.special_tokens.get("eos_token"), *_END_OF_TURN_TOKENS]
         ids = {self._token_id(name) for name in names}
         return frozenset(i for i in ids if i is not None) | self._settings.extra_eos_ids
+
+
+def _fingerprint(serialized: str, settings: TokenizerSettings) -> str:
+    """What decides a prompt's token ids, digested: the tokenizer itself, its special
+    tokens and chat template. Two processes whose fingerprints are equal turn every
+    prompt into the same ids."""
+    digest = hashlib.sha256(serialized.encode())
+    described = {
+        "special_tokens": dict(sorted(settings.special_tokens.items())),
+        "chat_template": settings.chat_template,
+    }
+    digest.update(json.dumps(described, sort_keys=True).encode())
+    return digest.hexdigest()[:32]
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -42,6 +42,7 @@ from pdserve.workers.router.kv_scoring import KVPrompt
 from pdserve.workers.router.kv_subscriber import KVFeeds
 from pdserve.workers.router.metrics import RouterMetrics
 from pdserve.workers.router.openapi import router_openapi
+from pdserve.workers.router.prompt_ids import with_prompt_ids
 from pdserve.workers.router.proxy import Forwarder, Routed
 from pdserve.workers.router.revisions import RevisionSplit
 from pdserve.workers.router.routes import Routes
@@ -139,9 +140,12 @@ class RouterServer:
         client_id = request.headers.get(REQUEST_ID_HEADER)
         if client_id:
             log.debug("request %s is the client's %s", request_id, client_id[:256])
+        body = await request.read()
+        # The worker takes the ids only from a caller with the pool's credential.
+        with_ids = with_prompt_ids(body, tokens) if self.forwarder.credential else None
         routed = Routed(
             path=request.path,
-            body=await request.read(),
+            body=body if with_ids is None else with_ids,
             stream=parsed.stream,
             prompt_tokens=prompt_tokens,
             bucket=table.bucket_label(index),
@@ -157,6 +161,7 @@ class RouterServer:
             generates=params.max_tokens != 0,
             kv=KVPrompt.of(tokens, table) if self.kv_feeds is not None else None,
             split=RevisionSplit.of(table, tokens, parsed.user),
+            tokenizer=None if with_ids is None else self.tokenizer.fingerprint,
         )
         return await self.forwarder.serve(request, routed)
 

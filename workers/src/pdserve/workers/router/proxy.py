@@ -34,6 +34,7 @@ from pdserve.protocol.headers import (
     CACHED_TOKENS_HEADER,
     MODE_HEADER,
     PREFILL_URL_HEADER,
+    PROMPT_TOKENIZER_HEADER,
     REQUEST_ID_HEADER,
 )
 from pdserve.protocol.internal import bearer
@@ -78,6 +79,8 @@ class Routed:
     generates: bool = True  # False: max_tokens 0, the prompt scored, nothing generated
     kv: KVPrompt | None = None  # its blocks, when the table routes KV-aware
     split: RevisionSplit | None = None  # its revision, when a rollout splits the traffic
+    # The fingerprint of the tokenizer whose ids `body` carries (`prompt_ids`), if any.
+    tokenizer: str | None = None
 
     def token_stream(self) -> TokenStream:
         """A watcher of this request's relayed stream."""
@@ -234,6 +237,8 @@ class Forwarder:
         }
         if prefill is not None:
             headers[PREFILL_URL_HEADER] = prefill.url
+        if routed.tokenizer is not None:
+            headers[PROMPT_TOKENIZER_HEADER] = routed.tokenizer
         outcome.revisions = (revision_of(prefill), revision_of(decode))
         try:
             with self._outstanding(routed, decode, prefill, predicted) as answered:

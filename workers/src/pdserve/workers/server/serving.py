@@ -23,6 +23,8 @@ from pdserve.protocol.headers import (
     CACHED_TOKENS_HEADER,
     MODE_HEADER,
     PREFILL_URL_HEADER,
+    PROMPT_TOKEN_IDS_FIELD,
+    PROMPT_TOKENIZER_HEADER,
     REQUEST_ID_HEADER,
 )
 from pdserve.protocol.internal import InternalAuth, PrefillAllowList
@@ -83,7 +85,9 @@ class OpenAIServing:
         self._check_role()
         parsed = await read_body(request, CompletionRequest)
         self.model.check(parsed.model)
-        token_ids = await completion_prompt(self.tokenizer, parsed)
+        token_ids = self._routed_ids(request, parsed)
+        if token_ids is None:
+            token_ids = await completion_prompt(self.tokenizer, parsed)
         prepared = self._prepare(parsed, token_ids, chat=False)
         if parsed.echo:
             prompt = parsed.prompt
@@ -97,9 +101,29 @@ class OpenAIServing:
         self._check_role()
         parsed = await read_body(request, ChatCompletionRequest)
         self.model.check(parsed.model)
-        token_ids = await chat_prompt(self.tokenizer, parsed)
+        token_ids = self._routed_ids(request, parsed)
+        if token_ids is None:
+            token_ids = await chat_prompt(self.tokenizer, parsed)
         prepared = self._prepare(parsed, token_ids, chat=True)
         return await self._serve(request, prepared)
+
+    def _routed_ids(
+        self, request: web.Request, parsed: CompletionRequest | ChatCompletionRequest
+    ) -> list[int] | None:
+        """The prompt's token ids as the router sent them (`router.prompt_ids`), when it
+        tokenized with this worker's tokenizer; None: tokenize it here."""
+        fingerprint = request.headers.get(PROMPT_TOKENIZER_HEADER)
+        extra = parsed.model_extra or {}
+        if fingerprint is None or PROMPT_TOKEN_IDS_FIELD not in extra:
+            return None
+        self.internal.require(request, f"the header {PROMPT_TOKENIZER_HEADER}")
+        if fingerprint != self.tokenizer.fingerprint:
+            log.debug("the router's tokenizer is not this worker's: the prompt is tokenized here")
+            return None
+        ids = extra[PROMPT_TOKEN_IDS_FIELD]
+        if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+            raise APIError(400, f"{PROMPT_TOKEN_IDS_FIELD} must be a list of token ids")
+        return ids
 
     def _check_role(self) -> None:
         if self.model.role == "prefill":
