@@ -165,6 +165,9 @@ def _events(separators: tuple[str, str]) -> list[bytes]:
         event({"object": "x", "choices": [{"index": 0, "text": "y", "finish_reason": None}],
                "usage": {"completion_tokens": 1}}),
         b": a comment\n\n",
+        # Lines ended by CRLF, or with white space around them.
+        event({"choices": [{"index": 0, "text": "r", "finish_reason": None}]})[:-2] + b"\r\n\r\n",
+        b"  " + one(index=1, text="s", finish_reason=None)[:-2] + b" \n \t\n",
         b"data: not json\n\n",
         event({"error": {"message": "failed mid-stream", "code": "worker_failed"}}),
         b"data: [DONE]\n\n",

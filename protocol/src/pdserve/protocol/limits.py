@@ -49,7 +49,7 @@ class RequestLimits:
             raise APIError(
                 400, f"stop: at most {self.max_stop_strings} stop strings, got {len(params.stop)}"
             )
-        longest = max((len(stop) for stop in params.stop), default=0)
+        longest = max(map(len, params.stop)) if params.stop else 0
         if longest > self.max_stop_length:
             raise APIError(
                 400, f"stop: stop strings may have at most {self.max_stop_length} characters, "

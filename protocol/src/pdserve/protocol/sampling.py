@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 # Temperatures below this sample greedily, as in vLLM: dividing logits by a smaller one
@@ -47,36 +48,40 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first parameter out of range."""
-        checks: list[tuple[bool, str]] = [
-            (self.max_tokens is None or self.max_tokens >= 0, "max_tokens must not be negative"),
-            (0.0 <= self.temperature <= 100.0, "temperature must be between 0 and 100"),
-            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
-            (
-                as_float32(self.top_p) > 0.0,
+        for failed in self._failures():
+            raise InvalidRequestError(failed)
+
+    def _failures(self) -> Iterator[str]:
+        """What is out of range, in order (each message made only when it is, as every
+        request is validated)."""
+        if not (self.max_tokens is None or self.max_tokens >= 0):
+            yield "max_tokens must not be negative"
+        if not 0.0 <= self.temperature <= 100.0:
+            yield "temperature must be between 0 and 100"
+        if not 0.0 < self.top_p <= 1.0:
+            yield "top_p must be in (0, 1]"
+        # From 1e-44 up, a value is a float32 above 0: converted only below that.
+        if not (self.top_p >= 1e-44 or as_float32(self.top_p) > 0.0):
+            yield (
                 f"top_p {self.top_p!r} rounds to 0 in the sampler's float32: it must be "
-                "at least 1e-45",
-            ),
-            (self.top_k >= 0, "top_k must be 0 (disabled) or positive"),
-            (self.min_tokens >= 0, "min_tokens must not be negative"),
-            (
-                self.max_tokens is None or self.min_tokens <= self.max_tokens,
-                "min_tokens must not exceed max_tokens",
-            ),
-            (all(self.stop), "stop strings must not be empty"),
-            (
-                self.seed is None or 0 <= self.seed <= 2**63 - self.n,
-                "seed must be in [0, 2**63 - n]",
-            ),
-            (self.n >= 1, "n must be at least 1"),
-            (self.logprobs is None or self.logprobs >= 0, "logprobs must not be negative"),
-            (
-                self.prompt_logprobs is None or self.prompt_logprobs >= 0,
-                "prompt_logprobs must not be negative",
-            ),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise InvalidRequestError(message)
+                "at least 1e-45"
+            )
+        if not self.top_k >= 0:
+            yield "top_k must be 0 (disabled) or positive"
+        if not self.min_tokens >= 0:
+            yield "min_tokens must not be negative"
+        if not (self.max_tokens is None or self.min_tokens <= self.max_tokens):
+            yield "min_tokens must not exceed max_tokens"
+        if not all(self.stop):
+            yield "stop strings must not be empty"
+        if not (self.seed is None or 0 <= self.seed <= 2**63 - self.n):
+            yield "seed must be in [0, 2**63 - n]"
+        if not self.n >= 1:
+            yield "n must be at least 1"
+        if not (self.logprobs is None or self.logprobs >= 0):
+            yield "logprobs must not be negative"
+        if not (self.prompt_logprobs is None or self.prompt_logprobs >= 0):
+            yield "prompt_logprobs must not be negative"
 
     def choice(self, index: int) -> SamplingParams:
         """The parameters of choice `index` of a request with n > 1: a request of its

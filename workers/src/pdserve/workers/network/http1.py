@@ -591,11 +591,13 @@ def _error_answer(error: APIError, headers: Mapping[str, str]) -> web.Response:
     )  # fmt: skip
 
 
+# The reason phrase of each status, looked up once (an answer's head is made for every
+# request).
+_REASONS = {status.value: status.phrase for status in HTTPStatus}
+
+
 def _reason(status: int) -> str:
-    try:
-        return HTTPStatus(status).phrase
-    except ValueError:
-        return ""
+    return _REASONS.get(status, "")
 
 
 def _head(status: int, headers: Mapping[str, str]) -> bytes:

@@ -53,14 +53,19 @@ class TokenStream:
 
     def feed(self, data: bytes, now: float) -> None:
         """Take bytes as they arrived at `now` (events may be split across reads)."""
-        *lines, self._pending = (self._pending + data).split(b"\n")
+        pending = self._pending
+        *lines, self._pending = (pending + data if pending else data).split(b"\n")
         for line in lines:
-            self._line(line.strip(), now)
+            # Most lines are an event's `data:` or the blank line ending it (what a
+            # line holds around them is white space to strip).
+            if not line.startswith(b"data:"):
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+            self._event(line[5:].strip(), now)
 
-    def _line(self, line: bytes, now: float) -> None:
-        if not line.startswith(b"data:"):
-            return
-        payload = line[5:].strip()
+    def _event(self, payload: bytes, now: float) -> None:
+        """The payload of a `data:` line."""
         if payload == b"[DONE]":
             self.done = True
             return

@@ -1,0 +1,164 @@
+"""Encoding ASCII text with a byte-level BPE tokenizer a word at a time, each word's
+ids remembered: the ids the `tokenizers` library gives, for a fraction of its work.
+
+The library runs a whole pipeline per text (added tokens split out, the normalizer,
+the pre-tokenizer cutting words with GPT-2's pattern, the BPE model on each word, the
+post-processor adding special tokens, an Encoding with offsets), which costs a router
+tens of microseconds on every short prompt. BPE never merges across the words the
+pre-tokenizer cut, so a text's ids are its words' ids in order: those of a word seen
+before are looked up; a new word goes through the library's own BPE model once.
+
+Only where that is exactly the library's result: a tokenizer.json with no normalizer,
+the ByteLevel pre-tokenizer with GPT-2's pattern and no added prefix space, a BPE model
+without dropout, no truncation or padding, and a post-processor that adds the same
+special tokens around every text; and only ASCII text holding no added token's text
+(a word's letters, digits and spaces are then the same in every Unicode version the
+library's regular expressions and this module's could disagree on). Anything else is
+the library's to encode (`encode` answers None)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import tokenizers
+
+# GPT-2's pre-tokenizer pattern, as the ByteLevel pre-tokenizer applies it, on ASCII:
+# letters are [A-Za-z], digits [0-9] and white space the six characters Unicode calls
+# so (\s in Python's `re` would also take \x1c-\x1f, which are no white space there).
+_SPACE = r"\t\n\x0b\x0c\r "
+_WORDS = re.compile(
+    rf"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^{_SPACE}A-Za-z0-9]+"
+    rf"|[{_SPACE}]+(?![^{_SPACE}])|[{_SPACE}]+"
+)
+# Texts longer than this are the library's (which leaves Python's lock to other
+# threads while it works: long prompts are tokenized on a thread).
+MAX_TEXT_CHARS = 16 * 1024
+# Words remembered (the table is emptied when full) and the longest remembered.
+MAX_WORDS = 1 << 15
+MAX_WORD_CHARS = 64
+# Texts whose ids the library's and this module's must agree on when a tokenizer is
+# taken on (a check of the assumptions above on the tokenizer at hand).
+_PROBES = (
+    "",
+    " ",
+    "Hello world! It's 2024, they'll say: \"x-1\" isn't 3.14...",
+    "  two  spaces\tand\ttabs\n\nnew lines \r\n  end  ",
+    "".join(chr(c) for c in range(128)),
+)
+
+
+def byte_chars() -> dict[int, str]:
+    """The byte-level BPE alphabet: each byte as the printable character standing
+    for it in the vocabulary (GPT-2's table)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table = {byte: chr(byte) for byte in printable}
+    shifted = 0
+    for byte in range(256):
+        if byte not in table:
+            table[byte] = chr(256 + shifted)
+            shifted += 1
+    return table
+
+
+# An ASCII word's characters are its bytes: str.translate maps them to the alphabet.
+_ASCII_TO_ALPHABET = {byte: char for byte, char in byte_chars().items() if byte < 128}
+
+
+class ByteLevelWords:
+    """A byte-level BPE tokenizer's ids for ASCII text, a word at a time (see module)."""
+
+    def __init__(
+        self,
+        model: Any,
+        added: re.Pattern[str] | None,
+        specials: tuple[list[int], list[int]],
+    ) -> None:
+        self._model = model  # the library's BPE model: a word's tokens
+        self._added = added  # any added token's text
+        self._prefix, self._suffix = specials  # what add_special_tokens adds
+        self._words: dict[str, list[int]] = {}
+
+    @classmethod
+    def of(cls, backend: tokenizers.Tokenizer) -> ByteLevelWords | None:
+        """The word encoder of `backend`; None where it would not give the library's ids."""
+        config = json.loads(backend.to_str())
+        if not _supported(config):
+            return None
+        added = [token["content"] for token in config.get("added_tokens") or ()]
+        pattern = re.compile("|".join(map(re.escape, added))) if added else None
+        specials = _specials(backend)
+        if specials is None:
+            return None
+        words = cls(backend.model, pattern, specials)
+        for text in _PROBES:
+            for special in (True, False):
+                expected = backend.encode(text, add_special_tokens=special).ids
+                if words.encode(text, special) != expected:
+                    return None
+        words._words.clear()
+        return words
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int] | None:
+        """The ids of `text`; None when it is not this encoder's to encode."""
+        if not text.isascii() or len(text) > MAX_TEXT_CHARS:
+            return None
+        if self._added is not None and self._added.search(text) is not None:
+            return None
+        ids = list(self._prefix) if add_special_tokens else []
+        words = self._words
+        for word in _WORDS.findall(text):
+            found = words.get(word)
+            if found is None:
+                found = self._word(word)
+            ids += found
+        if add_special_tokens:
+            ids += self._suffix
+        return ids
+
+    def _word(self, word: str) -> list[int]:
+        ids = [token.id for token in self._model.tokenize(word.translate(_ASCII_TO_ALPHABET))]
+        if len(word) <= MAX_WORD_CHARS:
+            if len(self._words) >= MAX_WORDS:
+                self._words.clear()
+            self._words[word] = ids
+        return ids
+
+
+def _supported(config: Mapping[str, Any]) -> bool:
+    """Whether a tokenizer.json's pipeline is the one this module reproduces."""
+    pre = config.get("pre_tokenizer") or {}
+    model = config.get("model") or {}
+    return (
+        config.get("normalizer") is None
+        and config.get("truncation") is None
+        and config.get("padding") is None
+        and pre.get("type") == "ByteLevel"
+        and pre.get("use_regex", True) is True
+        and pre.get("add_prefix_space") is False
+        and model.get("type") == "BPE"
+        and model.get("dropout") is None
+        and _fixed_specials(config.get("post_processor"))
+    )
+
+
+def _fixed_specials(processor: Any) -> bool:
+    """Whether a post-processor adds the same tokens around every single text (or none)."""
+    if processor is None:
+        return True
+    kind = processor.get("type")
+    if kind == "Sequence":
+        return all(_fixed_specials(part) for part in processor.get("processors") or ())
+    return kind in ("ByteLevel", "TemplateProcessing")
+
+
+def _specials(backend: tokenizers.Tokenizer) -> tuple[list[int], list[int]] | None:
+    """The ids add_special_tokens puts before and after a text's own."""
+    plain = backend.encode("a", add_special_tokens=False).ids
+    full = backend.encode("a", add_special_tokens=True).ids
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return full[:start], full[start + len(plain) :]
+    return None
