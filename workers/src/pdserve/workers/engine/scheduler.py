@@ -21,8 +21,9 @@ to compute, in `max_prefill_overtakes` steps has aged, and aged prompts go first
 arrival order. So later arrivals run ahead of a prompt in at most that many steps, at
 most that many budgets of tokens. "arrival" serves prompts under way before waiting
 ones, each in arrival order (first come, first served). Only the first
-PREFILL_LOOKAHEAD waiting requests (in arrival order) are looked at; later ones wait
-their turn, so that a long queue costs a step no more than that many lookups.
+PREFILL_LOOKAHEAD waiting requests (in arrival order; more if the batch has more
+seats) are looked at; later ones wait their turn, so that a long queue costs a step
+no more than that many lookups.
 
 With chunking disabled a prompt is prefilled in one step or waits, which is the
 baseline that shows what chunking buys. The budget itself comes from a policy
@@ -225,15 +226,17 @@ class Scheduler:
         return BatchShape(len(decodes), max(decodes, default=0), prefills)
 
     def _prefill_queue(self, admit: bool = True) -> list[_Prompt]:
-        """The prompts under way and (if `admit`) the first PREFILL_LOOKAHEAD waiting
-        ones, in the order their chunks take the budget (see the module's docstring)."""
+        """The prompts under way and (if `admit`) the first waiting ones (as many as
+        PREFILL_LOOKAHEAD or the batch's seats), in the order their chunks take the
+        budget (see the module's docstring)."""
         prompts = [
             _Prompt(r, r.num_computed_tokens, r.num_tokens - r.num_computed_tokens, False)
             for r in self.running
             if r.is_prefilling and r.status is RequestStatus.RUNNING
         ]
         if admit:
-            for request in islice(self.waiting, PREFILL_LOOKAHEAD):
+            lookahead = max(PREFILL_LOOKAHEAD, self.config.max_num_seqs)
+            for request in islice(self.waiting, lookahead):
                 start = self._cached_prefix(request)
                 prompts.append(_Prompt(request, start, request.num_tokens - start, True))
         if self.config.prefill_order == "arrival":
