@@ -123,6 +123,9 @@ CACHE_BLOCKS_AT_1_16 = 512
 # At DEBUG the workers log every step's chunks and duration (a line or two a step):
 # what the requests decoding beside a prompt's chunk waited (`support.step_log`).
 ENGINE = ["--max-num-batched-tokens", "512", "--max-num-seqs", "16", "--log-level", "debug"]
+# More worker flags for every worker of a run (e.g. "--prefill-order arrival"), to compare
+# engine settings under the same routers.
+ENGINE += os.environ.get("PDSERVE_BENCH_KV_WORKER_ARGS", "").split()
 
 
 def cache_blocks_at(length_scale: float) -> int:

@@ -57,6 +57,28 @@ def test_at_least_one_token_is_left_to_compute() -> None:
     assert manager.find_cached_prefix("b", tokens) == 4  # not 8
 
 
+def test_a_prefix_is_looked_up_without_taking_its_blocks() -> None:
+    """What a waiting prompt's admission would find, known before it takes a block;
+    the hashes computed for it are kept and reused, and follow evictions."""
+    manager = KVCacheManager(BlockPool(6), block_size=4)
+    tokens = list(range(14))
+    manager.find_cached_prefix("a", tokens)
+    manager.allocate("a", 14)
+    manager.cache_full_blocks("a", tokens, 14)  # three full blocks registered
+    manager.free("a")
+    hashes: list[bytes] = []
+    longer = [*tokens[:12], 99, 98, 97]
+    assert manager.cached_prefix_length(longer, hashes) == 12
+    assert len(hashes) == 3  # computed as far as the lookup went
+    assert manager.pool.num_free == 6  # nothing taken
+    assert manager.find_cached_prefix("b", longer, hashes) == 12
+    assert manager.pool.num_free == 3
+    manager.free("b")
+    # Four blocks: the two never used, the partial one, then the prefix's tail.
+    assert manager.allocate("c", 16)
+    assert manager.cached_prefix_length(longer, hashes) == 8
+
+
 def test_freed_cached_blocks_are_evicted_oldest_first() -> None:
     manager = KVCacheManager(BlockPool(4), block_size=2)
     for name, tokens in (("a", [1, 2, 3]), ("b", [4, 5, 6])):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.engine.budget import BatchShape, BudgetPolicy, PrefillWork
-from pdserve.workers.engine.config import SchedulerConfig
+from pdserve.workers.engine.config import PrefillOrder, SchedulerConfig
 from pdserve.workers.engine.kv_cache import BlockPool, KVCacheManager
-from pdserve.workers.engine.request import Request
+from pdserve.workers.engine.request import FinishReason, Request
 from pdserve.workers.engine.scheduler import Scheduler, SchedulerOutput
 
 PARAMS = SamplingParams(max_tokens=100, temperature=0.0)
@@ -80,8 +80,8 @@ def test_preemption_takes_the_latest_arrival_and_requeues_it_first() -> None:
     scheduler = make(budget=64, blocks=4)  # 16 tokens of cache
     scheduler.add(request("old", 7, 0.0))
     scheduler.add(request("new", 7, 1.0))
-    scheduler.add(request("later", 3, 2.0))
     finish_step(scheduler, scheduler.schedule())  # old and new use 2 blocks each
+    scheduler.add(request("later", 3, 2.0))  # finds no block: it waits
     for _ in range(3):
         step = scheduler.schedule()
         finish_step(scheduler, step)
@@ -114,7 +114,7 @@ def test_each_step_takes_its_budget_from_the_policy() -> None:
     scheduler.add(request("short", 6, 0.0))
     # Other tokens than the short prompt's: no prefix cache hit.
     scheduler.add(Request("long", list(range(100, 140)), PARAMS, arrival_time=1.0))
-    scheduler.add(request("third", 5, 2.0))
+    scheduler.add(Request("third", list(range(200, 250)), PARAMS, arrival_time=2.0))
     sizes = []
     for _ in range(4):
         step = scheduler.schedule()
@@ -132,3 +132,116 @@ def test_each_step_takes_its_budget_from_the_policy() -> None:
     assert policy.shapes[0] == BatchShape(0, 0, (PrefillWork(0, 6), PrefillWork(0, 40)))
     assert policy.shapes[1] == BatchShape(1, 7, (PrefillWork(0, 40),))
     assert policy.shapes[2] == BatchShape(1, 8, (PrefillWork(2, 38),))
+
+
+def make_ordered(
+    order: PrefillOrder, budget: int = 16, overtakes: int = 32, blocks: int = 64
+) -> Scheduler:
+    config = SchedulerConfig(
+        max_num_batched_tokens=budget,
+        max_num_seqs=8,
+        prefill_order=order,
+        max_prefill_overtakes=overtakes,
+    )
+    cache = KVCacheManager(BlockPool(blocks), block_size=4)
+    return Scheduler(config, cache, max_model_len=1000)
+
+
+def run_to_end(scheduler: Scheduler, request: Request) -> None:
+    """Steps until `request` has decoded (its prompt computed, one token out)."""
+    while not request.output_token_ids:
+        finish_step(scheduler, scheduler.schedule())
+
+
+def chunks_of(step: SchedulerOutput) -> list[tuple[str, int, int]]:
+    return [(c.request.request_id, c.start, c.num_tokens) for c in step.chunks]
+
+
+def hit_behind_long_prompt(order: PrefillOrder) -> list[tuple[str, int, int]]:
+    """A long prompt under way when a prompt arrives whose first 32 of 34 tokens are
+    in the prefix cache (an earlier request's): the next step's chunks."""
+    scheduler = make_ordered(order, blocks=128)
+    system = list(range(1, 33))
+    earlier = Request("earlier", [*system, 900], PARAMS, arrival_time=0.0)
+    scheduler.add(earlier)
+    run_to_end(scheduler, earlier)
+    scheduler.finish(earlier, FinishReason.STOP)  # its blocks stay cached
+    scheduler.add(Request("long", list(range(1000, 1200)), PARAMS, arrival_time=1.0))
+    finish_step(scheduler, scheduler.schedule())  # the long prompt's first chunk
+    scheduler.add(Request("hit", [*system, 901, 902], PARAMS, arrival_time=2.0))
+    return chunks_of(scheduler.schedule())
+
+
+def test_a_cache_hit_does_not_wait_behind_a_long_prompt_under_way() -> None:
+    # Shortest first: the hit's 2 uncached tokens go before the long prompt's 184,
+    # which takes the rest of the budget.
+    assert hit_behind_long_prompt("shortest") == [("hit", 32, 2), ("long", 16, 14)]
+
+
+def test_first_come_first_served_keeps_the_hit_waiting() -> None:
+    # The order before: the prompt under way takes the whole budget, step after step.
+    assert hit_behind_long_prompt("arrival") == [("long", 16, 16)]
+
+
+def test_a_short_prompt_goes_before_a_long_one_that_arrived_first() -> None:
+    scheduler = make_ordered("shortest")
+    scheduler.add(Request("long", list(range(1000, 1100)), PARAMS, arrival_time=0.0))
+    scheduler.add(Request("short", list(range(2000, 2010)), PARAMS, arrival_time=1.0))
+    assert chunks_of(scheduler.schedule()) == [("short", 0, 10), ("long", 0, 6)]
+
+
+def test_a_long_prompt_is_overtaken_in_at_most_max_prefill_overtakes_steps() -> None:
+    """Short prompts that arrive every step and fill the whole budget would starve a
+    long prompt served shortest first; after 3 steps it goes first, then shares."""
+    scheduler = make_ordered("shortest", budget=8, overtakes=3, blocks=256)
+    long = Request("long", list(range(1000, 1040)), PARAMS, arrival_time=0.0)
+    scheduler.add(long)
+    served: list[int] = []  # the long prompt's tokens in each step
+    for step_index in range(12):
+        tokens = list(range(2000 + 10 * step_index, 2000 + 10 * step_index + 8))
+        scheduler.add(Request(f"short{step_index}", tokens, PARAMS, arrival_time=1.0 + step_index))
+        step = scheduler.schedule()
+        served.append(sum(c.num_tokens for c in step.chunks if c.request is long))
+        finish_step(scheduler, step)
+        if long.output_token_ids:
+            break
+    # Overtaken in steps 1-3 (nothing), then first in every step until it is done:
+    # the decodes of the short prompts already computed come first, the rest is its.
+    assert served[:3] == [0, 0, 0]
+    assert all(tokens > 0 for tokens in served[3:])
+    assert sum(served) == 40 and long.prefill_overtakes == 3
+
+
+def test_the_policy_sees_the_prompts_in_the_order_they_are_served() -> None:
+    """The budget policy's view of each step (its prompts, their starts and what is
+    left) is what the step then computes: the prompts' chunks in the same order, each
+    as much as the budget gives it in turn. Waiting prompts with cached prefixes, a
+    long prompt aging, seats filling up."""
+    policy = ScriptedBudget(*[12, 16, 20, 9, 16, 5, 16, 16, 30, 16, 16, 16] * 4)
+    scheduler = make(budget=16, seqs=4, blocks=256, policy=policy)
+    config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4, max_prefill_overtakes=2)
+    scheduler.config = config
+    system = list(range(1, 25))
+    arrivals = {
+        0: [("a", list(range(100, 160)))],
+        1: [("b", [*system, 1]), ("c", list(range(300, 309)))],
+        3: [("d", [*system, 2, 3, 4, 5]), ("e", list(range(400, 470)))],
+        5: [("f", [*system, 6])],
+        6: [("g", list(range(500, 505)))],
+    }
+    for index in range(40):
+        for name, tokens in arrivals.get(index, []):
+            scheduler.add(Request(name, tokens, PARAMS, arrival_time=float(index)))
+        if not scheduler.has_work():
+            break
+        step = scheduler.schedule()
+        shape = policy.shapes[-1]
+        left = step.token_budget - shape.num_decodes
+        expected = [(work.start, chunk) for work, chunk in shape._chunks(left)]
+        computed = [(c.start, c.num_tokens) for c in step.chunks if c.is_prefill]
+        assert computed == expected, f"step {index}"
+        finish_step(scheduler, step)
+        for request in list(scheduler.running):
+            if len(request.output_token_ids) >= 3:
+                scheduler.finish(request, FinishReason.STOP)
+    assert not scheduler.has_work()

@@ -148,6 +148,8 @@ class CacheConfig:
 
 BudgetMode = Literal["static", "adaptive"]
 BUDGET_MODES: tuple[BudgetMode, ...] = ("static", "adaptive")
+PrefillOrder = Literal["shortest", "arrival"]
+PREFILL_ORDERS: tuple[PrefillOrder, ...] = ("shortest", "arrival")
 DEFAULT_MIN_BUDGET = 32
 
 
@@ -193,8 +195,20 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
     token_budget: TokenBudgetConfig = field(default_factory=TokenBudgetConfig)
+    # The order prompts take what the decodes leave of a step's budget: "shortest"
+    # (fewest tokens left to compute first, aged prompts first) or "arrival" (first
+    # come, first served); see scheduler.py.
+    prefill_order: PrefillOrder = "shortest"
+    # Steps in which later arrivals may be served before a prompt before it ages.
+    max_prefill_overtakes: int = 32
 
     def __post_init__(self) -> None:
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ConfigError(
+                f"unknown prefill order {self.prefill_order!r}; one of {', '.join(PREFILL_ORDERS)}"
+            )
+        if self.max_prefill_overtakes < 0:
+            raise ConfigError("max_prefill_overtakes must not be negative")
         budget = self.token_budget
         if budget.mode != "adaptive":
             return

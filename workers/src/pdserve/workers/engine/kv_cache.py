@@ -183,27 +183,45 @@ class KVCacheManager:
         """The blocks of a request, in token order."""
         return self._tables.get(request_id, [])
 
-    def find_cached_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
+    def find_cached_prefix(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        hashes: list[BlockHash] | None = None,
+    ) -> int:
         """Attach the longest cached prefix of `token_ids` to a request that holds no
         blocks yet; return the number of tokens it covers. At least one token is always
-        left to compute, since the step that computes it also samples the next one."""
+        left to compute, since the step that computes it also samples the next one.
+        `hashes`: the prompt's block hashes as far as an earlier lookup computed them
+        (see `cached_prefix_length`)."""
         assert request_id not in self._tables, "prefix lookup on a request with blocks"
-        table: list[int] = []
-        hashes: list[BlockHash] = []
-        parent = self._root
-        for index in range((len(token_ids) - 1) // self.block_size):
-            start = index * self.block_size
-            block_hash = hash_block(parent, token_ids[start : start + self.block_size])
+        known = [] if hashes is None else hashes
+        num_blocks = self.cached_prefix_length(token_ids, known) // self.block_size
+        table = []
+        for block_hash in known[:num_blocks]:
             block = self.pool.lookup(block_hash)
-            if block is None:
-                break
+            assert block is not None, "a block found a moment ago is gone"
             self.pool.acquire(block)
             table.append(block)
-            hashes.append(block_hash)
-            parent = block_hash
         self._tables[request_id] = table
-        self._hashes[request_id] = hashes
-        return len(table) * self.block_size
+        self._hashes[request_id] = known[:num_blocks]
+        return num_blocks * self.block_size
+
+    def cached_prefix_length(self, token_ids: Sequence[int], hashes: list[BlockHash]) -> int:
+        """The tokens `find_cached_prefix` would find cached now, without taking a
+        block. `hashes` holds the hashes of the prompt's first blocks computed so far,
+        kept by the caller between lookups (a waiting prompt is looked up every step);
+        it grows as far as this lookup goes."""
+        size = self.block_size
+        found = 0
+        for index in range((len(token_ids) - 1) // size):
+            if index == len(hashes):
+                parent = hashes[-1] if hashes else self._root
+                hashes.append(hash_block(parent, token_ids[index * size : (index + 1) * size]))
+            if self.pool.lookup(hashes[index]) is None:
+                break
+            found += 1
+        return found * size
 
     def allocate(self, request_id: str, num_tokens: int) -> bool:
         """Grow a request's table to hold `num_tokens` tokens; False if blocks ran out

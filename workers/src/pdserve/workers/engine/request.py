@@ -43,6 +43,9 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    # Steps in which prompts that arrived later took prefill tokens before this one's
+    # prompt was computed (the scheduler's bound against starvation).
+    prefill_overtakes: int = 0
     # P/D hand-off: a prefill worker's request keeps its blocks when it finishes,
     # under a lease (see leases.py), until they are sent.
     hold_blocks: bool = False

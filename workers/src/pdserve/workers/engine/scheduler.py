@@ -8,6 +8,23 @@ running; prefill chunks fill what is left of the budget. When the KV cache runs 
 the most recently arrived running request is preempted: its blocks are freed and it
 is computed again later (recompute), keeping the tokens it already produced.
 
+Prompts, those under way and those waiting alike, take what the decodes leave in the
+order of `prefill_order`. "shortest" (the default) serves the prompt with the fewest
+tokens left to compute first, a waiting prompt's cached prefix not counted (looked up
+without taking its blocks): a prompt that is mostly a prefix-cache hit, or short, is
+not held behind a long prompt's chunks, which for a long prompt deep in its context
+can take seconds. That is shortest-remaining-first, which minimises the mean wait; a
+long prompt only loses the few steps the short ones take. Against starvation, by
+overtakes rather than by the clock (so that a simulated engine makes the same
+choices): a prompt that later arrivals were served before, while it still had tokens
+to compute, in `max_prefill_overtakes` steps has aged, and aged prompts go first, in
+arrival order. So later arrivals run ahead of a prompt in at most that many steps, at
+most that many budgets of tokens. "arrival" serves prompts under way before waiting
+ones, each in arrival order (first come, first served). Only the first
+PREFILL_LOOKAHEAD waiting requests (in arrival order; more if the batch has more
+seats) are looked at; later ones wait their turn, so that a long queue costs a step
+no more than that many lookups.
+
 With chunking disabled a prompt is prefilled in one step or waits, which is the
 baseline that shows what chunking buys. The budget itself comes from a policy
 (`budget`): fixed, or chosen each step from the ITL target.
@@ -17,7 +34,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 
 from pdserve.workers.engine.budget import (
@@ -29,7 +46,7 @@ from pdserve.workers.engine.budget import (
 )
 from pdserve.workers.engine.clock import Clock
 from pdserve.workers.engine.config import SchedulerConfig
-from pdserve.workers.engine.kv_cache import KVCacheManager
+from pdserve.workers.engine.kv_cache import BlockHash, KVCacheManager
 from pdserve.workers.engine.request import FinishReason, Request, RequestStatus
 
 
@@ -74,6 +91,46 @@ class SchedulerOutput:
         return sum(1 for chunk in self.chunks if chunk.is_prefill)
 
 
+# Waiting requests the prefill order looks at each step (see the module's docstring).
+PREFILL_LOOKAHEAD = 64
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    """A prompt in the prefill order, under way or waiting: its tokens left to compute
+    from `start` (a waiting prompt's cached prefix, as looked up), and once planned
+    the chunk it gets."""
+
+    request: Request
+    start: int
+    remaining: int
+    waiting: bool
+    tokens: int = 0
+
+    @property
+    def arrival_time(self) -> float:
+        return self.request.arrival_time
+
+    def shortest_first_key(self, max_overtakes: int) -> tuple[bool, float, float]:
+        """Aged prompts first, in arrival order; then the fewest tokens left first,
+        ties in arrival order."""
+        if self.request.prefill_overtakes >= max_overtakes:
+            return (False, self.arrival_time, 0.0)
+        return (True, float(self.remaining), self.arrival_time)
+
+
+def _count_overtakes(order: list[_Prompt], granted: dict[Request, int]) -> None:
+    """Count a step against each prompt that still had tokens to compute after it while
+    a prompt that arrived later was served before it."""
+    latest_served = float("-inf")
+    for prompt in order:
+        request = prompt.request
+        if latest_served > request.arrival_time and granted.get(request, 0) < prompt.remaining:
+            request.prefill_overtakes += 1
+        if request in granted:
+            latest_served = max(latest_served, request.arrival_time)
+
+
 class Scheduler:
     """Decides what each engine step computes, under the budget `policy` gives each
     step (default: the static budget of `config`)."""
@@ -93,6 +150,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Waiting requests' prompt block hashes, as far as prefix lookups went, and the
+        # token count they are of (a preempted request comes back with more tokens).
+        self._probes: dict[Request, tuple[int, list[BlockHash]]] = {}
 
     def add(self, request: Request) -> None:
         """Queue a new request."""
@@ -113,10 +173,11 @@ class Scheduler:
         budget = token_budget = self.policy.budget(self._shape())
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
-        # Decodes first, then prompts already under way, each group in arrival order.
-        ordered = sorted(self.running, key=lambda r: (r.is_prefilling, r.arrival_time))
         scheduled: set[Request] = set()  # the requests of `chunks`
-        for request in ordered:
+        decodes = sorted(
+            (r for r in self.running if not r.is_prefilling), key=lambda r: r.arrival_time
+        )
+        for request in decodes:
             if budget == 0 or request.status is not RequestStatus.RUNNING:
                 continue
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -125,23 +186,140 @@ class Scheduler:
             chunks.append(ScheduledChunk.of(request, num_tokens))
             scheduled.add(request)
             budget -= num_tokens
+        order = self._prefill_queue(admit=not preempted)
+        plan = self._plan(self._admissible(order), budget)
+        granted: dict[Request, int] = {}
+        # Blocks go to the prompts under way first, in arrival order (a preemption takes
+        # the latest arrival not yet served, as for decodes), then to the waiting prompts
+        # the plan admits, in its order: admitting a prompt never takes blocks from one
+        # under way. A waiting prompt whose blocks ran out stops the admissions; what
+        # the plan gave it is left unused this step.
+        running = sorted((p for p in plan if not p.waiting), key=lambda p: p.arrival_time)
+        for prompt in running:
+            request = prompt.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted for a prompt that arrived before it
+            if self._allocate_or_preempt(request, prompt.tokens, scheduled, preempted):
+                granted[request] = prompt.tokens
+                scheduled.add(request)
         if not preempted:
-            budget = self._schedule_waiting(budget, chunks)
+            for prompt in (p for p in plan if p.waiting):
+                num_tokens = self._admit(prompt.request, prompt.tokens)
+                if num_tokens == 0:
+                    break
+                granted[prompt.request] = num_tokens
+        chunks.extend(
+            ScheduledChunk.of(p.request, granted[p.request]) for p in plan if p.request in granted
+        )
+        if self.config.prefill_order == "shortest":
+            _count_overtakes(order, granted)
         return SchedulerOutput(tuple(chunks), tuple(preempted), token_budget)
 
     def _shape(self) -> BatchShape:
-        """The decodes and the prompts awaiting prefill, as `schedule` will take them
-        (only as many waiting prompts as there are free seats)."""
+        """The decodes and the prompts awaiting prefill, as `schedule` will take them:
+        in its order, a waiting prompt from the end of its cached prefix, and only as
+        many waiting prompts as there are free seats."""
         decodes = [r.num_tokens for r in self.running if not r.is_prefilling]
-        prefilling = sorted(
-            (r for r in self.running if r.is_prefilling), key=lambda r: r.arrival_time
-        )
-        seats = max(0, self.config.max_num_seqs - self._seats_taken())
-        queued = [*prefilling, *islice(self.waiting, seats)]
         prefills = tuple(
-            PrefillWork(r.num_computed_tokens, r.num_tokens - r.num_computed_tokens) for r in queued
+            PrefillWork(p.start, p.remaining) for p in self._admissible(self._prefill_queue())
         )
         return BatchShape(len(decodes), max(decodes, default=0), prefills)
+
+    def _prefill_queue(self, admit: bool = True) -> list[_Prompt]:
+        """The prompts under way and (if `admit`) the first waiting ones (as many as
+        PREFILL_LOOKAHEAD or the batch's seats), in the order their chunks take the
+        budget (see the module's docstring)."""
+        prompts = [
+            _Prompt(r, r.num_computed_tokens, r.num_tokens - r.num_computed_tokens, False)
+            for r in self.running
+            if r.is_prefilling and r.status is RequestStatus.RUNNING
+        ]
+        if admit:
+            lookahead = max(PREFILL_LOOKAHEAD, self.config.max_num_seqs)
+            for request in islice(self.waiting, lookahead):
+                start = self._cached_prefix(request)
+                prompts.append(_Prompt(request, start, request.num_tokens - start, True))
+        if self.config.prefill_order == "arrival":
+            # Stable: the waiting ones stay in the queue's order (a preempted request
+            # back at its arrival's place, a fork's choices at the head).
+            prompts.sort(key=lambda p: (p.waiting, 0.0 if p.waiting else p.arrival_time))
+        else:
+            limit = self.config.max_prefill_overtakes
+            prompts.sort(key=lambda p: p.shortest_first_key(limit))
+        return prompts
+
+    def _admissible(self, order: list[_Prompt]) -> list[_Prompt]:
+        """`order` without the waiting prompts that find no seat: admissions stop at
+        the first that does not fit (a choice of n holds n seats from the start)."""
+        seats = self.config.max_num_seqs - self._seats_taken()
+        admissible = []
+        for prompt in order:
+            if prompt.waiting:
+                if prompt.request.params.n > seats:
+                    seats = 0  # no later waiting prompt is admitted either
+                    continue
+                seats -= prompt.request.params.n
+            admissible.append(prompt)
+        return admissible
+
+    def _plan(self, prompts: list[_Prompt], budget: int) -> list[_Prompt]:
+        """Each prompt's chunk, as much as it needs in turn while the budget lasts.
+        Without chunked prefill a waiting prompt is admitted whole or not at all, and
+        none after it."""
+        plan = []
+        admitting = True
+        for prompt in prompts:
+            if budget == 0:
+                break
+            if prompt.waiting:
+                if not admitting:
+                    continue
+                if not self.config.enable_chunked_prefill and prompt.remaining > budget:
+                    admitting = False
+                    continue
+            tokens = min(prompt.remaining, budget)
+            plan.append(replace(prompt, tokens=tokens))
+            budget -= tokens
+        return plan
+
+    def _cached_prefix(self, request: Request) -> int:
+        """Tokens of a waiting request the prefix cache holds now, as its admission
+        would find them (looked up without taking blocks; its block hashes are kept
+        while it waits)."""
+        if request.num_computed_tokens or request.needs_prompt_logits:
+            return request.num_computed_tokens
+        num_tokens, hashes = self._probes.get(request, (-1, []))
+        if num_tokens != request.num_tokens:  # new, or preempted with tokens since
+            hashes = []
+            self._probes[request] = (request.num_tokens, hashes)
+        return self.kv_cache.cached_prefix_length(request.all_token_ids, hashes)
+
+    def _admit(self, request: Request, tokens: int) -> int:
+        """Admit a waiting request with a chunk of at most `tokens` tokens, its cached
+        prefix attached; the chunk's size, or 0 if it cannot start now (blocks ran out,
+        or, without chunked prefill, its prompt no longer fits the chunk)."""
+        if request.num_computed_tokens == 0 and not request.needs_prompt_logits:
+            _, hashes = self._probes.get(request, (0, None))
+            cached = self.kv_cache.find_cached_prefix(
+                request.request_id, request.all_token_ids, hashes
+            )
+            request.num_computed_tokens = cached
+            request.num_cached_tokens = min(cached, request.num_prompt_tokens)
+        remaining = request.num_tokens - request.num_computed_tokens
+        num_tokens = min(remaining, tokens)
+        if not self.config.enable_chunked_prefill and remaining > num_tokens:
+            self._unschedule(request)
+            return 0
+        if not self.kv_cache.allocate(request.request_id, request.num_computed_tokens + num_tokens):
+            self._unschedule(request)
+            return 0
+        self.waiting.remove(request)
+        self._probes.pop(request, None)
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = self.clock()
+        self.running.append(request)
+        return num_tokens
 
     def _allocate_or_preempt(
         self,
@@ -161,35 +339,6 @@ class Scheduler:
             if victim is request:
                 return False
         return True
-
-    def _schedule_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> int:
-        """Admit waiting requests in arrival order while budget, seats and blocks last."""
-        while self.waiting and budget > 0:
-            request = self.waiting[0]
-            if self._seats_taken() + request.params.n > self.config.max_num_seqs:
-                break
-            if request.num_computed_tokens == 0 and not request.needs_prompt_logits:
-                cached = self.kv_cache.find_cached_prefix(request.request_id, request.all_token_ids)
-                request.num_computed_tokens = cached
-                request.num_cached_tokens = min(cached, request.num_prompt_tokens)
-            remaining = request.num_tokens - request.num_computed_tokens
-            if not self.config.enable_chunked_prefill and remaining > budget:
-                self._unschedule(request)
-                break
-            num_tokens = min(remaining, budget)
-            if not self.kv_cache.allocate(
-                request.request_id, request.num_computed_tokens + num_tokens
-            ):
-                self._unschedule(request)
-                break
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = self.clock()
-            self.running.append(request)
-            chunks.append(ScheduledChunk.of(request, num_tokens))
-            budget -= num_tokens
-        return budget
 
     def _seats_taken(self) -> int:
         """Seats of the running batch in use: a request that will fork into n choices
@@ -251,6 +400,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+            self._probes.pop(request, None)
         if free_blocks:
             self.kv_cache.free(request.request_id)
         request.status = RequestStatus.FINISHED

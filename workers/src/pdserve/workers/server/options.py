@@ -20,6 +20,7 @@ from pdserve.protocol.limits import LIMITS
 ROLES = ("both", "prefill", "decode")
 # As in pdserve.workers.engine.config; not imported, so `pdserve --help` loads no torch.
 BUDGET_MODES = ("static", "adaptive")
+PREFILL_ORDERS = ("shortest", "arrival")
 DEFAULT_MIN_BUDGET = 32
 # The same default as the ServingPool's `spec.kvTransfer.backend`.
 DEFAULT_KV_TRANSFER = "nixl"
@@ -69,6 +70,17 @@ class WorkerOptions:
     no_chunked_prefill: bool = option(
         False, group=_ENGINE, help="prefill each prompt in one step (a baseline; ITL suffers)"
     )
+    prefill_order: str = option(
+        "shortest", choices=PREFILL_ORDERS, group=_ENGINE,
+        help="the order prompts take a step's budget after the decodes: shortest, the "
+        "fewest tokens left to compute first (a prefix-cache hit or a short prompt does "
+        "not wait behind a long prompt's chunks); arrival, first come first served",
+    )  # fmt: skip
+    max_prefill_overtakes: int = option(
+        32, parse=positive_int, metavar="STEPS", group=_ENGINE,
+        help="shortest: steps in which prompts that arrived later may be served before a "
+        "prompt; then it goes first (its wait is bounded)",
+    )  # fmt: skip
     token_budget: str = option(
         "static", choices=BUDGET_MODES, group=_BUDGET,
         help="static: every step may compute --max-num-batched-tokens tokens; adaptive: "

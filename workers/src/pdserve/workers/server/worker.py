@@ -76,6 +76,8 @@ def engine_config(options: WorkerOptions) -> EngineConfig:
             max_num_seqs=options.max_num_seqs,
             enable_chunked_prefill=not options.no_chunked_prefill,
             token_budget=token_budget_config(options),
+            prefill_order="arrival" if options.prefill_order == "arrival" else "shortest",
+            max_prefill_overtakes=options.max_prefill_overtakes,
         ),
     )
 
