@@ -43,6 +43,20 @@ one chunk, where smaller chunks would have read them causally, about half.
 Until the model has learned from COLD_PREFILL_STEPS steps that computed prefill it
 knows nothing of what attention over a chunk costs, and would take the whole ceiling
 as one chunk; it takes at most COLD_CHUNK tokens meanwhile.
+
+The margin above sizes each step sized beside prompts as if it alone had to keep the
+target; but the P99 ITL a user measures is over every gap of every stream, those of
+steps with no prompt waiting included, so a margin that keeps OVER_TARGET_SHARE of
+the sized steps under the target keeps the streams' P99 well under it (11-21% under,
+measured), and prompts wait for it. So the margin is corrected by what the streams
+saw (`GapFeedback`, closed loop): each gap between a stream's tokens, counted once per
+stream that waited on it, in a window of recent steps; while the window's
+(1 - OVER_TARGET_SHARE) quantile of those gaps lies under the target, the correction
+falls by a share of the room left (an integral term: it settles where the quantile
+meets the target, which is where the best static budget sits), and each step whose
+gap ran over the target raises it at once by a fixed step (the fast back-off). The
+model's prediction and its overrun margin stay the feed-forward part: they size each
+step for its own shape; the correction only moves where they aim.
 """
 
 from __future__ import annotations
@@ -75,6 +89,14 @@ MARGIN_BOUNDS = (-0.25, 1.0)
 # default budget on a CPU, a few of an accelerator's steps.
 COLD_CHUNK = 128
 COLD_PREFILL_STEPS = 16
+# The closed loop (`GapFeedback`): the steps with decodes whose gaps it watches; the
+# share of the room left under the target its correction gives back per step; the
+# step it takes back at once when a gap runs over the target, and its bounds, as
+# shares of the target.
+FEEDBACK_WINDOW = 256
+FEEDBACK_GAIN = 0.02
+FEEDBACK_BACKOFF = 0.05
+FEEDBACK_BOUNDS = (-0.25, 0.5)
 
 
 @dataclass(frozen=True)
@@ -92,6 +114,11 @@ class BatchShape:
     num_decodes: int
     longest_decode: int  # tokens in the cache of the longest decode, its new one included
     prefills: tuple[PrefillWork, ...] = ()  # in the order the scheduler fills them
+
+    @property
+    def prefill_tokens(self) -> int:
+        """The prefill tokens the waiting prompts need in all."""
+        return sum(work.remaining for work in self.prefills)
 
     def features(self, prefill_tokens: int) -> StepFeatures:
         """The step's features if `prefill_tokens` prefill tokens join the decodes,
@@ -120,6 +147,51 @@ class BatchShape:
             chunks.append((work, chunk))
             left -= chunk
         return chunks
+
+
+class GapFeedback:
+    """The margin's correction from the gaps the streams saw (see the module's
+    docstring): seconds added to the margin, negative where the streams keep the target
+    with room to spare."""
+
+    def __init__(self, target_s: float) -> None:
+        self.target_s = target_s
+        self.offset_s = 0.0
+        # (gap seconds, streams that waited on it) of recent steps that ran decodes.
+        self._gaps: deque[tuple[float, int]] = deque(maxlen=FEEDBACK_WINDOW)
+
+    def observe(self, gap_s: float, streams: int, sized: bool, limited: bool) -> None:
+        """A step ended `gap_s` after the previous one, and `streams` decodes waited
+        on it. If the margin sized it (`sized`: prompts waited and the decodes alone
+        left room under the target), back off at once if it ran over the target; if
+        the target, not the prompts or the fastest chunk, `limited` its prefill, give
+        back a share of the room the recent gaps leave under the target. Other steps
+        only count in the window: the margin did not decide them, and a correction
+        that moved on them would wind up (fall for a whole quiet stretch of decodes
+        alone and overrun the first prompts after it)."""
+        if streams <= 0:
+            return
+        self._gaps.append((gap_s, streams))
+        if sized and gap_s > self.target_s:
+            self.offset_s += FEEDBACK_BACKOFF * self.target_s
+        elif limited:
+            room = self.target_s - self.quantile_s()
+            if room > 0:
+                self.offset_s -= FEEDBACK_GAIN * room
+        low, high = FEEDBACK_BOUNDS
+        self.offset_s = min(max(self.offset_s, low * self.target_s), high * self.target_s)
+
+    def quantile_s(self) -> float:
+        """The (1 - OVER_TARGET_SHARE) quantile of the recent streams' gaps, each gap
+        counted once per stream that waited on it (0 before any)."""
+        total = sum(streams for _, streams in self._gaps)
+        above = OVER_TARGET_SHARE * total  # the stream gaps allowed over it
+        counted = 0
+        for gap, streams in sorted(self._gaps, reverse=True):
+            counted += streams
+            if counted > above:
+                return gap
+        return 0.0
 
 
 class BudgetPolicy(Protocol):
@@ -168,24 +240,38 @@ class AdaptiveBudget:
         self._last_tokens_at: float | None = None
         # The gap predicted for the step running now, if it ran decodes beside prompts.
         self._predicted_gap: float | None = None
+        # The decodes of the step running now: the streams waiting on its end; whether
+        # the margin sized it, and whether the target limited its prefill.
+        self._streams = 0
+        self._sized = self._limited = False
+        self.feedback = GapFeedback(target_s)
 
     @property
     def margin_s(self) -> float:
         """Seconds kept free of predicted work in a step: a high quantile of how far
         recent gaps ran past their predictions (the cost model's error quantile until
-        MIN_GAPS are known), within MARGIN_BOUNDS of the target."""
+        MIN_GAPS are known), corrected by what the streams saw (`GapFeedback`), within
+        MARGIN_BOUNDS of the target."""
         low, high = MARGIN_BOUNDS
-        if len(self._overruns) < MIN_GAPS:
-            margin = self.cost.margin_s
-        else:
-            margin = _upper_quantile(self._overruns, OVER_TARGET_SHARE)
+        margin = self.overrun_margin_s + self.feedback.offset_s
         return min(max(margin, low * self.target_s), high * self.target_s)
+
+    @property
+    def overrun_margin_s(self) -> float:
+        """The margin's feed-forward part: the (1 - OVER_TARGET_SHARE) quantile of how
+        far recent sized gaps ran past their predictions (the cost model's error
+        quantile until MIN_GAPS are known)."""
+        if len(self._overruns) < MIN_GAPS:
+            return self.cost.margin_s
+        return _upper_quantile(self._overruns, OVER_TARGET_SHARE)
 
     def budget(self, shape: BatchShape) -> int:
         """Decodes plus the prefill tokens the target leaves room for (at most the
         ceiling in all; the floor where the decodes alone miss the target, and up to it
         within the target where they leave less room than the margin)."""
         self._predicted_gap = None
+        self._streams = shape.num_decodes
+        self._sized = self._limited = False
         room = self.ceiling - shape.num_decodes
         if not shape.prefills or room <= 0:
             return self.ceiling
@@ -198,9 +284,14 @@ class AdaptiveBudget:
         if self.cost.predict(shape.features(0)) > left_s:
             prefill = min(self.floor, room)  # the target is lost anyway
         else:
-            prefill = min(self._largest_fit(shape, room, left_s - margin), fastest)
+            fit = self._largest_fit(shape, room, left_s - margin)
+            self._sized, self._limited = True, fit < min(fastest, shape.prefill_tokens, room)
+            prefill = min(fit, fastest)
             if prefill < self.floor:  # progress, within the target
-                progress = self._largest_fit(shape, min(self.floor, room), left_s - margin / 2)
+                # Half the margin, and no more of it for the closed loop's back-off: a
+                # burst's overruns are stalls a smaller step does not avoid.
+                kept = min(margin, self.overrun_margin_s) / 2
+                progress = self._largest_fit(shape, min(self.floor, room), left_s - kept)
                 prefill = max(prefill, progress)
         self._predicted_gap = elapsed + self.cost.predict(shape.features(prefill))
         self._log(shape, elapsed, margin, fastest, prefill)
@@ -208,11 +299,16 @@ class AdaptiveBudget:
 
     def step_ended(self, at: float | None) -> None:
         """Remember when the running decodes last got a token; if the step ran them
-        beside prompts, how far their gap ran past its prediction."""
+        beside prompts, how far their gap ran past its prediction; if it ran any, the
+        gap they saw (the closed loop)."""
         last, predicted = self._last_tokens_at, self._predicted_gap
-        if predicted is not None and at is not None and last is not None:
-            self._overruns.append(at - last - predicted)
+        if at is not None and last is not None:
+            if predicted is not None:
+                self._overruns.append(at - last - predicted)
+            self.feedback.observe(at - last, self._streams, self._sized, self._limited)
         self._predicted_gap = None
+        self._streams = 0
+        self._sized = self._limited = False
         self._last_tokens_at = at
 
     def _log(
@@ -222,9 +318,10 @@ class AdaptiveBudget:
         if decision_log.isEnabledFor(logging.DEBUG):
             decision_log.debug(
                 "decodes=%d longest=%d elapsed=%.1fms decodes_alone=%.1fms margin=%.1fms "
-                "fastest=%d prefill=%d predicted_gap=%.1fms",
+                "feedback=%.1fms fastest=%d prefill=%d predicted_gap=%.1fms",
                 shape.num_decodes, shape.longest_decode, 1e3 * elapsed,
-                1e3 * self.cost.predict(shape.features(0)), 1e3 * margin, fastest, prefill,
+                1e3 * self.cost.predict(shape.features(0)), 1e3 * margin,
+                1e3 * self.feedback.offset_s, fastest, prefill,
                 1e3 * (self._predicted_gap or 0.0),
             )  # fmt: skip
 
