@@ -418,8 +418,8 @@ def publish_order(decode: WorkerSet, url: str, order: object, at: float) -> None
 # A holds 19 of the prompt's 20 blocks and has a 2,000-token prompt in flight; B holds
 # nothing and is idle (340 ms at COSTS). First come, first served, A computes 2,016
 # tokens in 8 steps with a decode each (2016 + 8 x 12 = 2,112 ms): B. Shortest first,
-# A computes its 16 tokens after at most the step under way (272 tokens in 2 steps,
-# 296 ms): A.
+# A computes its 16 tokens after at most the step under way, counted once more for the
+# long prompt they delay (288 tokens in 2 steps, 312 ms): A.
 @pytest.mark.parametrize(
     ("order", "chosen"), [("shortest", A), ("arrival", B), (None, B), ("random", B)]
 )
@@ -439,7 +439,7 @@ async def test_a_hit_goes_to_the_worker_holding_it_past_a_long_prompt_when_it_se
 
 async def test_shortest_first_the_shorter_prompts_in_flight_still_delay_a_hit() -> None:
     """A's 16 uncached tokens wait behind the 1,000 tokens of prompts no longer than
-    them (1,016 + 256 tokens in 5 steps, 1,332 ms): B's 340 ms wins."""
+    them (1,016 + 256 + 16 tokens in 6 steps, 1,360 ms): B's 340 ms wins."""
     prompt = prompt_of(20 * BLOCK, weight=None)
     scorer, decode = await scorer_with({A: [0] * 19, B: []}, prompt)
     decode_a = decode.get(A)
@@ -468,16 +468,17 @@ async def test_the_prompts_ahead_of_a_new_one_follow_the_workers_prefill_order()
     worker.published = PublishedLoad.of(
         {"prefill_order": "shortest"}, now, worker.in_flight, worker.prefill_tokens
     )
-    # The two no longer than 16 (a tie goes to the earlier), then the step under way.
-    assert worker.prefill_ahead(16, now, step_tokens=256) == 10 + 16 + 256
-    assert worker.prefill_ahead(600, now, step_tokens=256) == 526 + 256
+    # The two no longer than 16 (a tie goes to the earlier), then the step under way,
+    # and its own tokens once for each of the two longer prompts it delays.
+    assert worker.prefill_ahead(16, now, step_tokens=256) == 10 + 16 + 256 + 2 * 16
+    assert worker.prefill_ahead(600, now, step_tokens=256) == 526 + 256 + 600
     assert worker.prefill_ahead(5000, now, step_tokens=256) == 2526
     worker.prefill_done(2000)
     worker.prefill_done(10)
     assert worker.prefill_tokens == 516 and sorted(worker.prefill_prompts) == [16, 500]
-    assert worker.prefill_ahead(16, now, step_tokens=256) == 16 + 256
+    assert worker.prefill_ahead(16, now, step_tokens=256) == 16 + 256 + 16
     # What the worker published beyond the router's own count is one prompt more.
     worker.published = PublishedLoad.of(
         {"prefill_order": "shortest", "prefill_tokens": 516 + 8}, now, 0, 516
     )
-    assert worker.prefill_ahead(16, now, step_tokens=256) == 16 + 8 + 256
+    assert worker.prefill_ahead(16, now, step_tokens=256) == 16 + 8 + 256 + 16

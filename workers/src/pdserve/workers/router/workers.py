@@ -150,7 +150,8 @@ class Worker:
         `uncached` tokens. First come, first served (`arrival`, or an order not
         published): all of them. Shortest first: those of prompts no longer than it
         (ties go to the earlier arrival), and of the longer ones at most the step
-        under way (`step_tokens`, the next step serves the new prompt first). What it
+        under way (`step_tokens`, the next step serves the new prompt first), plus
+        the new prompt's tokens once for each longer prompt it delays. What it
         published beyond the router's own count is one prompt of unknown parts.
         O(prompts in flight), no allocation."""
         published = self.fresh(now) or PublishedLoad(now)
@@ -158,19 +159,24 @@ class Worker:
         order = self.published.prefill_order if self.published is not None else "arrival"
         if order != "shortest":
             return waiting
-        shorter = longer = 0
+        shorter = longer = overtaken = 0
         for tokens in self.prefill_prompts:
             if tokens <= uncached:
                 shorter += tokens
             else:
                 longer += tokens
+                overtaken += 1
         # Tokens counted in the sum but not sized (set directly), and others'.
         unsized = waiting - shorter - longer
         if 0 < unsized <= uncached:
             shorter += unsized
         elif unsized > 0:
             longer += unsized
-        return shorter + min(longer, max(0, step_tokens))
+            overtaken += 1
+        # Each longer prompt it overtakes waits for its tokens: counted too, so that
+        # the choice weighs what it costs the others (as first come, first served
+        # does), and overtaking does not pile new prompts onto one worker.
+        return shorter + min(longer, max(0, step_tokens)) + overtaken * uncached
 
     def step_costs(self) -> StepCosts | None:
         """What its steps cost, as last published (they change slowly: not only while
