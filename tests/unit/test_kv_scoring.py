@@ -394,3 +394,91 @@ async def test_a_nearly_full_cache_with_the_blocks_the_request_needs_keeps_it() 
     load(decode, A, 4, 0)
     choice = scorer.choose(decode, prompt)
     assert choice is not None and choice.worker.url == A
+
+
+def sent(decode: WorkerSet, url: str, *prompts: int) -> None:
+    worker = decode.get(url)
+    assert worker is not None
+    worker.in_flight += len(prompts)
+    for tokens in prompts:
+        worker.prefill_sent(tokens)
+
+
+def publish_order(decode: WorkerSet, url: str, order: object, at: float) -> None:
+    worker = decode.get(url)
+    assert worker is not None
+    body = {"step_costs": {"base_s": 0.01, "prefill_token_s": 1e-3, "prefill_key_s": 0.0,
+                           "decode_token_s": 2e-3, "decode_s": 0.0, "decodes": 0,
+                           "step_tokens": 256}}  # fmt: skip
+    if order is not None:
+        body["prefill_order"] = order
+    worker.published = PublishedLoad.of(body, at, worker.in_flight, worker.prefill_tokens)
+
+
+# A holds 19 of the prompt's 20 blocks and has a 2,000-token prompt in flight; B holds
+# nothing and is idle (340 ms at COSTS). First come, first served, A computes 2,016
+# tokens in 8 steps with a decode each (2016 + 8 x 12 = 2,112 ms): B. Shortest first,
+# A computes its 16 tokens after at most the step under way, counted once more for the
+# long prompt they delay (288 tokens in 2 steps, 312 ms): A.
+@pytest.mark.parametrize(
+    ("order", "chosen"), [("shortest", A), ("arrival", B), (None, B), ("random", B)]
+)
+async def test_a_hit_goes_to_the_worker_holding_it_past_a_long_prompt_when_it_serves_shortest_first(
+    order: str | None, chosen: str
+) -> None:
+    prompt = prompt_of(20 * BLOCK, weight=None)
+    scorer, decode = await scorer_with({A: [0] * 19, B: []}, prompt)
+    sent(decode, A, 2000)
+    now = scorer._clock()
+    publish_order(decode, A, order, now)
+    publish_order(decode, B, order, now)
+    choice = scorer.choose(decode, prompt)
+    assert choice is not None and choice.worker.url == chosen
+    assert choice.cached_tokens == (19 * BLOCK if chosen == A else 0)
+
+
+async def test_shortest_first_the_shorter_prompts_in_flight_still_delay_a_hit() -> None:
+    """A's 16 uncached tokens wait behind the 1,000 tokens of prompts no longer than
+    them (1,016 + 256 + 16 tokens in 6 steps, 1,360 ms): B's 340 ms wins."""
+    prompt = prompt_of(20 * BLOCK, weight=None)
+    scorer, decode = await scorer_with({A: [0] * 19, B: []}, prompt)
+    decode_a = decode.get(A)
+    assert decode_a is not None
+    for _ in range(100):
+        decode_a.prefill_sent(10)
+    sent(decode, A, 2000)
+    now = scorer._clock()
+    publish_order(decode, A, "shortest", now)
+    publish_order(decode, B, "shortest", now)
+    choice = scorer.choose(decode, prompt)
+    assert choice is not None and choice.worker.url == B
+
+
+async def test_the_prompts_ahead_of_a_new_one_follow_the_workers_prefill_order() -> None:
+    decode = WorkerSet("decode")
+    decode.update([A])
+    worker = decode.get(A)
+    assert worker is not None
+    for tokens in (10, 500, 16, 2000):
+        worker.prefill_sent(tokens)
+    now = 100.0
+    worker.published = PublishedLoad.of({}, now, worker.in_flight, worker.prefill_tokens)
+    assert worker.published.prefill_order == "arrival"  # not published: as before
+    assert worker.prefill_ahead(16, now, step_tokens=256) == 2526
+    worker.published = PublishedLoad.of(
+        {"prefill_order": "shortest"}, now, worker.in_flight, worker.prefill_tokens
+    )
+    # The two no longer than 16 (a tie goes to the earlier), then the step under way,
+    # and its own tokens once for each of the two longer prompts it delays.
+    assert worker.prefill_ahead(16, now, step_tokens=256) == 10 + 16 + 256 + 2 * 16
+    assert worker.prefill_ahead(600, now, step_tokens=256) == 526 + 256 + 600
+    assert worker.prefill_ahead(5000, now, step_tokens=256) == 2526
+    worker.prefill_done(2000)
+    worker.prefill_done(10)
+    assert worker.prefill_tokens == 516 and sorted(worker.prefill_prompts) == [16, 500]
+    assert worker.prefill_ahead(16, now, step_tokens=256) == 16 + 256 + 16
+    # What the worker published beyond the router's own count is one prompt more.
+    worker.published = PublishedLoad.of(
+        {"prefill_order": "shortest", "prefill_tokens": 516 + 8}, now, 0, 516
+    )
+    assert worker.prefill_ahead(16, now, step_tokens=256) == 16 + 8 + 256 + 16

@@ -180,7 +180,7 @@ class PoolSimulation:
         record.mode = route.mode
         route.decode.in_flight += 1
         if route.prefill is not None:
-            route.prefill.prefill_tokens += len(prompt)
+            route.prefill.prefill_sent(len(prompt))
         self._outstanding += 1
         # Its way in costs more where the decode worker already streams to others.
         reach = now + self.profile.request_overhead(busy=route.decode.in_flight > 1)
@@ -191,7 +191,7 @@ class PoolSimulation:
         if not request.answered:
             request.answered = True
             if request.route.prefill is not None:
-                request.route.prefill.prefill_tokens -= len(request.prompt)
+                request.route.prefill.prefill_done(len(request.prompt))
 
     def _ended(self, request: SimRequest, now: float) -> None:
         self._answered(request)

@@ -3,8 +3,11 @@
 A worker's cost for a request is its predicted time to first token there
 (`kv_costs`): the prompt tokens it would compute (those not in its prefix cache, from
 the router's index; at least one, the step that samples) after the prompt tokens
-waiting to be prefilled in it (the router's own count of what it sent, and what the
-worker published beyond it), at what its own steps cost per token, plus what the
+waiting to be prefilled in it that its engine serves first (the router's own count of
+what it sent, each prompt's uncached tokens kept, and what the worker published beyond
+it; an engine that serves the shortest prompt first, as it publishes at /load, computes
+only the shorter waiting prompts and at most the step under way before a new one, see
+`Worker.prefill_ahead`), at what its own steps cost per token, plus what the
 requests it is decoding add to each of those steps. The cheapest worker wins; a
 prediction within a millisecond of the best is a tie, and ties go to the less loaded,
 then to chance. With `loadWeightTokens` set, the cost is counted in tokens instead:
@@ -178,9 +181,11 @@ def _expected_work(
     costs = worker.step_costs() or fallback
     # A prefill worker decodes nothing: what it holds are prompts, already counted.
     decoding = 0 if worker.role == "prefill" else load.requests
-    needed = -(-(load.waiting + uncached) // prompt.table.routing_policy.block_size)
+    # Only the waiting prompts its engine's order serves before this one delay it.
+    ahead = worker.prefill_ahead(uncached, now, costs.step_tokens)
+    needed = -(-(ahead + uncached) // prompt.table.routing_policy.block_size)
     wait = _wait_steps(worker, load, needed, now, costs.step_s(decoding))
-    return float(round(costs.ttft_s(load.waiting, uncached, cached, decoding, wait) * 1000))
+    return float(round(costs.ttft_s(ahead, uncached, cached, decoding, wait) * 1000))
 
 
 def _wait_steps(worker: Worker, load: _Load, blocks: int, now: float, step_s: float) -> float:

@@ -276,7 +276,7 @@ class Forwarder:
         # token (the tokens its prefix cache holds are no work).
         prefills = decode if prefill is None else prefill
         tokens = routed.prompt_tokens - (predicted[0] if prefill is None else predicted[1])
-        prefills.prefill_tokens += tokens
+        prefills.prefill_sent(tokens)
         if prefill is not None:
             prefill.breaker.dispatched()
         self.awaiting_first_token += 1
@@ -287,7 +287,7 @@ class Forwarder:
             if waiting:
                 waiting = False
                 self.awaiting_first_token -= 1
-                prefills.prefill_tokens -= tokens
+                prefills.prefill_done(tokens)
 
         try:
             yield answered

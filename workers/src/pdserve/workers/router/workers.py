@@ -13,6 +13,7 @@ ago still looks busy until the next poll, and every new request goes elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections.abc import Callable, Collection, Iterable
@@ -46,6 +47,7 @@ class PublishedLoad:
     own_prefill_tokens: int = 0
     costs: StepCosts | None = None  # what its steps cost (None: not published)
     room: BatchRoom | None = None  # its seats, blocks and running requests (None: not published)
+    prefill_order: str = "arrival"  # the order its prompts take a step's budget
 
     @property
     def other_in_flight(self) -> int:
@@ -77,6 +79,9 @@ class PublishedLoad:
             own_prefill_tokens=own_prefill_tokens,
             costs=StepCosts.of(fields.get("step_costs")),
             room=BatchRoom.of(fields),
+            # Anything but a known order (an older worker publishes none) is taken
+            # as first come, first served: the prediction that assumes the most wait.
+            prefill_order="shortest" if fields.get("prefill_order") == "shortest" else "arrival",
         )
 
 
@@ -105,6 +110,8 @@ class Worker:
     published: PublishedLoad | None = None
     in_flight: int = 0  # requests the router has sent and not seen end
     prefill_tokens: int = 0  # prompt tokens the router sent it to prefill, not yet done
+    # The uncached tokens of each prompt in `prefill_tokens`, in the order sent.
+    prefill_prompts: list[int] = field(default_factory=list)
     revision: str | None = None  # its --revision as it last published it (None: not yet)
 
     def fresh(self, now: float) -> PublishedLoad | None:
@@ -125,6 +132,51 @@ class Worker:
     def waiting_prefill_tokens(self, now: float) -> int:
         """Prompt tokens waiting to be prefilled in it."""
         return self.prefill_tokens + (self.fresh(now) or PublishedLoad(now)).other_prefill_tokens
+
+    def prefill_sent(self, tokens: int) -> None:
+        """A prompt with `tokens` uncached tokens was sent it to prefill."""
+        self.prefill_tokens += tokens
+        self.prefill_prompts.append(tokens)
+
+    def prefill_done(self, tokens: int) -> None:
+        """A prompt counted by `prefill_sent(tokens)` has its first token (or ended)."""
+        self.prefill_tokens -= tokens
+        # The oldest of that size: which one goes is no matter, only the sizes count.
+        with contextlib.suppress(ValueError):
+            self.prefill_prompts.remove(tokens)
+
+    def prefill_ahead(self, uncached: int, now: float, step_tokens: int) -> int:
+        """Prompt tokens waiting in it that its engine computes before a new prompt of
+        `uncached` tokens. First come, first served (`arrival`, or an order not
+        published): all of them. Shortest first: those of prompts no longer than it
+        (ties go to the earlier arrival), and of the longer ones at most the step
+        under way (`step_tokens`, the next step serves the new prompt first), plus
+        the new prompt's tokens once for each longer prompt it delays. What it
+        published beyond the router's own count is one prompt of unknown parts.
+        O(prompts in flight), no allocation."""
+        published = self.fresh(now) or PublishedLoad(now)
+        waiting = self.prefill_tokens + published.other_prefill_tokens
+        order = self.published.prefill_order if self.published is not None else "arrival"
+        if order != "shortest":
+            return waiting
+        shorter = longer = overtaken = 0
+        for tokens in self.prefill_prompts:
+            if tokens <= uncached:
+                shorter += tokens
+            else:
+                longer += tokens
+                overtaken += 1
+        # Tokens counted in the sum but not sized (set directly), and others'.
+        unsized = waiting - shorter - longer
+        if 0 < unsized <= uncached:
+            shorter += unsized
+        elif unsized > 0:
+            longer += unsized
+            overtaken += 1
+        # Each longer prompt it overtakes waits for its tokens: counted too, so that
+        # the choice weighs what it costs the others (as first come, first served
+        # does), and overtaking does not pile new prompts onto one worker.
+        return shorter + min(longer, max(0, step_tokens)) + overtaken * uncached
 
     def step_costs(self) -> StepCosts | None:
         """What its steps cost, as last published (they change slowly: not only while

@@ -60,6 +60,9 @@ class WorkerLoad:
     # Each running request's [steps left at most, blocks held], soonest first: its
     # prompt still to compute in full steps, then the tokens max_tokens still allows.
     finishing: list[tuple[int, int]] = field(default_factory=list)
+    # The order its prompts take a step's budget (`--prefill-order`): the router
+    # predicts a new prompt's wait from the prompts this order serves before it.
+    prefill_order: str = "arrival"
 
 
 class LoadTracker:
@@ -140,6 +143,7 @@ class LoadTracker:
             num_kv_blocks=self._engine.kv_cache.pool.num_blocks,
             kv_blocks_free=self._kv_blocks_free,
             finishing=[] if idle else self._finishing,
+            prefill_order=self._engine.scheduler.config.prefill_order,
         )
 
     def request_started(self) -> None:
