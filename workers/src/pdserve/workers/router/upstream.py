@@ -488,7 +488,7 @@ class _Pool:
         self.url = url
         self.host = host
         self.port = port
-        self.authority = f"{host}:{port}".encode("ascii")
+        self.authority = f"{host}:{port}"
         self._idle: list[_Connection] = []
         self._emptied = emptied
 
@@ -582,17 +582,15 @@ class Upstreams:
         self._pools.clear()
 
 
-def _request(authority: bytes, path: str, body: bytes, headers: Mapping[str, str]) -> bytes:
-    lines = [
-        b"POST " + path.encode("ascii") + b" HTTP/1.1",
-        b"Host: " + authority,
-        b"Content-Type: application/json",
-        b"Content-Length: " + str(len(body)).encode("ascii"),
-    ]
-    for name, value in headers.items():
-        if "\r" in value or "\n" in value:
-            raise UpstreamError(f"header {name} holds a line break")
-        lines.append(f"{name}: {value}".encode("latin-1"))
-    lines.append(b"")
-    lines.append(body)
-    return b"\r\n".join(lines)
+def _request(authority: str, path: str, body: bytes, headers: Mapping[str, str]) -> bytes:
+    # Made for every request: the values checked all at once, the lines joined in C.
+    values = "".join(headers.values())
+    if "\r" in values or "\n" in values:
+        name = next(name for name, value in headers.items() if "\r" in value or "\n" in value)
+        raise UpstreamError(f"header {name} holds a line break")
+    fields = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {authority}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n{fields}\r\n"
+    )
+    return head.encode("latin-1") + body
