@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from aiohttp import web
@@ -103,13 +103,15 @@ class _Retry(Exception):
         self.answer = answer  # the worker's own answer, given to the client if all fail
 
 
-@dataclass
+@dataclass(slots=True)
 class _Plan:
     """What the attempts so far have ruled out."""
 
     mode: Mode
-    tried_decode: set[str] = field(default_factory=set)
-    tried_prefill: set[str] = field(default_factory=set)
+    # Replaced, not added to, when an attempt fails (none does, as a rule: no set is
+    # made per request).
+    tried_decode: frozenset[str] = frozenset()
+    tried_prefill: frozenset[str] = frozenset()
     last: _Retry | None = None
     fallback: str = "no_prefill"
     decided: bool = False  # the mode was decided on the decode worker's uncached tokens
@@ -230,7 +232,7 @@ class Forwarder:
         )
 
     def _pick(
-        self, workers: WorkerSet, routed: Routed, tried: set[str]
+        self, workers: WorkerSet, routed: Routed, tried: frozenset[str]
     ) -> tuple[Worker, int] | None:
         """A worker of `workers` not tried yet, and the prompt tokens it holds cached
         (KV-aware, when the table says so; else by load, holding none known), within
@@ -258,10 +260,10 @@ class Forwarder:
         plan.last = retry
         if retry.blame == "prefill" and prefill is not None:
             prefill.breaker.failed()
-            plan.tried_prefill.add(prefill.url)
+            plan.tried_prefill |= {prefill.url}
             plan.fallback = "handoff_failed"
             return
-        plan.tried_decode.add(decode.url)
+        plan.tried_decode |= {decode.url}
         if retry.blame == "decode":
             decode.breaker.failed()
 
