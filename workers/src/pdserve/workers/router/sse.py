@@ -69,7 +69,9 @@ class TokenStream:
                 if not line.startswith(b"data:"):
                     continue
             payload = line[5:].strip()
-            if b'"error"' not in payload:  # a plain token event: counted here
+            # A plain token event: counted here. (`find`, as `in` on bytes first tries
+            # its operand as an integer, and makes and drops a TypeError.)
+            if payload.find(b'"error"') < 0:
                 one = one_choice(payload)
                 if one is not None:
                     rest = one.group(2)
