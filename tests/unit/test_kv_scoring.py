@@ -18,7 +18,7 @@ from pdserve.workers.router.kv_room import BatchRoom
 from pdserve.workers.router.kv_scoring import KVPrompt, KVScorer
 from pdserve.workers.router.kv_subscriber import Expected, KVFeeds
 from pdserve.workers.router.metrics import RouterMetrics
-from pdserve.workers.router.proxy import Forwarder, Routed
+from pdserve.workers.router.proxy import Forwarder, Outstanding, Routed
 from pdserve.workers.router.upstream import Upstreams
 from pdserve.workers.router.workers import PublishedLoad, WorkerSet
 
@@ -244,11 +244,12 @@ async def test_a_worker_is_loaded_with_the_prompt_tokens_it_lacks(disaggregated:
     assert worker_a is not None and worker_p is not None
     prefills = worker_p if disaggregated else worker_a
     used = worker_p if disaggregated else None
-    with forwarder._outstanding(routed, worker_a, used, (12 * BLOCK, 4 * BLOCK)) as answered:
-        assert prefills.prefill_tokens == 20 * BLOCK - (4 if disaggregated else 12) * BLOCK
-        answered()
-        assert prefills.prefill_tokens == 0 and worker_a.in_flight == 1
-    assert worker_a.in_flight == 0
+    load = Outstanding(forwarder, routed, worker_a, used, (12 * BLOCK, 4 * BLOCK))
+    assert prefills.prefill_tokens == 20 * BLOCK - (4 if disaggregated else 12) * BLOCK
+    load.answered()
+    assert prefills.prefill_tokens == 0 and worker_a.in_flight == 1
+    load.ended()
+    assert prefills.prefill_tokens == 0 and worker_a.in_flight == 0
 
 
 GOOD_COSTS = {

@@ -164,6 +164,8 @@ def _events(separators: tuple[str, str]) -> list[bytes]:
         event({"choices": [], "usage": None, "extra": {"choices": [{"index": 0}]}}),
         event({"object": "x", "choices": [{"index": 0, "text": "y", "finish_reason": None}],
                "usage": {"completion_tokens": 1}}),
+        one(index=0, text="]", finish_reason=None),  # a bracket in the text
+        one(index=1, delta={"role": "assistant", "content": "x"}, finish_reason=None),
         b": a comment\n\n",
         # Lines ended by CRLF, or with white space around them.
         event({"choices": [{"index": 0, "text": "r", "finish_reason": None}]})[:-2] + b"\r\n\r\n",

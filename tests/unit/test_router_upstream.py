@@ -242,6 +242,9 @@ _CHUNKED_BODIES = [
     (b"3\r\nabc\r\n0\r\nTrailer: yes\r\n\r\n", b"abc", False),  # a trailer
     (b"3\r\nabc\r\n0\r\n\r\nHTTP/1.1 200", b"abc", True),  # bytes after the end
     (b"0X3\r\nabc\r\n0\r\n\r\n", b"abc", False),  # int() takes the prefix: so does this
+    # CRLFs within chunks, one cut where a size line would be.
+    (b"8\r\nab\r\ncd\r\n\r\n2\r\n\r\n\r\n0\r\n\r\n", b"ab\r\ncd\r\n\r\n", False),
+    (b"4\r\n1\r\nx\r\n0\r\n\r\n", b"1\r\nx", False),
 ]  # fmt: skip
 
 

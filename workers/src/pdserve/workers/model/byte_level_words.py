@@ -21,7 +21,8 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from typing import Any
+from itertools import chain
+from typing import Any, cast
 
 import tokenizers
 
@@ -107,16 +108,21 @@ class ByteLevelWords:
             return None
         if self._added is not None and self._added.search(text) is not None:
             return None
-        ids = list(self._prefix) if add_special_tokens else []
-        words = self._words
-        for word in _WORDS.findall(text):
-            found = words.get(word)
-            if found is None:
-                found = self._word(word)
-            ids += found
+        words = _WORDS.findall(text)
+        # Each word's ids looked up, and joined, in C: a loop over the words in Python
+        # cost more than the lookups.
+        found = list(map(self._words.get, words))
+        if None in found:  # new words (one, as a rule): each found by a scan in C
+            at = found.index(None)
+            while True:
+                found[at] = self._word(words[at])
+                if None not in found:
+                    break
+                at = found.index(None, at)
+        tokens = chain.from_iterable(cast("list[list[int]]", found))
         if add_special_tokens:
-            ids += self._suffix
-        return ids
+            return [*self._prefix, *tokens, *self._suffix]
+        return list(tokens)
 
     def _word(self, word: str) -> list[int]:
         ids = [token.id for token in self._model.tokenize(word.translate(_ASCII_TO_ALPHABET))]

@@ -28,6 +28,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from http import HTTPStatus
+from itertools import repeat
 from typing import NoReturn, cast
 
 import httptools
@@ -96,6 +97,11 @@ class Request:
         """The client's connection (None once closed)."""
         return self._connection.transport
 
+    @property
+    def body(self) -> bytes:
+        """The body (what `read` returns, without a coroutine)."""
+        return self._body
+
     async def read(self) -> bytes:
         """The body."""
         return self._body
@@ -135,16 +141,20 @@ class StreamedAnswer:
     async def write(self, data: bytes) -> None:
         """Send `data` (nothing for empty data), once the client takes it."""
         if data:
-            self._connection.send(self._frame(data))
-            await self._connection.drain()
+            connection = self._connection
+            connection.send(self._frame(data))
+            if connection.write_paused:  # no coroutine to wait on, as a rule
+                await connection.drain()
 
     async def write_eof(self, data: bytes = b"") -> None:
         """Send `data` and the answer's end, in one write (again: nothing)."""
         if self.finished:
             return
         self.finished = True
-        self._connection.send(self._frame(data) + (b"0\r\n\r\n" if self._chunked else b""))
-        await self._connection.drain()
+        connection = self._connection
+        connection.send(self._frame(data) + (b"0\r\n\r\n" if self._chunked else b""))
+        if connection.write_paused:
+            await connection.drain()
 
 
 Answer = web.Response | StreamedAnswer
@@ -204,7 +214,7 @@ class Http1Connection(asyncio.Protocol):
         # The message being parsed.
         self._begun = False
         self._target = bytearray()
-        self._fields: list[tuple[str, str]] = []
+        self._fields: list[bytes] = []  # its header names and values, in turn
         self._head_bytes = 0  # bytes received while its head is incomplete (a bound)
         self._head_size = 0  # its request line and headers, as parsed
         self._current: Request | None = None  # its head complete
@@ -304,17 +314,23 @@ class Http1Connection(asyncio.Protocol):
         self._head_size += len(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if len(self._fields) >= MAX_HEADERS:
+        # Called for every header of every request: the names and values are decoded,
+        # counted and bounded once the head is complete (or when there are many).
+        fields = self._fields
+        fields += name, value
+        if len(fields) > 2 * MAX_HEADERS:
             self._stop(APIError(431, f"the request has over {MAX_HEADERS} header fields"))
-        self._fields.append((name.decode("latin-1"), value.decode("latin-1")))
-        self._head_size += len(name) + len(value) + 4
 
     def on_headers_complete(self) -> None:
         parser = self._parser
+        fields = self._fields
+        self._head_size += sum(map(len, fields)) + 2 * len(fields)  # ": " and CRLF each
+        decoded = list(map(bytes.decode, fields, repeat("latin-1")))
         request = Request(
             self, parser.get_method().decode("ascii", "replace"),
             self._target.decode("latin-1"), parser.get_http_version(),
-            CIMultiDict(self._fields), parser.should_keep_alive(),
+            CIMultiDict(zip(decoded[::2], decoded[1::2], strict=True)),
+            parser.should_keep_alive(),
         )  # fmt: skip
         self._target = bytearray()
         self._fields = []
@@ -457,6 +473,11 @@ class Http1Connection(asyncio.Protocol):
         if transport is None or transport.is_closing():
             raise ConnectionResetError("the client went away")
         transport.write(data)
+
+    @property
+    def write_paused(self) -> bool:
+        """Whether the client's socket is full (`drain` waits for it)."""
+        return self._write_paused
 
     async def drain(self) -> None:
         """Wait until the client's socket takes data again (it was full)."""
@@ -601,13 +622,13 @@ def _reason(status: int) -> str:
 
 
 def _head(status: int, headers: Mapping[str, str]) -> bytes:
-    lines = [f"HTTP/1.1 {status} {_reason(status)}"]
-    for name, value in headers.items():
-        if "\r" in value or "\n" in value:
-            raise ValueError(f"header {name} holds a line break")
-        lines.append(f"{name}: {value}")
-    lines.append("\r\n")
-    return "\r\n".join(lines).encode("latin-1")
+    # Made for every answer: the values checked all at once, the lines joined in C.
+    values = "".join(headers.values())
+    if "\r" in values or "\n" in values:
+        name = next(name for name, value in headers.items() if "\r" in value or "\n" in value)
+        raise ValueError(f"header {name} holds a line break")
+    fields = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+    return f"HTTP/1.1 {status} {_reason(status)}\r\n{fields}\r\n".encode("latin-1")
 
 
 def _whole(answer: web.Response, head_only: bool) -> bytes:

@@ -140,7 +140,7 @@ class RouterServer:
         client_id = request.headers.get(REQUEST_ID_HEADER)
         if client_id:
             log.debug("request %s is the client's %s", request_id, client_id[:256])
-        body = await request.read()
+        body = request.body
         # The worker takes the ids only from a caller with the pool's credential.
         with_ids = with_prompt_ids(body, tokens) if self.forwarder.credential else None
         routed = Routed(

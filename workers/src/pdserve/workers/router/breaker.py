@@ -42,16 +42,20 @@ class CircuitBreaker:
 
     def available(self) -> bool:
         """Whether the worker may be sent a request now."""
+        if self._opened_at is None:  # closed: asked for every worker, every request
+            return True
         state = self.state
         return state == "closed" or (state == "half_open" and not self._trial)
 
     def dispatched(self) -> None:
         """A request was sent; in half-open it is the trial."""
-        if self.state == "half_open":
+        if self._opened_at is not None and self.state == "half_open":
             self._trial = True
 
     def succeeded(self) -> None:
         """A request (or a probe after the cooldown) succeeded: close."""
+        if self._opened_at is None and not self._failures and not self._trial:
+            return  # closed, nothing to forget
         if self.state == "open":
             return  # a probe during the cooldown proves too little
         self._failures = 0

@@ -45,9 +45,10 @@ from pdserve.workers.router.workers import KV_NEARLY_FULL, Worker, WorkerSet
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class KVPrompt:
-    """What KV-aware routing needs of a request: its blocks' keys and the table."""
+    """What KV-aware routing needs of a request: its blocks' keys and the table (not
+    changed once made; not frozen: made for every request, as is a KVChoice)."""
 
     keys: tuple[BlockKey, ...]
     tokens: int
@@ -74,7 +75,7 @@ class KVIndexes(Protocol):
         ...
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class KVChoice:
     """A worker chosen, the prompt tokens it holds, and why it was chosen."""
 

@@ -4,6 +4,7 @@ the workers' discovery and load polling, and the HTTP server."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -94,6 +95,10 @@ async def run_router(
             startup.table, startup.table_bytes, startup.tokenizer, forwarder, limits, admission,
             startup.api_keys, options.kubeconfig, feeds,
         )  # fmt: skip
+        # What starting made (modules, the tokenizer, the table) lives as long as the
+        # process: out of the collector's way, a full collection scans only what
+        # serving made since (a few microseconds less per request).
+        gc.freeze()
         try:
             await _serve(server, options, guard, LoadPoller(session, server.sets.values()))
         finally:

@@ -196,26 +196,36 @@ class RouterMetrics:
         if outcome != "ok":
             return
         path.e2e.observe(ended - arrival)
-        if streams:
-            path.ttft.observe(first_token(streams) - arrival)
-            for times in streams:
-                for earlier, later in pairwise(times):
-                    path.itl.observe(later - earlier)
-            tpot = time_per_output_token(streams)
-            if tpot is not None:
-                path.tpot.observe(tpot)
-        if meets_slo(slo, arrival, streams, ended, output_tokens):
+        if not streams:
+            if _whole_meets_slo(slo, ended - arrival, output_tokens):
+                path.slo_met.inc()
+            return
+        ttft = first_token(streams) - arrival
+        path.ttft.observe(ttft)
+        itl = path.itl.observe
+        for times in streams:
+            for earlier, later in pairwise(times):
+                itl(later - earlier)
+        tpot = time_per_output_token(streams)
+        if tpot is not None:
+            path.tpot.observe(tpot)
+        if _streamed_meets_slo(slo, ttft, tpot):
             path.slo_met.inc()
 
 
 def first_token(streams: Sequence[Sequence[float]]) -> float:
     """When the first token of any choice left."""
+    if len(streams) == 1:
+        return streams[0][0]
     return min(times[0] for times in streams)
 
 
 def time_per_output_token(streams: Sequence[Sequence[float]]) -> float | None:
     """The mean over the choices of (last - first token) / (tokens - 1); None when no
     choice had two tokens."""
+    if len(streams) == 1:
+        times = streams[0]
+        return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
     tpots = [(times[-1] - times[0]) / (len(times) - 1) for times in streams if len(times) > 1]
     return sum(tpots) / len(tpots) if tpots else None
 
@@ -233,12 +243,19 @@ def meets_slo(
     decode side by side."""
     if streams:
         ttft = first_token(streams) - arrival
-        tpot = time_per_output_token(streams)
-        ttft_ok = slo.ttft_seconds is None or ttft <= slo.ttft_seconds
-        tpot_ok = slo.itl_seconds is None or tpot is None or tpot <= slo.itl_seconds
-        return ttft_ok and tpot_ok
+        return _streamed_meets_slo(slo, ttft, time_per_output_token(streams))
+    return _whole_meets_slo(slo, ended - arrival, output_tokens)
+
+
+def _streamed_meets_slo(slo: Slo, ttft: float, tpot: float | None) -> bool:
+    ttft_ok = slo.ttft_seconds is None or ttft <= slo.ttft_seconds
+    tpot_ok = slo.itl_seconds is None or tpot is None or tpot <= slo.itl_seconds
+    return ttft_ok and tpot_ok
+
+
+def _whole_meets_slo(slo: Slo, took: float, output_tokens: int | None) -> bool:
     ttft_target = math.inf if slo.ttft_seconds is None else slo.ttft_seconds
     itl_target = math.inf if slo.itl_seconds is None else slo.itl_seconds
     gaps = max(0, (output_tokens or 1) - 1)
     allowed = ttft_target + (itl_target * gaps if gaps else 0.0)
-    return ended - arrival <= allowed
+    return took <= allowed

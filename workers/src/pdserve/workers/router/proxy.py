@@ -17,12 +17,10 @@ outcome however it ends (see `outcome`).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from aiohttp import web
@@ -60,9 +58,11 @@ CONNECT_TIMEOUT_S = 3.0
 END_WAIT_S = 10.0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Routed:
-    """A validated request and the path the routing table chose for it."""
+    """A validated request and the path the routing table chose for it (not changed
+    once made; not frozen, as a frozen dataclass costs a call per field to make and
+    one is made for every request)."""
 
     path: str  # /v1/completions or /v1/chat/completions
     body: bytes
@@ -103,18 +103,64 @@ class _Retry(Exception):
         self.answer = answer  # the worker's own answer, given to the client if all fail
 
 
-@dataclass
+@dataclass(slots=True)
 class _Plan:
     """What the attempts so far have ruled out."""
 
     mode: Mode
-    tried_decode: set[str] = field(default_factory=set)
-    tried_prefill: set[str] = field(default_factory=set)
+    # Replaced, not added to, when an attempt fails (none does, as a rule: no set is
+    # made per request).
+    tried_decode: frozenset[str] = frozenset()
+    tried_prefill: frozenset[str] = frozenset()
     last: _Retry | None = None
     fallback: str = "no_prefill"
     decided: bool = False  # the mode was decided on the decode worker's uncached tokens
     # Prompt tokens the chosen decode and prefill workers hold, by the KV index.
     predicted: tuple[int, int] = (0, 0)
+
+
+class Outstanding:
+    """An attempt counted in the workers' loads and the router's admission queue until
+    the decode worker answers (its first token is ready then) or it ends. (A class, not
+    a generator's context manager: it wraps every attempt.)"""
+
+    __slots__ = ("_decode", "_forwarder", "_prefills", "_tokens", "_waiting")
+
+    def __init__(
+        self,
+        forwarder: Forwarder,
+        routed: Routed,
+        decode: Worker,
+        prefill: Worker | None,
+        predicted: tuple[int, int],
+    ) -> None:
+        decode.breaker.dispatched()
+        decode.in_flight += 1
+        # Whoever prefills the prompt has what it lacks of it waiting until the first
+        # token (the tokens its prefix cache holds are no work).
+        prefills = decode if prefill is None else prefill
+        tokens = routed.prompt_tokens - (predicted[0] if prefill is None else predicted[1])
+        prefills.prefill_sent(tokens)
+        if prefill is not None:
+            prefill.breaker.dispatched()
+        forwarder.awaiting_first_token += 1
+        self._forwarder = forwarder
+        self._decode = decode
+        self._prefills = prefills
+        self._tokens = tokens
+        self._waiting = True
+
+    def answered(self) -> None:
+        """The decode worker answered: its first token is ready."""
+        if self._waiting:
+            self._waiting = False
+            self._forwarder.awaiting_first_token -= 1
+            self._prefills.prefill_done(self._tokens)
+
+    def ended(self) -> None:
+        """The attempt ended, however (call once)."""
+        self.answered()
+        self._decode.in_flight -= 1
 
 
 class Forwarder:
@@ -186,7 +232,7 @@ class Forwarder:
         )
 
     def _pick(
-        self, workers: WorkerSet, routed: Routed, tried: set[str]
+        self, workers: WorkerSet, routed: Routed, tried: frozenset[str]
     ) -> tuple[Worker, int] | None:
         """A worker of `workers` not tried yet, and the prompt tokens it holds cached
         (KV-aware, when the table says so; else by load, holding none known), within
@@ -214,10 +260,10 @@ class Forwarder:
         plan.last = retry
         if retry.blame == "prefill" and prefill is not None:
             prefill.breaker.failed()
-            plan.tried_prefill.add(prefill.url)
+            plan.tried_prefill |= {prefill.url}
             plan.fallback = "handoff_failed"
             return
-        plan.tried_decode.add(decode.url)
+        plan.tried_decode |= {decode.url}
         if retry.blame == "decode":
             decode.breaker.failed()
 
@@ -240,60 +286,29 @@ class Forwarder:
         if routed.tokenizer is not None:
             headers[PROMPT_TOKENIZER_HEADER] = routed.tokenizer
         outcome.revisions = (revision_of(prefill), revision_of(decode))
+        load = Outstanding(self, routed, decode, prefill, predicted)
         try:
-            with self._outstanding(routed, decode, prefill, predicted) as answered:
-                upstream = await self.upstreams.post(decode.url, routed.path, routed.body, headers)
-                async with upstream:
-                    answered()
-                    if upstream.status != 200:
-                        return await self._refusal(routed, upstream, prefill is not None)
-                    decode.breaker.succeeded()
-                    if self.kv is not None and routed.kv is not None:
-                        found = upstream.header(CACHED_TOKENS_HEADER)
-                        self.kv.observed(routed.request_id, routed.kv, predicted[0], found)
-                    if prefill is not None:
-                        self._settle_prefill(routed, upstream, prefill)
-                    outcome.mode = upstream.header(MODE_HEADER) or routed.mode
-                    if routed.stream:
-                        return await self._relay_stream(request, routed, upstream, outcome)
-                    return await self._relay_whole(routed, upstream, outcome)
+            upstream = await self.upstreams.post(decode.url, routed.path, routed.body, headers)
+            try:  # what `async with upstream` does, without its two coroutines
+                load.answered()
+                if upstream.status != 200:
+                    return await self._refusal(routed, upstream, prefill is not None)
+                decode.breaker.succeeded()
+                if self.kv is not None and routed.kv is not None:
+                    found = upstream.header(CACHED_TOKENS_HEADER)
+                    self.kv.observed(routed.request_id, routed.kv, predicted[0], found)
+                if prefill is not None:
+                    self._settle_prefill(routed, upstream, prefill)
+                outcome.mode = upstream.header(MODE_HEADER) or routed.mode
+                if routed.stream:
+                    return await self._relay_stream(request, routed, upstream, outcome)
+                return await self._relay_whole(routed, upstream, outcome)
+            finally:
+                upstream.close()
         except UpstreamError as error:
             raise _Retry("worker_unreachable", f"{decode.url}: {error}", "decode") from error
-
-    @contextlib.contextmanager
-    def _outstanding(
-        self,
-        routed: Routed,
-        decode: Worker,
-        prefill: Worker | None,
-        predicted: tuple[int, int],
-    ) -> Iterator[Callable[[], None]]:
-        """Count the attempt in the workers' loads and the router's admission queue
-        until the decode worker answers (its first token is ready then) or it ends."""
-        decode.breaker.dispatched()
-        decode.in_flight += 1
-        # Whoever prefills the prompt has what it lacks of it waiting until the first
-        # token (the tokens its prefix cache holds are no work).
-        prefills = decode if prefill is None else prefill
-        tokens = routed.prompt_tokens - (predicted[0] if prefill is None else predicted[1])
-        prefills.prefill_sent(tokens)
-        if prefill is not None:
-            prefill.breaker.dispatched()
-        self.awaiting_first_token += 1
-        waiting = True
-
-        def answered() -> None:
-            nonlocal waiting
-            if waiting:
-                waiting = False
-                self.awaiting_first_token -= 1
-                prefills.prefill_done(tokens)
-
-        try:
-            yield answered
         finally:
-            answered()
-            decode.in_flight -= 1
+            load.ended()
 
     async def _refusal(
         self, routed: Routed, upstream: UpstreamResponse, disaggregated: bool

@@ -44,6 +44,9 @@ class TokenStream:
     @property
     def streams(self) -> list[list[float]]:
         """The token times of each choice that carried tokens, by index."""
+        if len(self.choices) == 1:  # n = 1
+            times = next(iter(self.choices.values()))
+            return [times] if times else []
         return [times for _, times in sorted(self.choices.items()) if times]
 
     @property
@@ -55,27 +58,38 @@ class TokenStream:
         """Take bytes as they arrived at `now` (events may be split across reads)."""
         pending = self._pending
         *lines, self._pending = (pending + data if pending else data).split(b"\n")
+        one_choice, choices = _ONE_CHOICE.search, self.choices
         for line in lines:
             # Most lines are an event's `data:` or the blank line ending it (what a
             # line holds around them is white space to strip).
+            if not line:
+                continue
             if not line.startswith(b"data:"):
                 line = line.strip()
                 if not line.startswith(b"data:"):
                     continue
-            self._event(line[5:].strip(), now)
+            payload = line[5:].strip()
+            # A plain token event: counted here. (`find`, as `in` on bytes first tries
+            # its operand as an integer, and makes and drops a TypeError.)
+            if payload.find(b'"error"') < 0:
+                one = one_choice(payload)
+                if one is not None:
+                    rest = one.group(2)
+                    if _NOT_FINISHING.search(rest) and not _LISTING.search(rest):
+                        index = int(one.group(1))
+                        times = choices.get(index)
+                        if times is None:
+                            times = choices[index] = []
+                        if self.generates:
+                            times.append(now)
+                        continue
+            self._event(payload, now)
 
     def _event(self, payload: bytes, now: float) -> None:
-        """The payload of a `data:` line."""
+        """The payload of a `data:` line that is no plain token event."""
         if payload == b"[DONE]":
             self.done = True
             return
-        if b'"error"' not in payload:
-            one = _ONE_CHOICE.search(payload)
-            if one is not None:
-                rest = one.group(2)
-                if _NOT_FINISHING.search(rest) and not _LISTING.search(rest):
-                    self._tokens(int(one.group(1)), 1, now)
-                    return
         try:
             event = codec.loads(payload)
         except ValueError:
