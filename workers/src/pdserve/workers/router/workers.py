@@ -154,8 +154,7 @@ class Worker:
         the new prompt's tokens once for each longer prompt it delays. What it
         published beyond the router's own count is one prompt of unknown parts.
         O(prompts in flight), no allocation."""
-        published = self.fresh(now) or PublishedLoad(now)
-        waiting = self.prefill_tokens + published.other_prefill_tokens
+        waiting = self.waiting_prefill_tokens(now)
         order = self.published.prefill_order if self.published is not None else "arrival"
         if order != "shortest":
             return waiting
