@@ -42,7 +42,13 @@ one chunk, where smaller chunks would have read them causally, about half.
 
 Until the model has learned from COLD_PREFILL_STEPS steps that computed prefill it
 knows nothing of what attention over a chunk costs, and would take the whole ceiling
-as one chunk; it takes at most COLD_CHUNK tokens meanwhile.
+as one chunk. Beside decodes it takes at most COLD_CHUNK tokens meanwhile. With no
+decode running a step's size delays no stream, so the cold chunks there serve the
+prompt and the fit: they take COLD_CHUNKS in turn, of which the small one alone computes
+prompts slowest on a CPU (128-token chunks, 4,800 prompt tokens/s on the tiny model on
+two cores; 256-512, 6,000-6,500) and the same size every step would teach the model
+nothing of how a step's time grows with its chunk (its fixed cost and its cost per
+token could not be told apart, so neither could the fastest chunk).
 
 The margin above sizes each step sized beside prompts as if it alone had to keep the
 target; but the P99 ITL a user measures is over every gap of every stream, those of
@@ -88,6 +94,7 @@ MARGIN_BOUNDS = (-0.25, 1.0)
 # A chunk the model has not yet learned enough to size (see above): the scheduler's
 # default budget on a CPU, a few of an accelerator's steps.
 COLD_CHUNK = 128
+COLD_CHUNKS = (COLD_CHUNK, 2 * COLD_CHUNK, 4 * COLD_CHUNK)
 COLD_PREFILL_STEPS = 16
 # The closed loop (`GapFeedback`): the steps with decodes whose gaps it watches; the
 # share of the room left under the target its correction gives back per step; the
@@ -277,7 +284,9 @@ class AdaptiveBudget:
             return self.ceiling
         fastest = self._fastest(shape, room)
         if shape.num_decodes == 0:
-            return max(fastest, min(self.floor, room))
+            prefill = max(fastest, min(self.floor, room))
+            self._log(shape, 0.0, 0.0, fastest, prefill)
+            return prefill
         elapsed = self._elapsed()
         left_s = self.target_s - elapsed
         margin = self.margin_s
@@ -337,9 +346,11 @@ class AdaptiveBudget:
         The rate rises while the step's fixed cost dominates and falls once the chunk's
         attention does (the predicted time is convex in the tokens), so a ternary search
         finds its peak; a model that has learned from too few prefill steps gets
-        COLD_CHUNK."""
-        if self.cost.prefill_steps < COLD_PREFILL_STEPS:
-            return min(room, COLD_CHUNK)
+        COLD_CHUNK beside decodes, the next of COLD_CHUNKS without."""
+        learned = self.cost.prefill_steps
+        if learned < COLD_PREFILL_STEPS:
+            cold = COLD_CHUNKS[learned % len(COLD_CHUNKS)] if not shape.num_decodes else COLD_CHUNK
+            return min(room, cold)
         if self.cost.predict(shape.chunking_features(room)) <= 0:
             return room
 
