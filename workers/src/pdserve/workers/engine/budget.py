@@ -44,11 +44,13 @@ Until the model has learned from COLD_PREFILL_STEPS steps that computed prefill 
 knows nothing of what attention over a chunk costs, and would take the whole ceiling
 as one chunk. Beside decodes it takes at most COLD_CHUNK tokens meanwhile. With no
 decode running a step's size delays no stream, so the cold chunks there serve the
-prompt and the fit: they take COLD_CHUNKS in turn, of which the small one alone computes
-prompts slowest on a CPU (128-token chunks, 4,800 prompt tokens/s on the tiny model on
-two cores; 256-512, 6,000-6,500) and the same size every step would teach the model
-nothing of how a step's time grows with its chunk (its fixed cost and its cost per
-token could not be told apart, so neither could the fastest chunk).
+prompt and the fit: they take COLD_CHUNKS in turn. The small one alone computes prompts
+slowest on a CPU (a 2,048-token prompt alone on the tiny model, one thread: about 4,800
+prompt tokens/s in 128-token chunks, 6,000-6,500 in 256-512), and one size every step
+teaches the model nothing of how a step's time grows with its chunk: its fixed cost and
+its cost per token cannot be told apart, and the fastest chunk it then predicts is
+anything (taught by 128-token chunks alone: 170-850 tokens, by the three sizes:
+450-550, where the measured optimum is 256-512).
 
 The margin above sizes each step sized beside prompts as if it alone had to keep the
 target; but the P99 ITL a user measures is over every gap of every stream, those of
