@@ -8,6 +8,7 @@ import pytest
 
 from pdserve.workers.engine.budget import (
     COLD_CHUNK,
+    COLD_CHUNKS,
     COLD_PREFILL_STEPS,
     FEEDBACK_BACKOFF,
     FEEDBACK_BOUNDS,
@@ -137,17 +138,46 @@ def test_no_chunk_is_larger_than_the_one_that_computes_prompts_fastest() -> None
     assert cpu.predict(shape(8).features(with_decodes + 100)) < 10.0
 
 
-def test_a_model_that_learned_no_prefill_yet_takes_a_small_chunk() -> None:
+def test_a_model_that_learned_no_prefill_yet_takes_small_chunks() -> None:
     # Untaught, the model predicts no cost for attention over a chunk and would take the
-    # whole ceiling at once, the slowest way to compute a long prompt on a CPU; it
-    # takes COLD_CHUNK until enough prefill steps have taught it.
+    # whole ceiling at once, the slowest way to compute a long prompt on a CPU; until
+    # enough prefill steps have taught it, beside decodes it takes at most COLD_CHUNK,
+    # and with none running the sizes of COLD_CHUNKS in turn.
     model = StepCostModel()
     policy = adaptive(model)
     assert policy.budget(shape(0)) == COLD_CHUNK
-    for start in range(0, COLD_PREFILL_STEPS * COLD_CHUNK, COLD_CHUNK):
-        chunk = shape(0, (PrefillWork(start, 4096 - start),)).features(COLD_CHUNK)
-        model.update(chunk, cpu_seconds(chunk))
-    assert policy.budget(shape(0)) != COLD_CHUNK
+    assert policy.budget(shape(8)) - 8 <= COLD_CHUNK
+    taken = teach_alone(policy, model, cpu_seconds)
+    assert taken == [COLD_CHUNKS[step % len(COLD_CHUNKS)] for step in range(COLD_PREFILL_STEPS)]
+    assert policy.budget(shape(0)) not in COLD_CHUNKS
+
+
+def teach_alone(policy: AdaptiveBudget, model: StepCostModel, steps: Device) -> list[int]:
+    """Prefill one long prompt with no decode running, in the chunks `policy` chooses,
+    teaching `model` each step's time under `steps`, until the cold start is over; the
+    chunks taken."""
+    start, taken = 0, []
+    while model.prefill_steps < COLD_PREFILL_STEPS:
+        alone = shape(0, (PrefillWork(start, 8192 - start),))
+        chunk = policy.budget(alone)
+        features = alone.features(chunk)
+        model.update(features, steps(features))
+        taken.append(chunk)
+        start += chunk
+    return taken
+
+
+def test_the_cold_chunks_teach_the_model_the_fastest_chunk() -> None:
+    # Chunks of one size cannot tell a step's fixed cost from its cost per token: taught
+    # by 128-token chunks alone the model put the CPU's 0.1 ms per token into a 16 ms
+    # fixed cost and found 562 tokens the fastest chunk (2.3x too large, a slower rate of
+    # prompt tokens and longer steps beside the streams). The cold chunks' sizes vary,
+    # so the model it leaves finds the device's fastest chunk.
+    model = StepCostModel()
+    policy = adaptive(model)
+    teach_alone(policy, model, cpu_seconds)
+    true_fastest = (2 * 0.003 / 1e-7) ** 0.5  # 245 tokens, as above
+    assert policy.budget(shape(0)) == pytest.approx(true_fastest, rel=0.05)
 
 
 def test_the_budget_shrinks_as_decodes_grow(cost: StepCostModel) -> None:

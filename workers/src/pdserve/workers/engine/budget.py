@@ -42,7 +42,15 @@ one chunk, where smaller chunks would have read them causally, about half.
 
 Until the model has learned from COLD_PREFILL_STEPS steps that computed prefill it
 knows nothing of what attention over a chunk costs, and would take the whole ceiling
-as one chunk; it takes at most COLD_CHUNK tokens meanwhile.
+as one chunk. Beside decodes it takes at most COLD_CHUNK tokens meanwhile. With no
+decode running a step's size delays no stream, so the cold chunks there serve the
+prompt and the fit: they take COLD_CHUNKS in turn. The small one alone computes prompts
+slowest on a CPU (a 2,048-token prompt alone on the tiny model, one thread: about 4,800
+prompt tokens/s in 128-token chunks, 6,000-6,500 in 256-512), and one size every step
+teaches the model nothing of how a step's time grows with its chunk: its fixed cost and
+its cost per token cannot be told apart, and the fastest chunk it then predicts is
+anything (taught by 128-token chunks alone: 170-850 tokens, by the three sizes:
+450-550, where the measured optimum is 256-512).
 
 The margin above sizes each step sized beside prompts as if it alone had to keep the
 target; but the P99 ITL a user measures is over every gap of every stream, those of
@@ -88,6 +96,7 @@ MARGIN_BOUNDS = (-0.25, 1.0)
 # A chunk the model has not yet learned enough to size (see above): the scheduler's
 # default budget on a CPU, a few of an accelerator's steps.
 COLD_CHUNK = 128
+COLD_CHUNKS = (COLD_CHUNK, 2 * COLD_CHUNK, 4 * COLD_CHUNK)
 COLD_PREFILL_STEPS = 16
 # The closed loop (`GapFeedback`): the steps with decodes whose gaps it watches; the
 # share of the room left under the target its correction gives back per step; the
@@ -277,7 +286,9 @@ class AdaptiveBudget:
             return self.ceiling
         fastest = self._fastest(shape, room)
         if shape.num_decodes == 0:
-            return max(fastest, min(self.floor, room))
+            prefill = max(fastest, min(self.floor, room))
+            self._log(shape, 0.0, 0.0, fastest, prefill)
+            return prefill
         elapsed = self._elapsed()
         left_s = self.target_s - elapsed
         margin = self.margin_s
@@ -337,9 +348,11 @@ class AdaptiveBudget:
         The rate rises while the step's fixed cost dominates and falls once the chunk's
         attention does (the predicted time is convex in the tokens), so a ternary search
         finds its peak; a model that has learned from too few prefill steps gets
-        COLD_CHUNK."""
-        if self.cost.prefill_steps < COLD_PREFILL_STEPS:
-            return min(room, COLD_CHUNK)
+        COLD_CHUNK beside decodes, the next of COLD_CHUNKS without."""
+        learned = self.cost.prefill_steps
+        if learned < COLD_PREFILL_STEPS:
+            cold = COLD_CHUNKS[learned % len(COLD_CHUNKS)] if not shape.num_decodes else COLD_CHUNK
+            return min(room, cold)
         if self.cost.predict(shape.chunking_features(room)) <= 0:
             return room
 
