@@ -28,6 +28,7 @@ import dataclasses
 import itertools
 import json
 import os
+import shutil
 import time
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -49,8 +50,10 @@ from pdserve.workers.plan.costs import Profile, load_profile, write_profile
 from pdserve.workers.plan.profile import ProfileRun, profile_model
 from pdserve.workers.plan.scenario import parse_scenario
 from pdserve.workers.plan.simulate import simulate, traffic_of
+from support.cpu import CpuSampler
 from support.results import RESULTS_DIR, publish
 from support.router import local_pool, router_metric, worker_load
+from support.step_log import step_logging_env
 from support.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400)]
@@ -231,7 +234,13 @@ def test_measure_a_workload(workload: str, tiny_model_dir: Path, tmp_path: Path)
     vocab = ModelConfig.from_dir(tiny_model_dir).vocab_size
     runs: list[dict[str, Any]] = []
     records: list[dict[str, Any]] = []
-    with local_pool(pool, tmp_path / "pool") as local:
+    logs = RESULTS_DIR / f"plan_logs_{workload}"
+    shutil.rmtree(logs, ignore_errors=True)
+    logs.mkdir(parents=True)
+    env = {role: step_logging_env() for role in ("prefill", "decode")}
+    with local_pool(pool, tmp_path / "pool", env=env) as local, CpuSampler(
+        pool_processes(local), logs / "cpu.jsonl"
+    ):
         workers = local.workers["prefill"] + local.workers["decode"]
         for rate, routing, seed in planned_runs(workload):
             use_buckets(local, ROUTINGS[routing])
@@ -257,10 +266,21 @@ def test_measure_a_workload(workload: str, tiny_model_dir: Path, tmp_path: Path)
             print(
                 f"{workload} {rate} {routing} seed {seed}: {real} load {runs[-1]['load_average']}"
             )
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        for worker in workers:  # each step's chunks and time, to line up with the simulator's
+            shutil.copy(worker.log_path, logs / worker.log_path.name)
     path = RESULTS_DIR / f"plan_measured_{workload}.json"
     path.write_text(json.dumps({"runs": runs}, indent=2))
     (RESULTS_DIR / f"plan_records_{workload}.json").write_text(json.dumps(records))
+
+
+def pool_processes(local: Any) -> dict[str, int]:
+    """The pool's processes by name, and this one (the load generator's), whose CPU
+    the bench samples beside the workers' steps."""
+    named = {"client": os.getpid(), "router": local.router.process.pid}
+    for role in ("prefill", "decode"):
+        for index, worker in enumerate(local.workers[role]):
+            named[f"{role}-{index}"] = worker.process.pid
+    return named
 
 
 def simulated(

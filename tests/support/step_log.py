@@ -5,6 +5,7 @@ so a step that also ran a prompt's chunk is a long gap in each of their streams.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -80,3 +81,12 @@ def decode_step_figures(steps: Iterable[Step]) -> dict[str, float | None]:
         "decode_step_p99_ms": float(np.percentile(waits, 99)),
         "depth_beside_decodes": float(np.mean(depths)) if depths else 0.0,
     }
+
+
+STEP_LOGGING = Path(__file__).resolve().parent / "step_logging"
+
+
+def step_logging_env() -> dict[str, str]:
+    """The environment that turns a worker's per-step logs on (and only those)."""
+    path = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": str(STEP_LOGGING) + (os.pathsep + path if path else "")}
