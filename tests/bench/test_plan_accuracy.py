@@ -238,8 +238,9 @@ def test_measure_a_workload(workload: str, tiny_model_dir: Path, tmp_path: Path)
     shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir(parents=True)
     env = {role: step_logging_env() for role in ("prefill", "decode")}
-    with local_pool(pool, tmp_path / "pool", env=env) as local, CpuSampler(
-        pool_processes(local), logs / "cpu.jsonl"
+    with (
+        local_pool(pool, tmp_path / "pool", env=env) as local,
+        CpuSampler(pool_processes(local), logs / "cpu.jsonl"),
     ):
         workers = local.workers["prefill"] + local.workers["decode"]
         for rate, routing, seed in planned_runs(workload):
