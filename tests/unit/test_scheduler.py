@@ -245,3 +245,29 @@ def test_the_policy_sees_the_prompts_in_the_order_they_are_served() -> None:
             if len(request.output_token_ids) >= 3:
                 scheduler.finish(request, FinishReason.STOP)
     assert not scheduler.has_work()
+
+
+def test_a_waiting_prompts_cached_prefix_is_not_counted_as_work_left() -> None:
+    """The prompt tokens left to compute (what a worker publishes at /load as its
+    backlog) leave out a waiting prompt's cached prefix once the prefill order has
+    looked it up: its admission computes only the rest. Before the lookup the whole
+    prompt counts; once admitted, the tokens it has left."""
+    scheduler = make(budget=16, seqs=1, blocks=128)
+    system = list(range(1, 33))
+    earlier = Request("earlier", [*system, 900], PARAMS, arrival_time=0.0)
+    scheduler.add(earlier)
+    run_to_end(scheduler, earlier)
+    scheduler.finish(earlier, FinishReason.STOP)  # its blocks stay cached
+    long = Request("long", list(range(1000, 1040)), PARAMS, arrival_time=1.0)
+    scheduler.add(long)
+    finish_step(scheduler, scheduler.schedule())  # 16 of its 40 tokens; the only seat
+    hit = Request("hit", [*system, 901, 902], PARAMS, arrival_time=2.0)
+    scheduler.add(hit)
+    assert scheduler.prompt_tokens_left() == 24 + 34  # not looked up yet: all of it
+    finish_step(scheduler, scheduler.schedule())  # no seat for the hit: it waits
+    assert hit in scheduler.waiting and long.num_computed_tokens == 32
+    assert scheduler.prompt_tokens_left() == 8 + 2
+    run_to_end(scheduler, long)
+    scheduler.finish(long, FinishReason.STOP)
+    finish_step(scheduler, scheduler.schedule())  # admitted: its 2 tokens computed
+    assert hit not in scheduler.waiting and scheduler.prompt_tokens_left() == 0

@@ -153,6 +153,9 @@ class Scheduler:
         # Waiting requests' prompt block hashes, as far as prefix lookups went, and the
         # token count they are of (a preempted request comes back with more tokens).
         self._probes: dict[Request, tuple[int, list[BlockHash]]] = {}
+        # What the last of those lookups found: a waiting prompt's cached prefix is no
+        # work left (`prompt_tokens_left`).
+        self._found: dict[Request, int] = {}
 
     def add(self, request: Request) -> None:
         """Queue a new request."""
@@ -167,6 +170,21 @@ class Scheduler:
     def has_work(self) -> bool:
         """Whether any request waits or runs."""
         return bool(self.waiting or self.running)
+
+    def prompt_tokens_left(self) -> int:
+        """Prompt tokens still to compute, of the running and the waiting requests: a
+        waiting prompt's from the end of its cached prefix as the prefill order last
+        looked it up (its admission finds those tokens cached and computes only the
+        rest), or from its start where it was not looked up yet."""
+        left = sum(
+            max(0, request.num_prompt_tokens - request.num_computed_tokens)
+            for request in self.running
+        )
+        found = self._found
+        for request in self.waiting:
+            start = request.num_computed_tokens or found.get(request, 0)
+            left += max(0, request.num_prompt_tokens - start)
+        return left
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's chunks."""
@@ -292,7 +310,10 @@ class Scheduler:
         if num_tokens != request.num_tokens:  # new, or preempted with tokens since
             hashes = []
             self._probes[request] = (request.num_tokens, hashes)
-        return self.kv_cache.cached_prefix_length(request.all_token_ids, hashes)
+        found = self._found[request] = self.kv_cache.cached_prefix_length(
+            request.all_token_ids, hashes
+        )
+        return found
 
     def _admit(self, request: Request, tokens: int) -> int:
         """Admit a waiting request with a chunk of at most `tokens` tokens, its cached
@@ -314,12 +335,17 @@ class Scheduler:
             self._unschedule(request)
             return 0
         self.waiting.remove(request)
-        self._probes.pop(request, None)
+        self._forget(request)
         request.status = RequestStatus.RUNNING
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.clock()
         self.running.append(request)
         return num_tokens
+
+    def _forget(self, request: Request) -> None:
+        """Drop what lookups kept of a request that no longer waits."""
+        self._probes.pop(request, None)
+        self._found.pop(request, None)
 
     def _allocate_or_preempt(
         self,
@@ -400,7 +426,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-            self._probes.pop(request, None)
+            self._forget(request)
         if free_blocks:
             self.kv_cache.free(request.request_id)
         request.status = RequestStatus.FINISHED
