@@ -271,3 +271,35 @@ def test_a_waiting_prompts_cached_prefix_is_not_counted_as_work_left() -> None:
     scheduler.finish(long, FinishReason.STOP)
     finish_step(scheduler, scheduler.schedule())  # admitted: its 2 tokens computed
     assert hit not in scheduler.waiting and scheduler.prompt_tokens_left() == 0
+
+
+def test_a_waiting_prompt_that_cannot_start_does_not_stall_the_prompt_under_way() -> None:
+    """Shortest first, a waiting prompt mostly cached (16 tokens left) goes before a
+    prompt under way (44 left), but its blocks run out while that prompt holds
+    blocks: the budget the plan gave it goes to the prompt under way, which ends and
+    gives its blocks back; then the waiting one starts. (Left unused, the budget went
+    to the waiting prompt every step and neither ever moved.)"""
+    scheduler = make_ordered("shortest", budget=16, blocks=22)
+    once = SamplingParams(max_tokens=1, temperature=0.0)
+    system = list(range(1, 61))
+    earlier = Request("earlier", system, once, arrival_time=0.0)
+    scheduler.add(earlier)
+    run_to_end(scheduler, earlier)
+    scheduler.finish(earlier, FinishReason.STOP)  # 15 blocks stay cached
+    under_way = Request("under way", list(range(1000, 1060)), once, arrival_time=1.0)
+    scheduler.add(under_way)
+    finish_step(scheduler, scheduler.schedule())  # its first 16 tokens
+    hit = Request("hit", [*system, *range(2000, 2016)], once, arrival_time=2.0)
+    scheduler.add(hit)
+
+    step = scheduler.schedule()
+    assert chunks_of(step) == [("under way", 16, 16)]
+    finish_step(scheduler, step)
+    for _ in range(10):
+        if under_way.output_token_ids:
+            break
+        step = scheduler.schedule()
+        assert step.chunks  # no step stalls
+        finish_step(scheduler, step)
+    scheduler.finish(under_way, FinishReason.LENGTH)
+    run_to_end(scheduler, hit)

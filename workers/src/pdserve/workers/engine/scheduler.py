@@ -211,7 +211,7 @@ class Scheduler:
         # the latest arrival not yet served, as for decodes), then to the waiting prompts
         # the plan admits, in its order: admitting a prompt never takes blocks from one
         # under way. A waiting prompt whose blocks ran out stops the admissions; what
-        # the plan gave it is left unused this step.
+        # the plan gave it goes to the prompts under way (`_give_unused`).
         running = sorted((p for p in plan if not p.waiting), key=lambda p: p.arrival_time)
         for prompt in running:
             request = prompt.request
@@ -224,14 +224,34 @@ class Scheduler:
             for prompt in (p for p in plan if p.waiting):
                 num_tokens = self._admit(prompt.request, prompt.tokens)
                 if num_tokens == 0:
+                    self._give_unused(order, granted, budget - sum(granted.values()))
                     break
                 granted[prompt.request] = num_tokens
         chunks.extend(
-            ScheduledChunk.of(p.request, granted[p.request]) for p in plan if p.request in granted
+            ScheduledChunk.of(p.request, granted[p.request]) for p in order if p.request in granted
         )
         if self.config.prefill_order == "shortest":
             _count_overtakes(order, granted)
         return SchedulerOutput(tuple(chunks), tuple(preempted), token_budget)
+
+    def _give_unused(self, order: list[_Prompt], granted: dict[Request, int], left: int) -> None:
+        """Give `left` tokens of the step's budget, which a waiting prompt that could
+        not start (its blocks ran out) was planned, to the prompts under way, in
+        `order`, as far as free blocks allow (preempting none). Left unused, a waiting
+        prompt served first whose blocks are held by a prompt under way would take
+        every step's budget, and neither would ever move."""
+        for prompt in order:
+            if left <= 0:
+                return
+            request = prompt.request
+            if prompt.waiting or request.status is not RequestStatus.RUNNING:
+                continue
+            have = granted.get(request, 0)
+            more = min(prompt.remaining - have, left)
+            target = request.num_computed_tokens + have + more
+            if more > 0 and self.kv_cache.allocate(request.request_id, target):
+                granted[request] = have + more
+                left -= more
 
     def _shape(self) -> BatchShape:
         """The decodes and the prompts awaiting prefill, as `schedule` will take them:
