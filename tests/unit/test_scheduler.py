@@ -129,9 +129,10 @@ def test_each_step_takes_its_budget_from_the_policy() -> None:
     ]
     # What the policy saw before each step: the decodes, then the prompts in order
     # (waiting ones only while seats are free).
-    assert policy.shapes[0] == BatchShape(0, 0, (PrefillWork(0, 6), PrefillWork(0, 40)))
-    assert policy.shapes[1] == BatchShape(1, 7, (PrefillWork(0, 40),))
-    assert policy.shapes[2] == BatchShape(1, 8, (PrefillWork(2, 38),))
+    alone = {"first_tokens_alone": True}  # as the default order, shortest first, fills
+    assert policy.shapes[0] == BatchShape(0, 0, (PrefillWork(0, 6), PrefillWork(0, 40)), **alone)
+    assert policy.shapes[1] == BatchShape(1, 7, (PrefillWork(0, 40),), **alone)
+    assert policy.shapes[2] == BatchShape(1, 8, (PrefillWork(2, 38),), **alone)
 
 
 def make_ordered(
@@ -173,9 +174,9 @@ def hit_behind_long_prompt(order: PrefillOrder) -> list[tuple[str, int, int]]:
 
 
 def test_a_cache_hit_does_not_wait_behind_a_long_prompt_under_way() -> None:
-    # Shortest first: the hit's 2 uncached tokens go before the long prompt's 184,
-    # which takes the rest of the budget.
-    assert hit_behind_long_prompt("shortest") == [("hit", 32, 2), ("long", 16, 14)]
+    # Shortest first: the hit's 2 uncached tokens go before the long prompt's 184, in
+    # a step of their own: its first token does not wait for part of the long prompt.
+    assert hit_behind_long_prompt("shortest") == [("hit", 32, 2)]
 
 
 def test_first_come_first_served_keeps_the_hit_waiting() -> None:
@@ -187,7 +188,26 @@ def test_a_short_prompt_goes_before_a_long_one_that_arrived_first() -> None:
     scheduler = make_ordered("shortest")
     scheduler.add(Request("long", list(range(1000, 1100)), PARAMS, arrival_time=0.0))
     scheduler.add(Request("short", list(range(2000, 2010)), PARAMS, arrival_time=1.0))
-    assert chunks_of(scheduler.schedule()) == [("short", 0, 10), ("long", 0, 6)]
+    step = scheduler.schedule()
+    assert chunks_of(step) == [("short", 0, 10)]  # its first token in a step of its own
+    finish_step(scheduler, step)
+    assert chunks_of(scheduler.schedule()) == [("short", 10, 1), ("long", 0, 15)]
+
+
+def test_prompts_that_end_in_a_step_share_it_and_a_longer_one_waits_for_the_next() -> None:
+    """Shortest first, a step that computes a prompt's last tokens takes only prompts
+    whose last tokens fit in it too: here two short prompts, not part of the long one
+    that arrived before them (first come, first served, the long one leads)."""
+    cases: list[tuple[PrefillOrder, list[tuple[str, int, int]]]] = [
+        ("shortest", [("a", 0, 4), ("b", 0, 6)]),
+        ("arrival", [("long", 0, 16)]),
+    ]
+    for order, expected in cases:
+        scheduler = make_ordered(order)
+        scheduler.add(Request("long", list(range(1000, 1100)), PARAMS, arrival_time=0.0))
+        scheduler.add(Request("a", list(range(2000, 2004)), PARAMS, arrival_time=1.0))
+        scheduler.add(Request("b", list(range(3000, 3006)), PARAMS, arrival_time=2.0))
+        assert chunks_of(scheduler.schedule()) == expected
 
 
 def test_a_long_prompt_is_overtaken_in_at_most_max_prefill_overtakes_steps() -> None:

@@ -13,8 +13,12 @@ order of `prefill_order`. "shortest" (the default) serves the prompt with the fe
 tokens left to compute first, a waiting prompt's cached prefix not counted (looked up
 without taking its blocks): a prompt that is mostly a prefix-cache hit, or short, is
 not held behind a long prompt's chunks, which for a long prompt deep in its context
-can take seconds. That is shortest-remaining-first, which minimises the mean wait; a
-long prompt only loses the few steps the short ones take. Against starvation, by
+can take seconds. Nor does a step that computes a prompt's last tokens (and samples
+its first token) also run part of a longer prompt: that chunk would make the first
+token wait for it, while in a step of its own it costs the longer prompt only the
+step's fixed cost; prompts that end in the step too still share it. That is
+shortest-remaining-first, which minimises the mean wait; a long prompt only loses the
+few steps the short ones take. Against starvation, by
 overtakes rather than by the clock (so that a simulated engine makes the same
 choices): a prompt that later arrivals were served before, while it still had tokens
 to compute, in `max_prefill_overtakes` steps has aged, and aged prompts go first, in
@@ -261,7 +265,8 @@ class Scheduler:
         prefills = tuple(
             PrefillWork(p.start, p.remaining) for p in self._admissible(self._prefill_queue())
         )
-        return BatchShape(len(decodes), max(decodes, default=0), prefills)
+        alone = self.config.prefill_order == "shortest"
+        return BatchShape(len(decodes), max(decodes, default=0), prefills, alone)
 
     def _prefill_queue(self, admit: bool = True) -> list[_Prompt]:
         """The prompts under way and (if `admit`) the first waiting ones (as many as
@@ -301,14 +306,19 @@ class Scheduler:
         return admissible
 
     def _plan(self, prompts: list[_Prompt], budget: int) -> list[_Prompt]:
-        """Each prompt's chunk, as much as it needs in turn while the budget lasts.
-        Without chunked prefill a waiting prompt is admitted whole or not at all, and
-        none after it."""
+        """Each prompt's chunk, as much as it needs in turn while the budget lasts;
+        served shortest first, once a prompt's last tokens are in, only prompts whose
+        last tokens also fit (`BatchShape.first_tokens_alone`). Without chunked
+        prefill a waiting prompt is admitted whole or not at all, and none after it."""
         plan = []
         admitting = True
+        alone = self.config.prefill_order == "shortest"
+        completed = False  # a prompt's last tokens are in the plan
         for prompt in prompts:
             if budget == 0:
                 break
+            if completed and alone and prompt.remaining > budget:
+                continue  # see `first_tokens_alone`
             if prompt.waiting:
                 if not admitting:
                     continue
@@ -317,6 +327,7 @@ class Scheduler:
                     continue
             tokens = min(prompt.remaining, budget)
             plan.append(replace(prompt, tokens=tokens))
+            completed = completed or tokens == prompt.remaining
             budget -= tokens
         return plan
 
