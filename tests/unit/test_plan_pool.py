@@ -4,6 +4,7 @@ every figure is known exactly)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -180,9 +181,9 @@ def test_the_router_counts_a_prompt_waiting_on_the_worker_that_computes_it(
     sent: list[tuple[str, int]] = []
     prefill_sent = Worker.prefill_sent
 
-    def recorded(worker: Worker, tokens: int) -> None:
+    def recorded(worker: Worker, tokens: int, keys: Sequence[int] = ()) -> None:
         sent.append((worker.url, tokens))
-        prefill_sent(worker, tokens)
+        prefill_sent(worker, tokens, keys)
 
     monkeypatch.setattr(Worker, "prefill_sent", recorded)
     line = scenario_line("split", [], num_prefill=1, buckets=SPLIT)

@@ -182,7 +182,7 @@ class PoolSimulation:
         route.decode.in_flight += 1
         # As the router counts it: whoever computes the prompt has what it lacks of it
         # waiting until the first token (colocated, the decode worker).
-        route.prefills.prefill_sent(route.uncached(len(prompt)))
+        route.prefills.prefill_sent(route.uncached(len(prompt)), route.keys)
         self._outstanding += 1
         # Its way in costs more where the decode worker already streams to others.
         reach = now + self.profile.request_overhead(busy=route.decode.in_flight > 1)
@@ -193,7 +193,7 @@ class PoolSimulation:
         if not request.answered:
             request.answered = True
             route = request.route
-            route.prefills.prefill_done(route.uncached(len(request.prompt)))
+            route.prefills.prefill_done(route.uncached(len(request.prompt)), route.keys)
 
     def _ended(self, request: SimRequest, now: float) -> None:
         self._answered(request)

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.protocol.routing import ROLES, Mode, Role, RoutingTable
 from pdserve.workers.engine.engine import LLMEngine
 from pdserve.workers.engine.kv_events import KVEventLog
-from pdserve.workers.router.kv_index import KVIndex, block_key
+from pdserve.workers.router.kv_index import BlockKey, KVIndex, block_key
 from pdserve.workers.router.kv_metrics import KVRoutingMetrics
 from pdserve.workers.router.kv_scoring import KVPrompt, KVScorer
 from pdserve.workers.router.workers import Worker, WorkerSet
@@ -36,6 +36,7 @@ class Route:
     cached_tokens: int  # prompt tokens the router's index said the decode worker holds
     reason: str  # the KV decision for the decode worker: cache, load, none ("" by load)
     prefill_cached: int = 0  # and the prefill worker, disaggregated
+    keys: tuple[BlockKey, ...] = ()  # the prompt's block keys (KV-aware)
 
     @property
     def prefills(self) -> Worker:
@@ -115,7 +116,8 @@ class SimRouter:
         prefill, prefill_cached = self._prefill(kv) if mode == "disaggregated" else (None, 0)
         if prefill is None:
             mode = "colocated"  # the router's fallback when no prefill worker is available
-        return Route(mode, decode, prefill, cached, reason, prefill_cached)
+        keys = () if kv is None else kv.keys
+        return Route(mode, decode, prefill, cached, reason, prefill_cached, keys)
 
     def _prefill(self, kv: KVPrompt | None) -> tuple[Worker | None, int]:
         if self.scorer is None or kv is None:
