@@ -53,8 +53,8 @@ Apart: what a hit can save, one request at a time (TTFT cold against cached, on 
 tiny model and on a model with 6x its work per token); the router's index memory at
 10k and 100k blocks per worker and 8 workers, and the time to rebuild a worker's part
 of it from a snapshot. Run with `make bench`; results in out/bench/kv_*.json, and each
-run's requests (sent, prompt, cached tokens, TTFT, mode) in
-out/bench/kv_routing_requests_<workload>-<router>.json."""
+run's requests (sent, prompt, cached tokens, TTFT, mode, and TTFT's parts from the
+decode workers' step logs) in out/bench/kv_routing_requests_<workload>-<router>.json."""
 
 from __future__ import annotations
 
@@ -96,6 +96,7 @@ from support.kv_pool import kv_router, metric, routing_file
 from support.pd import PDPair, pd_workers
 from support.results import RESULTS_DIR, publish
 from support.step_log import decode_step_figures, read_steps
+from support.ttft_parts import ttft_parts
 from support.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(5400)]
@@ -477,19 +478,24 @@ def compare(
                     step for w in workers.decode for step in read_steps(w.log_path)
                 )
                 rows.append(found | (decided(served.url) if router == "kv-aware" else {}))
-                publish_records(f"kv_routing_requests_{folder.name}", result)
+                logs = [w.log_path for w in workers.decode]
+                publish_records(f"kv_routing_requests_{folder.name}", result, logs)
     against_reference(rows)
     return rows
 
 
-def publish_records(name: str, result: BenchResult) -> None:
+def publish_records(name: str, result: BenchResult, logs: list[Path] | None = None) -> None:
     """Each request of a run, in arrival order (out/bench/NAME.json, no table): when it
     was sent, its prompt, the tokens the engine found cached, its TTFT and mode, so
-    that where TTFT went can be read request by request."""
+    that where TTFT went can be read request by request; and, from the decode
+    workers' step logs (`logs`), its TTFT's parts (`support.ttft_parts`: the way in,
+    the queue before its first step, its prompt steps and what else ran in them, the
+    way out)."""
     started = min((r.sent_at for r in result.records if r.sent_at is not None), default=0.0)
     requests = [
         {
             "index": r.index,
+            "sent": r.sent_at,
             "sent_s": None if r.sent_at is None else r.sent_at - started,
             "prompt_tokens": r.usage_prompt_tokens,
             "cached_tokens": r.usage_cached_tokens,
@@ -500,6 +506,10 @@ def publish_records(name: str, result: BenchResult) -> None:
         }
         for r in result.records
     ]
+    if logs:
+        requests = ttft_parts(requests, logs, time.time() - time.perf_counter())
+    for request in requests:
+        del request["sent"]  # the bench process's clock: meaningless in the file
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (RESULTS_DIR / f"{name}.json").write_text(json.dumps(requests, indent=1))
 

@@ -20,7 +20,7 @@ from pdserve.workers.router.kv_subscriber import Expected, KVFeeds
 from pdserve.workers.router.metrics import RouterMetrics
 from pdserve.workers.router.proxy import Forwarder, Outstanding, Routed
 from pdserve.workers.router.upstream import Upstreams
-from pdserve.workers.router.workers import PublishedLoad, WorkerSet
+from pdserve.workers.router.workers import PublishedLoad, Worker, WorkerSet
 
 A, B = "http://a:1", "http://b:1"
 BLOCK = 16
@@ -483,3 +483,47 @@ async def test_the_prompts_ahead_of_a_new_one_follow_the_workers_prefill_order()
         {"prefill_order": "shortest", "prefill_tokens": 516 + 8}, now, 0, 516
     )
     assert worker.prefill_ahead(16, now, step_tokens=256) == 16 + 8 + 256 + 16
+
+
+def test_a_worker_tells_the_blocks_a_prompt_sent_it_will_hold_once_computed() -> None:
+    worker = Worker(A, "decode")
+    first = tuple(range(100, 130))  # a prompt of 30 blocks
+    other = (*first[:12], *range(900, 910))  # shares its first 12
+    worker.prefill_sent(480, first)
+    worker.prefill_sent(40, other)
+    assert worker.pending_blocks((*first[:20], 5, 6)) == (20, 480)
+    assert worker.pending_blocks((*first[:12], 900, 901, 7)) == (14, 40)
+    assert worker.pending_blocks((7, *first[1:])) == (0, 0)
+    assert worker.pending_blocks(first) == (30, 480)
+    worker.prefill_done(480, first)  # its first token: the index has its blocks now
+    assert worker.pending_blocks(first) == (12, 40)
+    assert worker.prefill_prompts == [40] and worker.prefill_keys == [other]
+
+
+@pytest.mark.parametrize(("b_waiting", "chosen", "cached"), [(300, A, 38), (0, B, 0)])
+async def test_a_prompt_waits_for_the_prefix_a_worker_is_computing_when_that_is_sooner(
+    b_waiting: int, chosen: str, cached: int
+) -> None:
+    """A prompt of 40 blocks whose first 38 a prompt just sent to A holds (A has not
+    computed them: the index knows nothing of them). A serves prompts shortest first,
+    so the new prompt waits for that one (610 tokens) and then finds 608 cached: 642
+    tokens in 3 steps with 3 decodes, 642 + 3 x 16 = 690 ms (counted as uncached, the
+    whole prompt after that one: 1,250 tokens in 5 steps, 1,330 ms). B, with 300
+    tokens queued, computes them and the whole prompt: 940 tokens in 4 steps with a
+    decode, 988 ms; idle, 640 tokens in 3 steps, 670 ms."""
+    prompt = prompt_of(40 * BLOCK, weight=None)
+    scorer, decode = await scorer_with({A: [], B: []}, prompt)
+    for url in (A, B):
+        worker = decode.get(url)
+        assert worker is not None
+        worker.published = PublishedLoad(at=scorer._clock(), costs=COSTS, prefill_order="shortest")
+    earlier = prompt_of(38 * BLOCK + 2, weight=None)
+    worker_a = decode.get(A)
+    assert worker_a is not None
+    worker_a.in_flight = 3
+    worker_a.prefill_sent(610, earlier.keys)
+    load(decode, B, 1 if b_waiting else 0, b_waiting)
+
+    choice = scorer.choose(decode, prompt)
+    assert choice is not None and choice.worker.url == chosen
+    assert choice.cached_tokens == cached * BLOCK

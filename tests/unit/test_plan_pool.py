@@ -4,6 +4,7 @@ every figure is known exactly)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +13,12 @@ import pytest
 from pdserve.workers.bench.plan import PlannedRequest
 from pdserve.workers.plan.costs import StepCost
 from pdserve.workers.plan.pool import PoolSimulation, Traffic
+from pdserve.workers.plan.routing import Route
 from pdserve.workers.plan.scenario import ScenarioError, parse_scenario
 from pdserve.workers.plan.worker import SimWorker
 from pdserve.workers.router.kv_costs import StepCosts
 from pdserve.workers.router.kv_room import BatchRoom
+from pdserve.workers.router.workers import Worker
 from support.plan import constant_profile, model_config_dir, profile_with, scenario_line
 
 STEP_S, HANDOFF_S = 0.01, 0.05
@@ -167,3 +170,34 @@ def test_a_worker_publishes_its_seats_blocks_and_when_its_running_requests_end(
         assert room.kv_blocks_free < 64
     steps_left = sorted({room.finishing[0][0] for room in full})
     assert len(steps_left) > 1  # they count down as the requests decode
+
+
+def test_the_router_counts_a_prompt_waiting_on_the_worker_that_computes_it(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As the router's `Outstanding` counts it: a colocated prompt waits on its decode
+    worker, a disaggregated one on its prefill worker, each until its first token (the
+    simulated pool counted only the prefill worker's, and whole prompts)."""
+    sent: list[tuple[str, int]] = []
+    prefill_sent = Worker.prefill_sent
+
+    def recorded(worker: Worker, tokens: int, keys: Sequence[int] = ()) -> None:
+        sent.append((worker.url, tokens))
+        prefill_sent(worker, tokens, keys)
+
+    monkeypatch.setattr(Worker, "prefill_sent", recorded)
+    line = scenario_line("split", [], num_prefill=1, buckets=SPLIT)
+    simulation = run(model_dir, line, [(0.0, 32, 4), (1.0, 200, 4)])
+
+    assert sent == [("http://decode-0.sim:8000", 32), ("http://prefill-0.sim:8000", 200)]
+    for workers in simulation.sets.values():
+        for worker in workers:  # every prompt's count let go at its first token
+            assert worker.prefill_tokens == 0 and worker.prefill_prompts == []
+
+
+def test_a_routes_waiting_tokens_are_those_the_computing_worker_lacks() -> None:
+    decode, prefill = Worker("http://d", "decode"), Worker("http://p", "prefill")
+    colocated = Route("colocated", decode, None, 32, "cache", 0)
+    assert colocated.prefills is decode and colocated.uncached(40) == 8
+    split = Route("disaggregated", decode, prefill, 32, "cache", 16)
+    assert split.prefills is prefill and split.uncached(40) == 24

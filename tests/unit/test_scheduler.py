@@ -129,9 +129,10 @@ def test_each_step_takes_its_budget_from_the_policy() -> None:
     ]
     # What the policy saw before each step: the decodes, then the prompts in order
     # (waiting ones only while seats are free).
-    assert policy.shapes[0] == BatchShape(0, 0, (PrefillWork(0, 6), PrefillWork(0, 40)))
-    assert policy.shapes[1] == BatchShape(1, 7, (PrefillWork(0, 40),))
-    assert policy.shapes[2] == BatchShape(1, 8, (PrefillWork(2, 38),))
+    alone = {"first_tokens_alone": True}  # as the default order, shortest first, fills
+    assert policy.shapes[0] == BatchShape(0, 0, (PrefillWork(0, 6), PrefillWork(0, 40)), **alone)
+    assert policy.shapes[1] == BatchShape(1, 7, (PrefillWork(0, 40),), **alone)
+    assert policy.shapes[2] == BatchShape(1, 8, (PrefillWork(2, 38),), **alone)
 
 
 def make_ordered(
@@ -173,9 +174,9 @@ def hit_behind_long_prompt(order: PrefillOrder) -> list[tuple[str, int, int]]:
 
 
 def test_a_cache_hit_does_not_wait_behind_a_long_prompt_under_way() -> None:
-    # Shortest first: the hit's 2 uncached tokens go before the long prompt's 184,
-    # which takes the rest of the budget.
-    assert hit_behind_long_prompt("shortest") == [("hit", 32, 2), ("long", 16, 14)]
+    # Shortest first: the hit's 2 uncached tokens go before the long prompt's 184, in
+    # a step of their own: its first token does not wait for part of the long prompt.
+    assert hit_behind_long_prompt("shortest") == [("hit", 32, 2)]
 
 
 def test_first_come_first_served_keeps_the_hit_waiting() -> None:
@@ -187,7 +188,26 @@ def test_a_short_prompt_goes_before_a_long_one_that_arrived_first() -> None:
     scheduler = make_ordered("shortest")
     scheduler.add(Request("long", list(range(1000, 1100)), PARAMS, arrival_time=0.0))
     scheduler.add(Request("short", list(range(2000, 2010)), PARAMS, arrival_time=1.0))
-    assert chunks_of(scheduler.schedule()) == [("short", 0, 10), ("long", 0, 6)]
+    step = scheduler.schedule()
+    assert chunks_of(step) == [("short", 0, 10)]  # its first token in a step of its own
+    finish_step(scheduler, step)
+    assert chunks_of(scheduler.schedule()) == [("short", 10, 1), ("long", 0, 15)]
+
+
+def test_prompts_that_end_in_a_step_share_it_and_a_longer_one_waits_for_the_next() -> None:
+    """Shortest first, a step that computes a prompt's last tokens takes only prompts
+    whose last tokens fit in it too: here two short prompts, not part of the long one
+    that arrived before them (first come, first served, the long one leads)."""
+    cases: list[tuple[PrefillOrder, list[tuple[str, int, int]]]] = [
+        ("shortest", [("a", 0, 4), ("b", 0, 6)]),
+        ("arrival", [("long", 0, 16)]),
+    ]
+    for order, expected in cases:
+        scheduler = make_ordered(order)
+        scheduler.add(Request("long", list(range(1000, 1100)), PARAMS, arrival_time=0.0))
+        scheduler.add(Request("a", list(range(2000, 2004)), PARAMS, arrival_time=1.0))
+        scheduler.add(Request("b", list(range(3000, 3006)), PARAMS, arrival_time=2.0))
+        assert chunks_of(scheduler.schedule()) == expected
 
 
 def test_a_long_prompt_is_overtaken_in_at_most_max_prefill_overtakes_steps() -> None:
@@ -245,3 +265,61 @@ def test_the_policy_sees_the_prompts_in_the_order_they_are_served() -> None:
             if len(request.output_token_ids) >= 3:
                 scheduler.finish(request, FinishReason.STOP)
     assert not scheduler.has_work()
+
+
+def test_a_waiting_prompts_cached_prefix_is_not_counted_as_work_left() -> None:
+    """The prompt tokens left to compute (what a worker publishes at /load as its
+    backlog) leave out a waiting prompt's cached prefix once the prefill order has
+    looked it up: its admission computes only the rest. Before the lookup the whole
+    prompt counts; once admitted, the tokens it has left."""
+    scheduler = make(budget=16, seqs=1, blocks=128)
+    system = list(range(1, 33))
+    earlier = Request("earlier", [*system, 900], PARAMS, arrival_time=0.0)
+    scheduler.add(earlier)
+    run_to_end(scheduler, earlier)
+    scheduler.finish(earlier, FinishReason.STOP)  # its blocks stay cached
+    long = Request("long", list(range(1000, 1040)), PARAMS, arrival_time=1.0)
+    scheduler.add(long)
+    finish_step(scheduler, scheduler.schedule())  # 16 of its 40 tokens; the only seat
+    hit = Request("hit", [*system, 901, 902], PARAMS, arrival_time=2.0)
+    scheduler.add(hit)
+    assert scheduler.prompt_tokens_left() == 24 + 34  # not looked up yet: all of it
+    finish_step(scheduler, scheduler.schedule())  # no seat for the hit: it waits
+    assert hit in scheduler.waiting and long.num_computed_tokens == 32
+    assert scheduler.prompt_tokens_left() == 8 + 2
+    run_to_end(scheduler, long)
+    scheduler.finish(long, FinishReason.STOP)
+    finish_step(scheduler, scheduler.schedule())  # admitted: its 2 tokens computed
+    assert hit not in scheduler.waiting and scheduler.prompt_tokens_left() == 0
+
+
+def test_a_waiting_prompt_that_cannot_start_does_not_stall_the_prompt_under_way() -> None:
+    """Shortest first, a waiting prompt mostly cached (16 tokens left) goes before a
+    prompt under way (44 left), but its blocks run out while that prompt holds
+    blocks: the budget the plan gave it goes to the prompt under way, which ends and
+    gives its blocks back; then the waiting one starts. (Left unused, the budget went
+    to the waiting prompt every step and neither ever moved.)"""
+    scheduler = make_ordered("shortest", budget=16, blocks=22)
+    once = SamplingParams(max_tokens=1, temperature=0.0)
+    system = list(range(1, 61))
+    earlier = Request("earlier", system, once, arrival_time=0.0)
+    scheduler.add(earlier)
+    run_to_end(scheduler, earlier)
+    scheduler.finish(earlier, FinishReason.STOP)  # 15 blocks stay cached
+    under_way = Request("under way", list(range(1000, 1060)), once, arrival_time=1.0)
+    scheduler.add(under_way)
+    finish_step(scheduler, scheduler.schedule())  # its first 16 tokens
+    hit = Request("hit", [*system, *range(2000, 2016)], once, arrival_time=2.0)
+    scheduler.add(hit)
+
+    step = scheduler.schedule()
+    assert chunks_of(step) == [("under way", 16, 16)]
+    finish_step(scheduler, step)
+    for _ in range(10):
+        if under_way.output_token_ids:
+            break
+        step = scheduler.schedule()
+        assert step.chunks  # no step stalls
+        finish_step(scheduler, step)
+    scheduler.finish(under_way, FinishReason.LENGTH)
+    run_to_end(scheduler, hit)

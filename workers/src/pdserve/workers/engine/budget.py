@@ -123,6 +123,10 @@ class BatchShape:
     num_decodes: int
     longest_decode: int  # tokens in the cache of the longest decode, its new one included
     prefills: tuple[PrefillWork, ...] = ()  # in the order the scheduler fills them
+    # Once a prompt's last tokens are in the step, only prompts whose last tokens also
+    # fit join it (the scheduler's shortest-first order: a first token does not wait
+    # for part of a longer prompt).
+    first_tokens_alone: bool = False
 
     @property
     def prefill_tokens(self) -> int:
@@ -149,11 +153,15 @@ class BatchShape:
     def _chunks(self, prefill_tokens: int) -> list[tuple[PrefillWork, int]]:
         """The prompts `prefill_tokens` would reach, each with its chunk."""
         left, chunks = prefill_tokens, []
+        completed = False
         for work in self.prefills:
             if left <= 0:
                 break
+            if completed and self.first_tokens_alone and work.remaining > left:
+                continue
             chunk = min(left, work.remaining)
             chunks.append((work, chunk))
+            completed = completed or chunk == work.remaining
             left -= chunk
         return chunks
 

@@ -13,8 +13,12 @@ order of `prefill_order`. "shortest" (the default) serves the prompt with the fe
 tokens left to compute first, a waiting prompt's cached prefix not counted (looked up
 without taking its blocks): a prompt that is mostly a prefix-cache hit, or short, is
 not held behind a long prompt's chunks, which for a long prompt deep in its context
-can take seconds. That is shortest-remaining-first, which minimises the mean wait; a
-long prompt only loses the few steps the short ones take. Against starvation, by
+can take seconds. Nor does a step that computes a prompt's last tokens (and samples
+its first token) also run part of a longer prompt: that chunk would make the first
+token wait for it, while in a step of its own it costs the longer prompt only the
+step's fixed cost; prompts that end in the step too still share it. That is
+shortest-remaining-first, which minimises the mean wait; a long prompt only loses the
+few steps the short ones take. Against starvation, by
 overtakes rather than by the clock (so that a simulated engine makes the same
 choices): a prompt that later arrivals were served before, while it still had tokens
 to compute, in `max_prefill_overtakes` steps has aged, and aged prompts go first, in
@@ -153,6 +157,9 @@ class Scheduler:
         # Waiting requests' prompt block hashes, as far as prefix lookups went, and the
         # token count they are of (a preempted request comes back with more tokens).
         self._probes: dict[Request, tuple[int, list[BlockHash]]] = {}
+        # What the last of those lookups found: a waiting prompt's cached prefix is no
+        # work left (`prompt_tokens_left`).
+        self._found: dict[Request, int] = {}
 
     def add(self, request: Request) -> None:
         """Queue a new request."""
@@ -167,6 +174,21 @@ class Scheduler:
     def has_work(self) -> bool:
         """Whether any request waits or runs."""
         return bool(self.waiting or self.running)
+
+    def prompt_tokens_left(self) -> int:
+        """Prompt tokens still to compute, of the running and the waiting requests: a
+        waiting prompt's from the end of its cached prefix as the prefill order last
+        looked it up (its admission finds those tokens cached and computes only the
+        rest), or from its start where it was not looked up yet."""
+        left = sum(
+            max(0, request.num_prompt_tokens - request.num_computed_tokens)
+            for request in self.running
+        )
+        found = self._found
+        for request in self.waiting:
+            start = request.num_computed_tokens or found.get(request, 0)
+            left += max(0, request.num_prompt_tokens - start)
+        return left
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's chunks."""
@@ -193,7 +215,7 @@ class Scheduler:
         # the latest arrival not yet served, as for decodes), then to the waiting prompts
         # the plan admits, in its order: admitting a prompt never takes blocks from one
         # under way. A waiting prompt whose blocks ran out stops the admissions; what
-        # the plan gave it is left unused this step.
+        # the plan gave it goes to the prompts under way (`_give_unused`).
         running = sorted((p for p in plan if not p.waiting), key=lambda p: p.arrival_time)
         for prompt in running:
             request = prompt.request
@@ -206,14 +228,34 @@ class Scheduler:
             for prompt in (p for p in plan if p.waiting):
                 num_tokens = self._admit(prompt.request, prompt.tokens)
                 if num_tokens == 0:
+                    self._give_unused(order, granted, budget - sum(granted.values()))
                     break
                 granted[prompt.request] = num_tokens
         chunks.extend(
-            ScheduledChunk.of(p.request, granted[p.request]) for p in plan if p.request in granted
+            ScheduledChunk.of(p.request, granted[p.request]) for p in order if p.request in granted
         )
         if self.config.prefill_order == "shortest":
             _count_overtakes(order, granted)
         return SchedulerOutput(tuple(chunks), tuple(preempted), token_budget)
+
+    def _give_unused(self, order: list[_Prompt], granted: dict[Request, int], left: int) -> None:
+        """Give `left` tokens of the step's budget, which a waiting prompt that could
+        not start (its blocks ran out) was planned, to the prompts under way, in
+        `order`, as far as free blocks allow (preempting none). Left unused, a waiting
+        prompt served first whose blocks are held by a prompt under way would take
+        every step's budget, and neither would ever move."""
+        for prompt in order:
+            if left <= 0:
+                return
+            request = prompt.request
+            if prompt.waiting or request.status is not RequestStatus.RUNNING:
+                continue
+            have = granted.get(request, 0)
+            more = min(prompt.remaining - have, left)
+            target = request.num_computed_tokens + have + more
+            if more > 0 and self.kv_cache.allocate(request.request_id, target):
+                granted[request] = have + more
+                left -= more
 
     def _shape(self) -> BatchShape:
         """The decodes and the prompts awaiting prefill, as `schedule` will take them:
@@ -223,7 +265,8 @@ class Scheduler:
         prefills = tuple(
             PrefillWork(p.start, p.remaining) for p in self._admissible(self._prefill_queue())
         )
-        return BatchShape(len(decodes), max(decodes, default=0), prefills)
+        alone = self.config.prefill_order == "shortest"
+        return BatchShape(len(decodes), max(decodes, default=0), prefills, alone)
 
     def _prefill_queue(self, admit: bool = True) -> list[_Prompt]:
         """The prompts under way and (if `admit`) the first waiting ones (as many as
@@ -263,14 +306,19 @@ class Scheduler:
         return admissible
 
     def _plan(self, prompts: list[_Prompt], budget: int) -> list[_Prompt]:
-        """Each prompt's chunk, as much as it needs in turn while the budget lasts.
-        Without chunked prefill a waiting prompt is admitted whole or not at all, and
-        none after it."""
+        """Each prompt's chunk, as much as it needs in turn while the budget lasts;
+        served shortest first, once a prompt's last tokens are in, only prompts whose
+        last tokens also fit (`BatchShape.first_tokens_alone`). Without chunked
+        prefill a waiting prompt is admitted whole or not at all, and none after it."""
         plan = []
         admitting = True
+        alone = self.config.prefill_order == "shortest"
+        completed = False  # a prompt's last tokens are in the plan
         for prompt in prompts:
             if budget == 0:
                 break
+            if completed and alone and prompt.remaining > budget:
+                continue  # see `first_tokens_alone`
             if prompt.waiting:
                 if not admitting:
                     continue
@@ -279,6 +327,7 @@ class Scheduler:
                     continue
             tokens = min(prompt.remaining, budget)
             plan.append(replace(prompt, tokens=tokens))
+            completed = completed or tokens == prompt.remaining
             budget -= tokens
         return plan
 
@@ -292,7 +341,10 @@ class Scheduler:
         if num_tokens != request.num_tokens:  # new, or preempted with tokens since
             hashes = []
             self._probes[request] = (request.num_tokens, hashes)
-        return self.kv_cache.cached_prefix_length(request.all_token_ids, hashes)
+        found = self._found[request] = self.kv_cache.cached_prefix_length(
+            request.all_token_ids, hashes
+        )
+        return found
 
     def _admit(self, request: Request, tokens: int) -> int:
         """Admit a waiting request with a chunk of at most `tokens` tokens, its cached
@@ -314,12 +366,17 @@ class Scheduler:
             self._unschedule(request)
             return 0
         self.waiting.remove(request)
-        self._probes.pop(request, None)
+        self._forget(request)
         request.status = RequestStatus.RUNNING
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.clock()
         self.running.append(request)
         return num_tokens
+
+    def _forget(self, request: Request) -> None:
+        """Drop what lookups kept of a request that no longer waits."""
+        self._probes.pop(request, None)
+        self._found.pop(request, None)
 
     def _allocate_or_preempt(
         self,
@@ -400,7 +457,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-            self._probes.pop(request, None)
+            self._forget(request)
         if free_blocks:
             self.kv_cache.free(request.request_id)
         request.status = RequestStatus.FINISHED

@@ -14,9 +14,10 @@ contention of the machine where workers share one: `hosts`), a hand-off's time
 beyond the prefill (the profile's fixed plus per-byte cost, for the blocks the
 decode worker lacks), each step's spread, and a request's way in and its first
 token's way out (the profile's overhead, on an idle or a busy decode worker). The router
-counts what it sent as `Forwarder._outstanding` does: a request is in flight on its
-decode worker until it ends, and its prompt waits on its prefill worker until the
-first token is back.
+counts what it sent as its `Outstanding` does: a request is in flight on its
+decode worker until it ends, and the prompt tokens the index says the worker that
+computes it lacks (the prefill worker, or colocated the decode worker) wait there
+until the first token is back.
 """
 
 from __future__ import annotations
@@ -179,8 +180,9 @@ class PoolSimulation:
         request = SimRequest(record, f"req-{planned.index}", prompt, params, route)
         record.mode = route.mode
         route.decode.in_flight += 1
-        if route.prefill is not None:
-            route.prefill.prefill_sent(len(prompt))
+        # As the router counts it: whoever computes the prompt has what it lacks of it
+        # waiting until the first token (colocated, the decode worker).
+        route.prefills.prefill_sent(route.uncached(len(prompt)), route.keys)
         self._outstanding += 1
         # Its way in costs more where the decode worker already streams to others.
         reach = now + self.profile.request_overhead(busy=route.decode.in_flight > 1)
@@ -190,8 +192,8 @@ class PoolSimulation:
         """The decode worker's answer began: the prompt no longer waits anywhere."""
         if not request.answered:
             request.answered = True
-            if request.route.prefill is not None:
-                request.route.prefill.prefill_done(len(request.prompt))
+            route = request.route
+            route.prefills.prefill_done(route.uncached(len(request.prompt)), route.keys)
 
     def _ended(self, request: SimRequest, now: float) -> None:
         self._answered(request)

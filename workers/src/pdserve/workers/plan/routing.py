@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.protocol.routing import ROLES, Mode, Role, RoutingTable
 from pdserve.workers.engine.engine import LLMEngine
 from pdserve.workers.engine.kv_events import KVEventLog
-from pdserve.workers.router.kv_index import KVIndex, block_key
+from pdserve.workers.router.kv_index import BlockKey, KVIndex, block_key
 from pdserve.workers.router.kv_metrics import KVRoutingMetrics
 from pdserve.workers.router.kv_scoring import KVPrompt, KVScorer
 from pdserve.workers.router.workers import Worker, WorkerSet
@@ -35,6 +35,21 @@ class Route:
     prefill: Worker | None
     cached_tokens: int  # prompt tokens the router's index said the decode worker holds
     reason: str  # the KV decision for the decode worker: cache, load, none ("" by load)
+    prefill_cached: int = 0  # and the prefill worker, disaggregated
+    keys: tuple[BlockKey, ...] = ()  # the prompt's block keys (KV-aware)
+
+    @property
+    def prefills(self) -> Worker:
+        """The worker that computes the prompt: the prefill worker, else the decode
+        worker (colocated)."""
+        return self.decode if self.prefill is None else self.prefill
+
+    def uncached(self, prompt_tokens: int) -> int:
+        """The prompt tokens the worker that computes it does not hold, by the index:
+        what the router counts as waiting there until the first token
+        (`Outstanding`)."""
+        held = self.cached_tokens if self.prefill is None else self.prefill_cached
+        return prompt_tokens - held
 
 
 class KVFeed:
@@ -98,13 +113,14 @@ class SimRouter:
                 mode = self.scorer.mode(kv, mode, cached)
         if decode is None:
             return None
-        prefill = self._prefill(kv) if mode == "disaggregated" else None
+        prefill, prefill_cached = self._prefill(kv) if mode == "disaggregated" else (None, 0)
         if prefill is None:
             mode = "colocated"  # the router's fallback when no prefill worker is available
-        return Route(mode, decode, prefill, cached, reason)
+        keys = () if kv is None else kv.keys
+        return Route(mode, decode, prefill, cached, reason, prefill_cached, keys)
 
-    def _prefill(self, kv: KVPrompt | None) -> Worker | None:
+    def _prefill(self, kv: KVPrompt | None) -> tuple[Worker | None, int]:
         if self.scorer is None or kv is None:
-            return self.sets["prefill"].choose()
+            return self.sets["prefill"].choose(), 0
         choice = self.scorer.choose(self.sets["prefill"], kv)
-        return None if choice is None else choice.worker
+        return (None, 0) if choice is None else (choice.worker, choice.cached_tokens)

@@ -21,6 +21,14 @@ does not publish that, and whose KV cache is nearly full, is passed over while a
 is not, as by load alone. A worker whose feed is not synced (starting, refused by the
 handshake, unreachable) holds nothing in the index: it competes on load alone.
 
+The index learns a prompt's blocks once the worker has computed them. Until then the
+router knows them from what it sent: a prompt that shares its first blocks with one
+sent to a worker and not yet answered may wait there for that one (an engine serving
+the shortest first serves that one first, this one's prefix not being cached yet)
+and then find those blocks cached; that is priced as well, and taken where sooner
+(`Worker.pending_blocks`), so that requests sharing a new prefix that arrive together
+land where it is being computed rather than computing it again elsewhere.
+
 The mode follows the decode worker: the routing table's bucket is looked up with
 the tokens the chosen decode worker would still compute, so a long conversation
 whose history that worker holds is served colocated.
@@ -115,19 +123,37 @@ class KVScorer:
             best = candidates[0]
         else:
             fallback = pool_costs([c for w in candidates if (c := w.step_costs()) is not None])
-            best = min(
-                candidates, key=lambda w: self._cost(w, prompt, cached[w.url], now, fallback)
-            )
+            costs = {}
+            for worker in candidates:
+                costs[worker.url] = self._cost(worker, prompt, cached[worker.url], now, fallback)
+                # Blocks a prompt sent it will hold once computed: the index learns them
+                # only then, but the engine, serving that prompt first, lets this one
+                # find them cached if it waits for it.
+                blocks, before = worker.pending_blocks(prompt.keys)
+                pending = min(blocks, usable) * policy.block_size
+                if pending > cached[worker.url]:
+                    waiting = self._cost(worker, prompt, pending, now, fallback, before)
+                    if waiting < costs[worker.url]:
+                        costs[worker.url], cached[worker.url] = waiting, pending
+            best = min(candidates, key=lambda w: costs[w.url])
         most = max(cached.values())
         reason = "none" if most <= 0 else "cache" if cached[best.url] == most else "load"
         self.metrics.chose(workers.role, reason, prompt.tokens, cached[best.url])
         return KVChoice(best, cached[best.url], reason)
 
     def _cost(
-        self, worker: Worker, prompt: KVPrompt, cached: int, now: float, fallback: StepCosts
+        self,
+        worker: Worker,
+        prompt: KVPrompt,
+        cached: int,
+        now: float,
+        fallback: StepCosts,
+        before: int = 0,
     ) -> tuple[float, ...]:
+        """The worker's cost, its `cached` tokens found once the `before` tokens of a
+        prompt it computes first are done (that prompt's blocks among them)."""
         load = _Load(worker.requests(now), worker.waiting_prefill_tokens(now))
-        work = _expected_work(worker, prompt, cached, load, now, fallback)
+        work = _expected_work(worker, prompt, cached, load, now, fallback, before)
         # The last keys break ties: the less loaded, then chance (equal workers share
         # the traffic).
         if worker.role == "prefill":
@@ -171,10 +197,19 @@ class _Load:
 
 
 def _expected_work(
-    worker: Worker, prompt: KVPrompt, cached: int, load: _Load, now: float, fallback: StepCosts
+    worker: Worker,
+    prompt: KVPrompt,
+    cached: int,
+    load: _Load,
+    now: float,
+    fallback: StepCosts,
+    before: int = 0,
 ) -> float:
     """A worker's cost for the prompt: its predicted time to first token in whole
-    milliseconds (closer predictions are ties), or with `loadWeightTokens` set, tokens."""
+    milliseconds (closer predictions are ties), or with `loadWeightTokens` set, tokens.
+    With `before`, the prompt waits for a prompt of that many tokens (whose blocks it
+    then finds cached): it is served after what the worker's order serves before that
+    one, and that one."""
     uncached = prompt.tokens - cached
     weight = prompt.table.routing_policy.load_weight_tokens
     if weight is not None:
@@ -183,7 +218,7 @@ def _expected_work(
     # A prefill worker decodes nothing: what it holds are prompts, already counted.
     decoding = 0 if worker.role == "prefill" else load.requests
     # Only the waiting prompts its engine's order serves before this one delay it.
-    ahead = worker.prefill_ahead(uncached, now, costs.step_tokens)
+    ahead = worker.prefill_ahead(before or uncached, now, costs.step_tokens)
     needed = -(-(ahead + uncached) // prompt.table.routing_policy.block_size)
     wait = _wait_steps(worker, load, needed, now, costs.step_s(decoding))
     return float(round(costs.ttft_s(ahead, uncached, cached, decoding, wait) * 1000))

@@ -124,7 +124,7 @@ class Outstanding:
     the decode worker answers (its first token is ready then) or it ends. (A class, not
     a generator's context manager: it wraps every attempt.)"""
 
-    __slots__ = ("_decode", "_forwarder", "_prefills", "_tokens", "_waiting")
+    __slots__ = ("_decode", "_forwarder", "_keys", "_prefills", "_tokens", "_waiting")
 
     def __init__(
         self,
@@ -140,7 +140,8 @@ class Outstanding:
         # token (the tokens its prefix cache holds are no work).
         prefills = decode if prefill is None else prefill
         tokens = routed.prompt_tokens - (predicted[0] if prefill is None else predicted[1])
-        prefills.prefill_sent(tokens)
+        keys = () if routed.kv is None else routed.kv.keys
+        prefills.prefill_sent(tokens, keys)
         if prefill is not None:
             prefill.breaker.dispatched()
         forwarder.awaiting_first_token += 1
@@ -148,6 +149,7 @@ class Outstanding:
         self._decode = decode
         self._prefills = prefills
         self._tokens = tokens
+        self._keys = keys
         self._waiting = True
 
     def answered(self) -> None:
@@ -155,7 +157,7 @@ class Outstanding:
         if self._waiting:
             self._waiting = False
             self._forwarder.awaiting_first_token -= 1
-            self._prefills.prefill_done(self._tokens)
+            self._prefills.prefill_done(self._tokens, self._keys)
 
     def ended(self) -> None:
         """The attempt ended, however (call once)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,8 +110,11 @@ class Worker:
     published: PublishedLoad | None = None
     in_flight: int = 0  # requests the router has sent and not seen end
     prefill_tokens: int = 0  # prompt tokens the router sent it to prefill, not yet done
-    # The uncached tokens of each prompt in `prefill_tokens`, in the order sent.
+    # The uncached tokens of each prompt in `prefill_tokens`, in the order sent, and
+    # its blocks' keys (KV-aware routing; else empty): blocks the worker will hold
+    # once that prompt is computed, which the index learns only then.
     prefill_prompts: list[int] = field(default_factory=list)
+    prefill_keys: list[Sequence[int]] = field(default_factory=list)
     revision: str | None = None  # its --revision as it last published it (None: not yet)
 
     def fresh(self, now: float) -> PublishedLoad | None:
@@ -133,17 +136,46 @@ class Worker:
         """Prompt tokens waiting to be prefilled in it."""
         return self.prefill_tokens + (self.fresh(now) or PublishedLoad(now)).other_prefill_tokens
 
-    def prefill_sent(self, tokens: int) -> None:
-        """A prompt with `tokens` uncached tokens was sent it to prefill."""
+    def prefill_sent(self, tokens: int, keys: Sequence[int] = ()) -> None:
+        """A prompt with `tokens` uncached tokens (and blocks `keys`) was sent it to
+        prefill."""
         self.prefill_tokens += tokens
         self.prefill_prompts.append(tokens)
+        self.prefill_keys.append(keys)
 
-    def prefill_done(self, tokens: int) -> None:
-        """A prompt counted by `prefill_sent(tokens)` has its first token (or ended)."""
+    def prefill_done(self, tokens: int, keys: Sequence[int] = ()) -> None:
+        """A prompt counted by `prefill_sent(tokens, keys)` has its first token (or
+        ended)."""
         self.prefill_tokens -= tokens
-        # The oldest of that size: which one goes is no matter, only the sizes count.
-        with contextlib.suppress(ValueError):
-            self.prefill_prompts.remove(tokens)
+        # That prompt, else the oldest of its size (only the sizes count for load).
+        sizes, sent = self.prefill_prompts, self.prefill_keys
+        index = next((i for i, k in enumerate(sent) if k is keys and sizes[i] == tokens), None)
+        if index is None:
+            with contextlib.suppress(ValueError):
+                index = sizes.index(tokens)
+        if index is not None:
+            del sizes[index], sent[index]
+
+    def pending_blocks(self, keys: Sequence[int]) -> tuple[int, int]:
+        """Of a prompt's first blocks (`keys`), the most that one prompt sent it and
+        not yet computed shares, and that prompt's uncached tokens ((0, 0) if none):
+        blocks the worker will hold once that prompt is computed. Keys are chained (a
+        block's key covers every block before it), so the shared blocks are found by
+        bisection."""
+        best = (0, 0)
+        for tokens, sent in zip(self.prefill_prompts, self.prefill_keys, strict=True):
+            low, high = 0, min(len(keys), len(sent))  # keys[:low] == sent[:low]
+            if high <= best[0] or not high or keys[0] != sent[0]:
+                continue
+            while low < high:
+                middle = (low + high + 1) // 2
+                if keys[middle - 1] == sent[middle - 1]:
+                    low = middle
+                else:
+                    high = middle - 1
+            if low > best[0]:
+                best = (low, tokens)
+        return best
 
     def prefill_ahead(self, uncached: int, now: float, step_tokens: int) -> int:
         """Prompt tokens waiting in it that its engine computes before a new prompt of

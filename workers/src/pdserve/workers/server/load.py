@@ -14,7 +14,6 @@ server's part is counted per request.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from itertools import chain
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
@@ -51,7 +50,7 @@ class WorkerLoad:
     running: int  # requests in the engine's running batch
     waiting: int  # requests waiting for their first engine step
     kv_cache_usage: float  # fraction of KV blocks in use
-    prefill_tokens: int  # prompt tokens admitted and not yet computed
+    prefill_tokens: int  # prompt tokens admitted and not yet computed (cached ones not counted)
     revision: str = ""  # its --revision: the router splits a rollout's traffic by it
     step_costs: StepCosts | None = None  # None until its cost model has warmed up
     max_num_seqs: int = 0  # seats of the running batch
@@ -85,10 +84,9 @@ class LoadTracker:
         scheduler = self._engine.scheduler
         self._running = result.stats.num_running
         self._kv_usage = result.stats.kv_cache_usage
-        self._prefill_tokens = sum(
-            max(0, request.num_prompt_tokens - request.num_computed_tokens)
-            for request in chain(scheduler.waiting, scheduler.running)
-        )
+        # A waiting prompt's cached prefix is not work left: counted, it would look to
+        # the router like prompts it never sent (its own count is of uncached tokens).
+        self._prefill_tokens = scheduler.prompt_tokens_left()
         if result.chunks:
             self._step_costs = self._costs(result)
         self._kv_blocks_free = self._engine.kv_cache.pool.num_free
