@@ -9,7 +9,8 @@ to the upstream connection in one read (as it arrives under load), or with `--ea
 a read per write, one per loop iteration. No socket, no other process.
 
     python tests/bench/router_harness.py cpu [--requests N]
-    python tests/bench/router_harness.py opcodes [--requests N]   # per request, with the top functions
+    python tests/bench/router_harness.py opcodes [--requests N]  # and the top functions
+    python tests/bench/router_harness.py profile [--requests N]  # cProfile
     valgrind --tool=callgrind --collect-atstart=no --toggle-collect=sys_call_tracing \
         python tests/bench/router_harness.py run --requests N       # instructions, N requests
 
@@ -216,9 +217,7 @@ async def drive(
     return list(client.written)
 
 
-def run(
-    model_dir: Path, warmup: int, requests: int, mode: str, each: bool, top: int = 40
-) -> None:
+def run(model_dir: Path, warmup: int, requests: int, mode: str, each: bool, top: int = 40) -> None:
     import uvloop
 
     # Under load the worker's whole answer reaches the router in one read (strace: about

@@ -135,12 +135,14 @@ class ByteLevelWords:
         # each for truth, no comparison).
         found = list(map(after.get, rest))
         if not all(found):  # new parts (one, as a rule)
-            found = [ids or self._part(part, " ", after) for ids, part in zip(found, rest)]
+            found = [
+                ids or self._part(part, " ", after) for ids, part in zip(found, rest, strict=True)
+            ]
         head = self._first.get(first)
         if head is None:
             head = self._part(first, "", self._first)
         found.insert(0, head)
-        return found
+        return found  # type: ignore[return-value]  # no miss is left
 
     def _part(self, part: str, space: str, table: dict[str, list[int]]) -> list[int]:
         ids = list(chain.from_iterable(self._ids(_WORDS.findall(space + part))))
@@ -155,8 +157,8 @@ class ByteLevelWords:
         word's from the library's BPE model."""
         found = list(map(self._words.get, words))
         if not all(found):  # new words (one, as a rule)
-            found = [ids or self._word(word) for ids, word in zip(found, words)]
-        return found  # type: ignore[return-value]
+            found = [ids or self._word(word) for ids, word in zip(found, words, strict=True)]
+        return found  # type: ignore[return-value]  # no miss is left
 
     def _word(self, word: str) -> list[int]:
         ids = [token.id for token in self._model.tokenize(word.translate(_ASCII_TO_ALPHABET))]
