@@ -84,19 +84,22 @@ class TokenStream:
                     self._choice(choice, now)
 
     def _choice(self, choice: dict[str, Any], now: float) -> None:
+        """The tokens of one choice of an event, left at `now` (none counted when
+        nothing is generated)."""
         index = choice.get("index", 0)
         if not isinstance(index, int):
             return
         count = choice_token_count(choice)
-        if index not in self.choices and self.echo_tokens and _lists_tokens(choice):
-            count = max(0, count - self.echo_tokens)  # the first chunk lists the prompt
-        self._tokens(index, count, now)
-
-    def _tokens(self, index: int, count: int, now: float) -> None:
-        """`count` tokens of choice `index` left at `now` (none when nothing is generated)."""
-        times = self.choices.setdefault(index, [])
+        times = self.choices.get(index)
+        if times is None:
+            if self.echo_tokens and _lists_tokens(choice):
+                count = max(0, count - self.echo_tokens)  # the first chunk lists the prompt
+            times = self.choices[index] = []
         if self.generates:
-            times.extend([now] * count)
+            if count == 1:
+                times.append(now)
+            else:
+                times.extend([now] * count)
 
 
 def error_event(message: str, code: str) -> bytes:
