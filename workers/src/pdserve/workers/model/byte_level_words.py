@@ -6,7 +6,10 @@ the pre-tokenizer cutting words with GPT-2's pattern, the BPE model on each word
 post-processor adding special tokens, an Encoding with offsets), which costs a router
 tens of microseconds on every short prompt. BPE never merges across the words the
 pre-tokenizer cut, so a text's ids are its words' ids in order: those of a word seen
-before are looked up; a new word goes through the library's own BPE model once.
+before are looked up; a new word goes through the library's own BPE model once. A text
+whose only white space is single spaces (most prompts) is looked up by its parts
+between the spaces, a part's ids remembered as a word's are, without cutting it into
+words at all.
 
 Only where that is exactly the library's result: a tokenizer.json with no normalizer,
 the ByteLevel pre-tokenizer with GPT-2's pattern and no added prefix space, a BPE model
