@@ -59,6 +59,28 @@ def test_ascii_texts_get_the_librarys_ids(backend: tokenizers.Tokenizer) -> None
                 assert words.encode(text, special) == expected, (text, special)
 
 
+def test_single_spaced_texts_get_the_librarys_ids(backend: tokenizers.Tokenizer) -> None:
+    """Texts whose only white space is single spaces (as most prompts are) are looked up
+    by their parts between the spaces: a space at either end, parts of letters, digits
+    and punctuation mixed, contractions, parts seen before in another place; with and
+    without special tokens, and again once the parts are remembered: the library's ids."""
+    words = ByteLevelWords.of(backend)
+    assert words is not None
+    printable = [piece for piece in PIECES if piece.isprintable() and " " not in piece]
+    draw = random.Random(1)
+    texts = ["", " ", "a ", " a", "a b", " 's", "x 'll y", "it's 3.14, isn't it?"]
+    for _ in range(3000):
+        parts = ["".join(draw.choices(printable, k=draw.randint(1, 4))) for _ in range(8)]
+        text = " ".join(parts[: draw.randint(1, 8)])
+        texts.append(draw.choice(["", " "]) + text + draw.choice(["", " "]))
+    for _ in range(2):
+        for text in texts:
+            for special in (True, False):
+                expected = backend.encode(text, add_special_tokens=special).ids
+                assert words.encode(text, special) == expected, (text, special)
+    assert words._after and words._first  # the parts were looked up
+
+
 def test_the_tokenizer_encodes_by_words_where_it_can(model_dir: Path) -> None:
     """`Tokenizer.encode` takes the word path for ASCII text, the library's for the
     rest (not ASCII, holding an added token's text, long): the same ids either way."""

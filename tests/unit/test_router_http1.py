@@ -113,6 +113,34 @@ def test_pipelined_requests_are_answered_in_order_on_one_connection() -> None:
     run(test)
 
 
+def test_headers_reach_the_handler_as_sent() -> None:
+    """Names in any case, empty values, repeated names, colons, spaces and latin-1
+    bytes within values (trailing spaces as llhttp leaves them); and a request with
+    no header at all."""
+
+    async def headers(request: Request) -> Answer:
+        return web.json_response(list(request.headers.items()))
+
+    async def test() -> None:
+        extra = ["x-lower: a", "X-Empty:", "X-Twice: 1", "X-Twice: 2", "X-Colon: a: b c",
+                 "X-Spaces:   padded   "]  # fmt: skip
+        async with serving(headers) as port:
+            # A value's byte 0xE9 (latin-1's e acute), sent as is.
+            raw = post("/", b"", *extra, "X-Latin: caf~", "Connection: close").replace(
+                b"~", b"\xe9"
+            )
+            (sent,) = answers(await exchange(port, raw))
+            (bare,) = answers(await exchange(port, b"GET / HTTP/1.0\r\n\r\n"))
+        assert sent[0] == 200 and json.loads(sent[2]) == [
+            ["Host", "x"], ["Content-Length", "0"], ["x-lower", "a"], ["X-Empty", ""],
+            ["X-Twice", "1"], ["X-Twice", "2"], ["X-Colon", "a: b c"], ["X-Spaces", "padded   "],
+            ["X-Latin", "caf\u00e9"], ["Connection", "close"],
+        ]  # fmt: skip
+        assert bare[0] == 200 and json.loads(bare[2]) == []
+
+    run(test)
+
+
 def test_a_head_over_the_limit_gets_431_and_the_connection_closes() -> None:
     async def test() -> None:
         async with serving(Echo()) as port:

@@ -12,11 +12,16 @@ from dataclasses import dataclass, replace
 GREEDY_TEMPERATURE = 1e-5
 
 
+# Sets an attribute past a frozen class's own __setattr__ (as a frozen dataclass's
+# __init__ does).
+_set_dict = object.__setattr__
+
+
 class InvalidRequestError(ValueError):
     """A request the engine refuses; the message says why (an HTTP 400 to the client)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class SamplingParams:
     """How to pick tokens and when to stop.
 
@@ -25,6 +30,11 @@ class SamplingParams:
     computed once and `n` choices are drawn from it; choice i behaves as a request of
     its own with seed `seed + i`.
     max_tokens 0 computes the prompt (for its log-probabilities) and samples nothing.
+
+    Immutable, as a frozen dataclass is (assigning a field raises
+    FrozenInstanceError); made by its own `__init__`, which sets every field in one
+    write of the instance's dict where a frozen dataclass's makes a call per field
+    (one is made for every request, in the router and the worker alike).
     """
 
     max_tokens: int | None = 16  # None: up to the model's context length
@@ -40,6 +50,32 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None  # per sampled token: its logprob and this many alternatives
     prompt_logprobs: int | None = None  # the same for every prompt token
+
+    def __init__(
+        self,
+        max_tokens: int | None = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: tuple[str, ...] = (),
+        stop_token_ids: tuple[int, ...] = (),
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+        include_stop_str_in_output: bool = False,
+        n: int = 1,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+    ) -> None:
+        # The fields' names, order and defaults are those declared above (a test
+        # holds them equal).
+        _set_dict(self, "__dict__", {
+            "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+            "top_k": top_k, "seed": seed, "stop": stop, "stop_token_ids": stop_token_ids,
+            "ignore_eos": ignore_eos, "min_tokens": min_tokens,
+            "include_stop_str_in_output": include_stop_str_in_output, "n": n,
+            "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
+        })  # fmt: skip
 
     @property
     def greedy(self) -> bool:

@@ -6,7 +6,10 @@ the pre-tokenizer cutting words with GPT-2's pattern, the BPE model on each word
 post-processor adding special tokens, an Encoding with offsets), which costs a router
 tens of microseconds on every short prompt. BPE never merges across the words the
 pre-tokenizer cut, so a text's ids are its words' ids in order: those of a word seen
-before are looked up; a new word goes through the library's own BPE model once.
+before are looked up; a new word goes through the library's own BPE model once. A text
+whose only white space is single spaces (most prompts) is looked up by its parts
+between the spaces, a part's ids remembered as a word's are, without cutting it into
+words at all.
 
 Only where that is exactly the library's result: a tokenizer.json with no normalizer,
 the ByteLevel pre-tokenizer with GPT-2's pattern and no added prefix space, a BPE model
@@ -22,7 +25,7 @@ import json
 import re
 from collections.abc import Mapping
 from itertools import chain
-from typing import Any, cast
+from typing import Any
 
 import tokenizers
 
@@ -81,6 +84,10 @@ class ByteLevelWords:
         self._added = added  # any added token's text
         self._prefix, self._suffix = specials  # what add_special_tokens adds
         self._words: dict[str, list[int]] = {}
+        # The ids of the space-separated parts of single-spaced texts: a text's first
+        # part, and a part after a space (the space's ids with it).
+        self._first: dict[str, list[int]] = {}
+        self._after: dict[str, list[int]] = {}
 
     @classmethod
     def of(cls, backend: tokenizers.Tokenizer) -> ByteLevelWords | None:
@@ -99,7 +106,8 @@ class ByteLevelWords:
                 expected = backend.encode(text, add_special_tokens=special).ids
                 if words.encode(text, special) != expected:
                     return None
-        words._words.clear()
+        for table in (words._words, words._first, words._after):
+            table.clear()
         return words
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int] | None:
@@ -108,21 +116,52 @@ class ByteLevelWords:
             return None
         if self._added is not None and self._added.search(text) is not None:
             return None
-        words = _WORDS.findall(text)
-        # Each word's ids looked up, and joined, in C: a loop over the words in Python
-        # cost more than the lookups.
-        found = list(map(self._words.get, words))
-        if None in found:  # new words (one, as a rule): each found by a scan in C
-            at = found.index(None)
-            while True:
-                found[at] = self._word(words[at])
-                if None not in found:
-                    break
-                at = found.index(None, at)
-        tokens = chain.from_iterable(cast("list[list[int]]", found))
+        if text.isprintable() and "  " not in text:
+            pieces = self._single_spaced(text)
+        else:
+            pieces = self._ids(_WORDS.findall(text))
+        # Joined in C: a loop over the pieces in Python cost more than the lookups.
+        tokens = chain.from_iterable(pieces)
         if add_special_tokens:
             return [*self._prefix, *tokens, *self._suffix]
         return list(tokens)
+
+    def _single_spaced(self, text: str) -> list[list[int]]:
+        """The ids of a text whose only white space is single spaces, by its parts
+        between the spaces. No word of the pattern spans a space there but as its first
+        character (a space, then letters, digits or other characters; at the text's end,
+        the space alone), so each part after a space, the space with it, has the same
+        words wherever it stands: looked up as a whole, without the pattern's scan."""
+        first, *rest = text.split(" ")
+        after = self._after
+        # Looked up in C; a miss is None, and no part's ids are empty (`all` tests
+        # each for truth, no comparison).
+        found = list(map(after.get, rest))
+        if not all(found):  # new parts (one, as a rule)
+            found = [
+                ids or self._part(part, " ", after) for ids, part in zip(found, rest, strict=True)
+            ]
+        head = self._first.get(first)
+        if head is None:
+            head = self._part(first, "", self._first)
+        found.insert(0, head)
+        return found  # type: ignore[return-value]  # no miss is left
+
+    def _part(self, part: str, space: str, table: dict[str, list[int]]) -> list[int]:
+        ids = list(chain.from_iterable(self._ids(_WORDS.findall(space + part))))
+        if len(part) <= MAX_WORD_CHARS:
+            if len(table) >= MAX_WORDS:
+                table.clear()
+            table[part] = ids
+        return ids
+
+    def _ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's ids: looked up (a miss is None, no word's ids are empty); a new
+        word's from the library's BPE model."""
+        found = list(map(self._words.get, words))
+        if not all(found):  # new words (one, as a rule)
+            found = [ids or self._word(word) for ids, word in zip(found, words, strict=True)]
+        return found  # type: ignore[return-value]  # no miss is left
 
     def _word(self, word: str) -> list[int]:
         ids = [token.id for token in self._model.tokenize(word.translate(_ASCII_TO_ALPHABET))]

@@ -28,7 +28,6 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from http import HTTPStatus
-from itertools import repeat
 from typing import NoReturn, cast
 
 import httptools
@@ -324,8 +323,12 @@ class Http1Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         parser = self._parser
         fields = self._fields
-        self._head_size += sum(map(len, fields)) + 2 * len(fields)  # ": " and CRLF each
-        decoded = list(map(bytes.decode, fields, repeat("latin-1")))
+        # Decoded in one call: llhttp takes no line feed in a header's name or value
+        # (it refuses bare ones and folded lines), so one joins them and splits them
+        # back apart.
+        joined = b"\n".join(fields)
+        decoded = joined.decode("latin-1").split("\n") if fields else []
+        self._head_size += (len(joined) + 1 + len(fields)) if fields else 0  # ": ", CRLF each
         request = Request(
             self, parser.get_method().decode("ascii", "replace"),
             self._target.decode("latin-1"), parser.get_http_version(),
