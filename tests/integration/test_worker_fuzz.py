@@ -15,7 +15,6 @@ import json
 import os
 import random
 import statistics
-import threading
 import time
 import urllib.request
 from collections import Counter
@@ -28,6 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support.background import Background
 from support.waiting import wait_until
 from support.worker import ServerProcess, metric, running_worker
 
@@ -210,26 +210,17 @@ EDGE_VALUES: dict[str, list[Any]] = {
 }
 
 
-class Prober:
+class Prober(Background):
     """Asks /health every 20 ms on a thread of its own, recording each latency."""
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.latencies: list[float] = []
         self.failures = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        super().__init__("prober")
 
-    def __enter__(self) -> Prober:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.02):
+    def run(self) -> None:
+        while not self.stopping.wait(0.02):
             started = time.perf_counter()
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=10) as answer:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from pathlib import Path
+
+from support.background import Background
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -30,27 +31,18 @@ def machine_busy_seconds() -> float | None:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-class CpuSampler:
+class CpuSampler(Background):
     """Samples, every `interval_s` on a thread of its own, the CPU time of named
     processes and of the whole machine, one JSON line per sample (wall time, machine
     busy seconds, seconds per name) to `path`: what ran beside a worker's steps."""
 
     def __init__(self, pids: dict[str, int], path: Path, interval_s: float = 0.05) -> None:
+        super().__init__("cpu-sampler")
         self.pids, self.path, self.interval_s = dict(pids), path, interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
 
-    def __enter__(self) -> CpuSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
+    def run(self) -> None:
         with self.path.open("w") as out:
-            while not self._stop.wait(self.interval_s):
+            while not self.stopping.wait(self.interval_s):
                 sample = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
                 line = {"t": time.time(), "machine": machine_busy_seconds(), **sample}
                 out.write(json.dumps(line) + "\n")

@@ -4,7 +4,6 @@ up, and the pool's status as `pdserve local` writes it."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,6 +18,7 @@ from pdserve.operator.local.pool import LocalPool, Monitoring, watched
 from pdserve.operator.local.scaling import STATUS_FILE, LocalScaler, read_status
 from pdserve.operator.scaling.promql import PoolQueries
 from pdserve.workers.faults import Fault, environment
+from support.background import Background
 from support.prometheus import SCRAPE_INTERVAL_S, ask
 from support.router import BOUNDARY, pool_manifest, stream
 from support.tools import prometheus as prometheus_binary
@@ -109,7 +109,7 @@ class Outcomes:
     failed: list[str] = field(default_factory=list)
 
 
-class Load:
+class Load(Background):
     """`clients` clients, each sending one streamed request after the other, until
     stopped; every answer counted. Runs in a thread of its own. With `vary`, each
     request's prompt starts with a token of its own (conversations of their own: a
@@ -123,16 +123,10 @@ class Load:
         self.vary = vary
         self.sent = 0
         self.outcomes = Outcomes()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+        super().__init__("load")
 
-    def __enter__(self) -> Load:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join()
+    def run(self) -> None:
+        asyncio.run(self._run())
 
     async def _run(self) -> None:
         timeout = aiohttp.ClientTimeout(total=300)
@@ -146,7 +140,7 @@ class Load:
         return [5 + self.sent % 1000, *self.prompt[1:]]
 
     async def _client(self, session: aiohttp.ClientSession) -> None:
-        while not self._stop.is_set():
+        while not self.stopping.is_set():
             try:
                 code, ids, error = await stream(session, self.url, self._prompt(), self.tokens)
             except (aiohttp.ClientError, TimeoutError) as broken:
