@@ -218,8 +218,9 @@ class Front:
 
 
 def synced(router: ServerProcess, expected: int) -> bool:
+    """Whether the router's KV index has synced with `expected` workers."""
     states = metric(router.url, "pdserve_router_kv_workers", state="synced")
-    return states == expected
+    return bool(states == expected)
 
 
 @contextlib.contextmanager
