@@ -73,8 +73,9 @@ import heapq
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from pdserve.workers.engine.clock import Clock
 from pdserve.workers.engine.config import SchedulerConfig
@@ -108,6 +109,40 @@ FEEDBACK_BACKOFF = 0.05
 FEEDBACK_BOUNDS = (-0.25, 0.5)
 
 
+P = TypeVar("P")
+
+
+def fill_prompts(
+    prompts: Iterable[P],
+    remaining: Callable[[P], int],
+    budget: int,
+    first_tokens_alone: bool,
+    admits: Callable[[P, int], bool] | None = None,
+) -> Iterator[tuple[P, int]]:
+    """Each prompt's chunk as a step fills them, in the order given: each as much as it
+    needs (`remaining`) in turn while the `budget` of tokens lasts. With
+    `first_tokens_alone`, once a prompt's last tokens are in the step, only prompts
+    whose last tokens also fit join it: a first token does not wait for part of a
+    longer prompt (the scheduler's shortest-first order). `admits(prompt, left)` may
+    pass a prompt over, with `left` tokens of the budget still to give; it then takes
+    nothing. The scheduler plans its steps with this, and the budget policy's view of
+    a step (`BatchShape`) predicts them with it, so the two cannot drift apart."""
+    left = budget
+    completed = False  # a prompt's last tokens are in the step
+    for prompt in prompts:
+        if left <= 0:
+            return
+        need = remaining(prompt)
+        if completed and first_tokens_alone and need > left:
+            continue
+        if admits is not None and not admits(prompt, left):
+            continue
+        chunk = min(need, left)
+        yield prompt, chunk
+        completed = completed or chunk == need
+        left -= chunk
+
+
 @dataclass(frozen=True)
 class PrefillWork:
     """A prompt with tokens left to compute: its next chunk starts at `start`."""
@@ -123,9 +158,8 @@ class BatchShape:
     num_decodes: int
     longest_decode: int  # tokens in the cache of the longest decode, its new one included
     prefills: tuple[PrefillWork, ...] = ()  # in the order the scheduler fills them
-    # Once a prompt's last tokens are in the step, only prompts whose last tokens also
-    # fit join it (the scheduler's shortest-first order: a first token does not wait
-    # for part of a longer prompt).
+    # Whether the step is filled with the first tokens alone (`fill_prompts`): the
+    # scheduler's shortest-first order.
     first_tokens_alone: bool = False
 
     @property
@@ -152,18 +186,13 @@ class BatchShape:
 
     def _chunks(self, prefill_tokens: int) -> list[tuple[PrefillWork, int]]:
         """The prompts `prefill_tokens` would reach, each with its chunk."""
-        left, chunks = prefill_tokens, []
-        completed = False
-        for work in self.prefills:
-            if left <= 0:
-                break
-            if completed and self.first_tokens_alone and work.remaining > left:
-                continue
-            chunk = min(left, work.remaining)
-            chunks.append((work, chunk))
-            completed = completed or chunk == work.remaining
-            left -= chunk
-        return chunks
+        return list(
+            fill_prompts(self.prefills, _remaining, prefill_tokens, self.first_tokens_alone)
+        )
+
+
+def _remaining(work: PrefillWork) -> int:
+    return work.remaining
 
 
 class GapFeedback:

@@ -46,6 +46,7 @@ from pdserve.workers.engine.budget import (
     BudgetPolicy,
     PrefillWork,
     StaticBudget,
+    fill_prompts,
     static_budget,
 )
 from pdserve.workers.engine.clock import Clock
@@ -121,6 +122,10 @@ class _Prompt:
         if self.request.prefill_overtakes >= max_overtakes:
             return (False, self.arrival_time, 0.0)
         return (True, float(self.remaining), self.arrival_time)
+
+
+def _remaining(prompt: _Prompt) -> int:
+    return prompt.remaining
 
 
 def _count_overtakes(order: list[_Prompt], granted: dict[Request, int]) -> None:
@@ -308,28 +313,22 @@ class Scheduler:
     def _plan(self, prompts: list[_Prompt], budget: int) -> list[_Prompt]:
         """Each prompt's chunk, as much as it needs in turn while the budget lasts;
         served shortest first, once a prompt's last tokens are in, only prompts whose
-        last tokens also fit (`BatchShape.first_tokens_alone`). Without chunked
-        prefill a waiting prompt is admitted whole or not at all, and none after it."""
-        plan = []
+        last tokens also fit (`fill_prompts`, as the budget policy's view fills them).
+        Without chunked prefill a waiting prompt is admitted whole or not at all, and
+        none after it."""
         admitting = True
+
+        def admits(prompt: _Prompt, left: int) -> bool:
+            nonlocal admitting
+            if not prompt.waiting:
+                return True
+            if admitting and not self.config.enable_chunked_prefill and prompt.remaining > left:
+                admitting = False
+            return admitting
+
         alone = self.config.prefill_order == "shortest"
-        completed = False  # a prompt's last tokens are in the plan
-        for prompt in prompts:
-            if budget == 0:
-                break
-            if completed and alone and prompt.remaining > budget:
-                continue  # see `first_tokens_alone`
-            if prompt.waiting:
-                if not admitting:
-                    continue
-                if not self.config.enable_chunked_prefill and prompt.remaining > budget:
-                    admitting = False
-                    continue
-            tokens = min(prompt.remaining, budget)
-            plan.append(replace(prompt, tokens=tokens))
-            completed = completed or tokens == prompt.remaining
-            budget -= tokens
-        return plan
+        planned = fill_prompts(prompts, _remaining, budget, alone, admits)
+        return [replace(prompt, tokens=tokens) for prompt, tokens in planned]
 
     def _cached_prefix(self, request: Request) -> int:
         """Tokens of a waiting request the prefix cache holds now, as its admission
