@@ -17,6 +17,22 @@ the TTFTs next to its median lie within about 2.5% of it (40 prompts of 1024-307
 are about 50 tokens apart; with 14 they were 7% apart and one request's place decided a
 5% verdict). Beside the P50 ratio, the median of the same requests' TTFT ratios, which
 no request's place decides.
+
+One run per configuration does not settle a 5% verdict on a shared machine: its
+configurations run one after another, minutes apart, and the machine's pace moves
+between them. Static 256 and 512 compute the same steps on the short shape (its
+prompts fit both), yet came out 7% apart in one run (25.0 against 26.7 ms); on the
+mixed shape, whose median request is a short one (the simulator with exact costs puts
+both at 25.8 ms), 13% (32.7 against 29.0 ms); the same static moved 7-25% between
+runs. So where the first run's verdict is close (the adaptive P50 within REMATCH_BAND
+of the tolerance, either way), the adaptive budget and the best static one run again,
+REMATCH_ROUNDS more times, the order reversed each round (adaptive first in the first
+rematch, as it ran last in the sweep, so a steady drift weighs on both alike), on the
+same requests; the verdict then takes the P50 and the paired ratio over every round's
+requests (the drift balanced, each step's noise drawn twice), and the first run's
+ratio is reported beside it. The same requests make each round's P50 of one
+configuration comparable with the other's: how far they move apart is the drift. The
+best static is still the sweep's (the first run).
 """
 
 from __future__ import annotations
@@ -58,6 +74,11 @@ DRAIN_S = 180.0
 # Goodput: requests whose TTFT and TPOT both meet their targets.
 SLO_TTFT_MS = 5000.0
 TTFT_TOLERANCE = 1.05  # "within 5% of the best static budget"
+# A verdict is close (rematched, see above) where the first run's P50 ratio lies within
+# this factor of the tolerance: the spread seen between configurations that compute the
+# same steps in one run.
+REMATCH_BAND = 1.15
+REMATCH_ROUNDS = int(os.environ.get("PDSERVE_BENCH_REMATCH_ROUNDS", "1"))
 STEPS = "pdserve_engine_step_duration_seconds_count"
 OVER_TARGET = "pdserve_engine_steps_over_target_total"
 PREEMPTIONS = "pdserve_preemptions_total"
@@ -162,6 +183,7 @@ class Run:
     preemptions: float = 0.0
     longest_gap_s: float = 0.0  # the longest gap between two tokens of one stream
     ttfts: tuple[tuple[int, float], ...] = ()  # (request index, TTFT s) of each served
+    round: int = 0  # 0: the sweep; 1...: the rematch rounds (the same requests again)
 
     @property
     def p99_itl_ms(self) -> float:
@@ -185,6 +207,7 @@ class Run:
         return {
             "shape": self.shape,
             "budget": self.budget,
+            "round": self.round,
             "requests": self.metrics.requests,
             "failed": self.metrics.failed,
             "itl_p99_ms": self.p99_itl_ms,
@@ -214,9 +237,9 @@ def bench_config(url: str, vocab: int, **traffic: Any) -> BenchConfig:
     )
 
 
-def measure(model_dir: Path, logs: Path, shape: Shape, budget: str) -> Run:
+def measure(model_dir: Path, logs: Path, shape: Shape, budget: str, round: int = 0) -> Run:
     vocab = ModelConfig.from_dir(model_dir).vocab_size
-    log_dir = logs / shape.workload / budget
+    log_dir = logs / shape.workload / budget / str(round)
     with running_worker(model_dir, log_dir, *budget_args(budget)) as worker:
         config = bench_config(worker.url, vocab, **shape.traffic(log_dir))
         result = run_benchmark(config)
@@ -229,6 +252,7 @@ def measure(model_dir: Path, logs: Path, shape: Shape, budget: str) -> Run:
             metric(worker, PREEMPTIONS),
             longest_gap_s(result),
             request_ttfts(result),
+            round,
         )
     print(run.row(), flush=True)  # a long sweep shows its progress
     return run
@@ -244,11 +268,38 @@ def request_ttfts(result: BenchResult) -> tuple[tuple[int, float], ...]:
     )
 
 
-def paired_ttft_ratio(ours: Run, theirs: Run) -> float | None:
-    """The median, over the requests both served, of our TTFT over theirs."""
-    their_ttfts = dict(theirs.ttfts)
-    ratios = [ttft / their_ttfts[i] for i, ttft in ours.ttfts if their_ttfts.get(i)]
+def paired_ttft_ratio(ours: Sequence[Run], theirs: Sequence[Run]) -> float | None:
+    """The median, over the requests both served (a request: its round and index), of
+    our TTFT over theirs."""
+    their_ttfts = {(run.round, i): ttft for run in theirs for i, ttft in run.ttfts}
+    ratios = [
+        ttft / their_ttfts[run.round, i]
+        for run in ours
+        for i, ttft in run.ttfts
+        if their_ttfts.get((run.round, i))
+    ]
     return float(np.median(ratios)) if ratios else None
+
+
+def pooled_ttft_p50_ms(runs: Sequence[Run]) -> float:
+    """The TTFT P50 over every request of `runs` (a configuration's rounds)."""
+    ttfts = [ttft for run in runs for _, ttft in run.ttfts]
+    return float(np.median(ttfts)) * 1e3 if ttfts else math.inf
+
+
+def is_close(adaptive: Run, best: Run | None) -> bool:
+    """Whether the first run's verdict on a shape is close enough to rematch (see the
+    module's docstring)."""
+    if best is None or not adaptive.meets_target:
+        return False
+    ratio = adaptive.ttft_ms[0] / best.ttft_ms[0]
+    return TTFT_TOLERANCE / REMATCH_BAND <= ratio <= TTFT_TOLERANCE * REMATCH_BAND
+
+
+def rematch_order(round: int, best: str) -> tuple[str, str]:
+    """The configurations of a rematch round, in the order they run: the sweep ran the
+    adaptive budget last, so the first rematch runs it first, and so on alternately."""
+    return (ADAPTIVE, best) if round % 2 else (best, ADAPTIVE)
 
 
 def longest_gap_s(result: BenchResult) -> float:
@@ -263,8 +314,9 @@ def longest_gap_s(result: BenchResult) -> float:
 
 
 def best_static(runs: Sequence[Run]) -> Run | None:
-    """The static budget with the lowest median TTFT among those meeting the target."""
-    meeting = [r for r in runs if r.budget != ADAPTIVE and r.meets_target]
+    """The static budget with the lowest median TTFT among those meeting the target,
+    in the sweep (the first run of each)."""
+    meeting = [r for r in runs if r.budget != ADAPTIVE and r.round == 0 and r.meets_target]
     return min(meeting, key=lambda r: r.ttft_ms, default=None)
 
 
@@ -273,20 +325,24 @@ def verdicts(by_shape: dict[str, list[Run]]) -> tuple[list[dict[str, Any]], dict
     shapes: whether any single static budget is as good everywhere."""
     rows = []
     for shape, runs in by_shape.items():
-        adaptive = next(r for r in runs if r.budget == ADAPTIVE)
+        adaptive = next(r for r in runs if r.budget == ADAPTIVE and r.round == 0)
         best = best_static(runs)
         p50, p99 = adaptive.ttft_ms
+        rounds = [r for r in runs if r.budget == ADAPTIVE]
+        theirs = [r for r in runs if best and r.budget == best.budget]
+        pooled = pooled_ttft_p50_ms(rounds) / pooled_ttft_p50_ms(theirs) if best else None
+        meets = all(r.meets_target for r in rounds)
         rows.append(
             {
                 "shape": shape,
                 "best_static": best.budget if best else "none meets",
-                "adaptive_meets": adaptive.meets_target,
-                "ttft_p50_adaptive_over_best": p50 / best.ttft_ms[0] if best else None,
-                "ttft_p99_adaptive_over_best": p99 / best.ttft_ms[1] if best else None,
-                "ttft_paired_median_ratio": paired_ttft_ratio(adaptive, best) if best else None,
-                "goal_met": bool(
-                    best and adaptive.meets_target and p50 <= TTFT_TOLERANCE * best.ttft_ms[0]
-                ),
+                "rounds": len(rounds),
+                "adaptive_meets": meets,
+                "ttft_p50_adaptive_over_best": pooled,
+                "ttft_p50_first_run": p50 / best.ttft_ms[0] if best else None,
+                "ttft_p99_first_run": p99 / best.ttft_ms[1] if best else None,
+                "ttft_paired_median_ratio": paired_ttft_ratio(rounds, theirs) if best else None,
+                "goal_met": bool(pooled is not None and meets and pooled <= TTFT_TOLERANCE),
             }
         )
     everywhere = {
@@ -299,7 +355,7 @@ def verdicts(by_shape: dict[str, list[Run]]) -> tuple[list[dict[str, Any]], dict
 
 def _as_good_as_best(size: int, runs: Sequence[Run]) -> bool:
     best = best_static(runs)
-    run = next(r for r in runs if r.budget == str(size))
+    run = next(r for r in runs if r.budget == str(size) and r.round == 0)
     return (
         best is not None and run.meets_target and run.ttft_ms[0] <= TTFT_TOLERANCE * best.ttft_ms[0]
     )
@@ -309,7 +365,13 @@ def test_adaptive_budget_against_the_best_static_one(tiny_model_dir: Path, tmp_p
     by_shape: dict[str, list[Run]] = {}
     for shape in SHAPES:
         budgets = [*(str(size) for size in statics_of(shape)), ADAPTIVE]
-        by_shape[shape.name] = [measure(tiny_model_dir, tmp_path, shape, b) for b in budgets]
+        runs = by_shape[shape.name] = [measure(tiny_model_dir, tmp_path, shape, b) for b in budgets]
+        best = best_static(runs)
+        if best is None or not is_close(runs[-1], best):
+            continue
+        for round in range(1, REMATCH_ROUNDS + 1):
+            for budget in rematch_order(round, best.budget):
+                runs.append(measure(tiny_model_dir, tmp_path, shape, budget, round))
     runs = [run for shape_runs in by_shape.values() for run in shape_runs]
     judged, across = verdicts(by_shape)
     publish(
@@ -320,6 +382,8 @@ def test_adaptive_budget_against_the_best_static_one(tiny_model_dir: Path, tmp_p
             "duration_s": {s.name: s.duration_s for s in SHAPES if s.workload != "burst"},
             "rates": {shape.name: shape.rate for shape in SHAPES if shape.workload != "burst"},
             "static_budgets": {shape.name: list(statics_of(shape)) for shape in SHAPES},
+            "rematch": f"{REMATCH_ROUNDS} rounds where the first run's P50 ratio is within "
+            f"{REMATCH_BAND:g}x of {TTFT_TOLERANCE:g}",
             "burst": f"first {BURST_REQUESTS} requests of {TRACE.name} within {BURST_S:g} s, "
             f"prompts <= {BURST_MAX_INPUT}, outputs <= {BURST_MAX_OUTPUT} tokens",
             "verdicts": judged,
