@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+from collections import deque
 from collections.abc import Callable
 
 import pytest
@@ -378,6 +380,22 @@ def test_each_gap_counts_once_per_stream_that_waited_on_it() -> None:
     for _ in range(99):
         feedback.observe(0.1 * TARGET_S, streams=1, sized=False, limited=False)
     assert feedback.quantile_s() == pytest.approx(0.9 * TARGET_S)
+
+
+def test_the_quantile_is_that_of_every_stream_gap_in_the_window() -> None:
+    """The quantile, picked out of the largest gaps only, is the one the whole window
+    sorted gives, as steps of 1 to 64 streams come and go out of the window."""
+    rng = random.Random(3)
+    feedback = GapFeedback(TARGET_S)
+    window: deque[tuple[float, int]] = deque(maxlen=FEEDBACK_WINDOW)
+    for _ in range(3 * FEEDBACK_WINDOW):
+        gap, streams = rng.choice([0.01, 0.1, 0.2, rng.random()]), rng.choice([1, 2, 8, 64])
+        feedback.observe(gap, streams, sized=False, limited=False)
+        window.append((gap, streams))
+        allowed = OVER_TARGET_SHARE * sum(s for _, s in window)
+        every = sorted(g for g, s in window for _ in range(s))  # each stream's gap
+        expected = every[len(every) - 1 - int(allowed)]
+        assert feedback.quantile_s() == expected
 
 
 def test_steps_the_margin_did_not_decide_leave_the_correction_alone() -> None:

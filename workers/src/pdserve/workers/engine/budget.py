@@ -72,6 +72,7 @@ from __future__ import annotations
 import heapq
 import logging
 import time
+from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -203,8 +204,12 @@ class GapFeedback:
     def __init__(self, target_s: float) -> None:
         self.target_s = target_s
         self.offset_s = 0.0
-        # (gap seconds, streams that waited on it) of recent steps that ran decodes.
+        # (gap seconds, streams that waited on it) of recent steps that ran decodes, in
+        # their order and sorted (kept so as each comes and goes: the quantile is read
+        # on every step the target limits), and the streams of all of them.
         self._gaps: deque[tuple[float, int]] = deque(maxlen=FEEDBACK_WINDOW)
+        self._sorted: list[tuple[float, int]] = []
+        self._streams = 0
 
     def observe(self, gap_s: float, streams: int, sized: bool, limited: bool) -> None:
         """A step ended `gap_s` after the previous one, and `streams` decodes waited
@@ -217,7 +222,13 @@ class GapFeedback:
         alone and overrun the first prompts after it)."""
         if streams <= 0:
             return
+        if len(self._gaps) == FEEDBACK_WINDOW:  # the oldest leaves the window
+            oldest = self._gaps[0]
+            del self._sorted[bisect_left(self._sorted, oldest)]
+            self._streams -= oldest[1]
         self._gaps.append((gap_s, streams))
+        insort(self._sorted, (gap_s, streams))
+        self._streams += streams
         if sized and gap_s > self.target_s:
             self.offset_s += FEEDBACK_BACKOFF * self.target_s
         elif limited:
@@ -230,10 +241,9 @@ class GapFeedback:
     def quantile_s(self) -> float:
         """The (1 - OVER_TARGET_SHARE) quantile of the recent streams' gaps, each gap
         counted once per stream that waited on it (0 before any)."""
-        total = sum(streams for _, streams in self._gaps)
-        above = OVER_TARGET_SHARE * total  # the stream gaps allowed over it
+        above = OVER_TARGET_SHARE * self._streams  # the stream gaps allowed over it
         counted = 0
-        for gap, streams in sorted(self._gaps, reverse=True):
+        for gap, streams in reversed(self._sorted):
             counted += streams
             if counted > above:
                 return gap
