@@ -342,6 +342,9 @@ def verdicts(by_shape: dict[str, list[Run]]) -> tuple[list[dict[str, Any]], dict
                 "ttft_p50_first_run": p50 / best.ttft_ms[0] if best else None,
                 "ttft_p99_first_run": p99 / best.ttft_ms[1] if best else None,
                 "ttft_paired_median_ratio": paired_ttft_ratio(rounds, theirs) if best else None,
+                # The same requests again: how far each moved between its rounds.
+                "drift_adaptive": rounds[-1].ttft_ms[0] / p50,
+                "drift_best_static": theirs[-1].ttft_ms[0] / best.ttft_ms[0] if best else None,
                 "goal_met": bool(pooled is not None and meets and pooled <= TTFT_TOLERANCE),
             }
         )
