@@ -31,8 +31,11 @@ rematch, as it ran last in the sweep, so a steady drift weighs on both alike), o
 same requests; the verdict then takes the P50 and the paired ratio over every round's
 requests (the drift balanced, each step's noise drawn twice), and the first run's
 ratio is reported beside it. The same requests make each round's P50 of one
-configuration comparable with the other's: how far they move apart is the drift. The
-best static is still the sweep's (the first run).
+configuration comparable with the other's: how far they move apart is the drift
+(`drift_*` in the verdicts; in the first locked run with rounds, static 512 on the short
+shape went 24.1 -> 31.0 ms between its rounds, the adaptive budget on the mixed shape
+32.7 -> 28.4 ms, which took the first-run ratios from 1.01x and 1.11x to 0.89x and 1.01x
+pooled). The best static is still the sweep's (the first run).
 """
 
 from __future__ import annotations
