@@ -15,13 +15,14 @@ the worker's own streaming and its steps."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
 import threading
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ BUSY_STREAMS = 4
 BUSY_PROMPT_TOKENS = 32
 BUSY_OUTPUT_TOKENS = 48
 BUSY_WARM_UP_S = 0.5
+FEEDS_TIMEOUT_S = 30.0  # the longest the router may take to follow the workers' feeds
 
 
 @dataclass(frozen=True)
@@ -59,21 +61,19 @@ class Overheads:
     busy_s: float | None
 
 
-def measure_client_cost(
-    model: Path,
-    decode_url: str,
-    credential: Path,
-    scratch: Path,
-    costs: tuple[StepCost, ServingOverhead],
-) -> tuple[ClientCost, Overheads]:
-    """Route runs through a router to the decode worker at `decode_url`: the client
-    cost, and a request's overhead through the router on the worker idle and busy
-    (beyond the steps' compute as the step cost and the serving worker's give it)."""
+@contextlib.contextmanager
+def pool_router(
+    model: Path, decode_url: str, prefill_url: str, credential: Path, scratch: Path
+) -> Iterator[ServerProcess]:
+    """A router in front of the pair as a pool's is: it follows both workers' KV event
+    feeds (a worker publishes its prefix cache's events on every step that stores a
+    block, and serving them is work on the worker's own CPU), and routes colocated to
+    the decode worker. Ready, with both feeds followed, for the `with` block."""
     table = {
         "pool": "profile",
         "model": {"name": str(model), "path": str(model)},
         "buckets": [{"mode": "colocated"}],
-        "discovery": {"kind": "static", "decode": [decode_url], "prefill": []},
+        "discovery": {"kind": "static", "decode": [decode_url], "prefill": [prefill_url]},
     }
     config = scratch / "routing.json"
     config.write_text(json.dumps(table))
@@ -81,18 +81,48 @@ def measure_client_cost(
         "router", scratch / "router.log", ["--config", str(config),
                                            "--internal-token-file", str(credential)],
     )  # fmt: skip
-    headers = {"Content-Type": "application/json", **bearer(read_credential(credential))}
     try:
         router.wait_ready()
-        runs = [_run(router, tokens) for tokens in ANSWER_TOKENS]
-        busy = _busy_run(router, decode_url, headers)
+        _wait_following(router, feeds=2)
+        yield router
     finally:
         router.stop()
+
+
+def measure_client_cost(
+    router: ServerProcess,
+    decode_url: str,
+    credential: Path,
+    costs: tuple[StepCost, ServingOverhead],
+) -> tuple[ClientCost, Overheads]:
+    """Route runs through `router` to the decode worker at `decode_url`: the client
+    cost, and a request's overhead through the router on the worker idle and busy
+    (beyond the steps' compute as the step cost and the serving worker's give it)."""
+    headers = {"Content-Type": "application/json", **bearer(read_credential(credential))}
+    runs = [_run(router, tokens) for tokens in ANSWER_TOKENS]
+    busy = _busy_run(router, decode_url, headers)
     samples = tuple(sample for sample, _ in runs)
     overheads = Overheads(
         request_overhead_s(runs[0][1], costs), request_overhead_s(busy, costs, BUSY_STREAMS)
     )
     return _fit(samples), overheads
+
+
+def _wait_following(router: ServerProcess, feeds: int) -> None:
+    """Until the router's KV index follows `feeds` workers (a router that never gets
+    there is measured anyway: its feeds are what it would follow in a pool)."""
+    deadline = time.monotonic() + FEEDS_TIMEOUT_S
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{router.url}/metrics", timeout=10) as answer:
+            text = answer.read().decode()
+        synced = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("pdserve_router_kv_workers{") and 'state="synced"' in line
+        )
+        if synced >= feeds:
+            return
+        time.sleep(0.1)
 
 
 def request_overhead_s(

@@ -10,9 +10,13 @@ hand-off's time for that many bytes, fitted as fixed plus per byte. Then a few
 batches of streams decode together on the decode worker: the gaps they see, beyond
 the compute the step-cost model gives such a step, are what serving adds to a step,
 fitted as fixed plus per token streamed, and each gap over its batch's median is the
-spread of a serving worker's steps. Last, a router in front of the decode
-worker: the CPU it and the load generator spend per request and token, and a
-request's overhead as the bench sees it, through the router (`clients`).
+spread of a serving worker's steps. Last, through the router: the CPU it and the
+load generator spend per request and token, and a request's overhead as the bench
+sees it (`clients`).
+
+A router runs in front of the pair throughout, as in a pool: it follows both
+workers' KV event feeds, so every step that stores a block (each prompt chunk) is
+timed with the worker serving its events, as it does in a pool.
 """
 
 from __future__ import annotations
@@ -37,7 +41,12 @@ from pdserve.protocol.headers import PREFILL_URL_HEADER
 from pdserve.protocol.internal import bearer
 from pdserve.workers.bench.config import FIRST_PROMPT_TOKEN_ID
 from pdserve.workers.engine.step_cost import StepFeatures
-from pdserve.workers.plan.clients import REQUEST_TIMEOUT_S, measure_client_cost, stream_times
+from pdserve.workers.plan.clients import (
+    REQUEST_TIMEOUT_S,
+    measure_client_cost,
+    pool_router,
+    stream_times,
+)
 from pdserve.workers.plan.costs import (
     ClientCost,
     HandoffCost,
@@ -111,11 +120,14 @@ def measure_pair(
             workers.append(decode)
             decode.wait_ready()
             progress(f"profile: worker pair ready ({startup_s:.1f}s to start one worker)")
-            figures = _measure(setup, cost, credential, prefill, decode, startup_s)
-            clients, overheads = measure_client_cost(
-                setup.model, decode.url, directory / "credential", directory,
-                (cost, figures.serving),
-            )  # fmt: skip
+            credential_file = directory / "credential"
+            with pool_router(
+                setup.model, decode.url, prefill.url, credential_file, directory
+            ) as router:
+                figures = _measure(setup, cost, credential, prefill, decode, startup_s)
+                clients, overheads = measure_client_cost(
+                    router, decode.url, credential_file, (cost, figures.serving)
+                )
             figures = replace(figures, clients=clients, busy_request_overhead_s=overheads.busy_s)
             if overheads.idle_s is None:  # no request answered through the router
                 return figures
