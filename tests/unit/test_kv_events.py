@@ -3,8 +3,14 @@ a bounded replay buffer and a snapshot that agree with the pool."""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
+from pdserve.protocol.sampling import SamplingParams
+from pdserve.workers.engine.async_engine import AsyncEngine
 from pdserve.workers.engine.kv_cache import BlockPool, KVCacheManager
 from pdserve.workers.engine.kv_events import KVEventLog, prefix_hashes, seed_fingerprint
+from support.engine import make_engine
 
 BLOCK = 4
 
@@ -105,3 +111,42 @@ def test_a_hash_seed_renames_every_block_and_the_router_hashes_alike() -> None:
     assert all(seeded.pool.lookup(h) is None for hashes in others.values() for h in hashes)
     assert seed_fingerprint("") == "" and seed_fingerprint("pool-a") != seed_fingerprint("b")
     assert "pool-a" not in seed_fingerprint("pool-a")
+
+
+def test_a_waiting_reader_is_told_once_per_publish_not_per_block() -> None:
+    cache, log = cache_with_log()
+    told: list[int] = []
+    log.on_change = lambda: told.append(log.seq)
+    compute(cache, "a", list(range(12)))  # three full blocks
+    assert told == []
+    log.publish()
+    log.publish()  # nothing new since
+    assert told == [3]
+    found = log.since(log.epoch, 0)
+    assert [len(event.hashes) for event in found.events] == [3]  # one answer holds them all
+
+
+def test_a_serving_engine_tells_its_readers_once_per_step_with_the_whole_steps_blocks(
+    small_model_dir: Path,
+) -> None:
+    """A prompt of 8 blocks prefilled in two chunks of 4: the server is woken twice,
+    each time with a whole chunk's blocks (not at each block, mid-step)."""
+    engine = make_engine(small_model_dir, budget=64)
+    log = KVEventLog()
+    engine.kv_cache.pool.prefix_watcher = log
+    told: list[int] = []
+    log.on_change = lambda: told.append(log.seq)
+    served = AsyncEngine(engine)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    async def serve() -> None:
+        async for _ in served.generate(list(range(1, 129)), params):
+            pass
+
+    served.start()
+    try:
+        asyncio.run(serve())
+    finally:
+        served.stop()
+    assert engine.block_size == 16
+    assert told == [4, 8]

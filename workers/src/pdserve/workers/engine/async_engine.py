@@ -217,6 +217,7 @@ class AsyncEngine:
             while not self._stopping:
                 changed = self._drain_commands() + self.engine.expire_leases()
                 changed += self._expire_queued()
+                self.engine.publish_prefix_events()  # those of the commands (a reset)
                 if changed and not self.engine.has_unfinished():
                     self._deliver(self.engine.snapshot())  # e.g. an abort freed blocks
                 if not self.engine.has_unfinished():
@@ -225,7 +226,11 @@ class AsyncEngine:
                     continue
                 budget = self.engine.config.scheduler.max_num_batched_tokens
                 faults.blocking_point("engine.step", self._batch_size(), budget=budget)
-                self._deliver(self.engine.step())
+                stepped = self.engine.step()
+                # The step's prefix-cache events in one wake-up, before its outputs: a
+                # router hears of the blocks before the client of the answer.
+                self.engine.publish_prefix_events()
+                self._deliver(stepped)
         except BaseException as error:  # the loop must report, not vanish
             log.exception("engine step loop failed")
             self._die(error)

@@ -335,6 +335,13 @@ class LLMEngine:
             self._forget(request)
         return [request.request_id for request in expired]
 
+    def publish_prefix_events(self) -> None:
+        """Tell the prefix cache's watcher that the changes so far are complete (once per
+        step, not per block: see `kv_events`)."""
+        watcher = self.kv_cache.pool.prefix_watcher
+        if watcher is not None:
+            watcher.publish()
+
     def has_unfinished(self) -> bool:
         """Whether any request waits or runs (leases are not work: they wait)."""
         return self.scheduler.has_work()

@@ -41,6 +41,9 @@ class PrefixWatcher(Protocol):
     def cleared(self) -> None:
         """Every registered block was dropped."""
 
+    def publish(self) -> None:
+        """The changes so far are complete (a step ended): tell whoever waits for them."""
+
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
     """The hash of a full block: its tokens, chained to the hash of the block before."""

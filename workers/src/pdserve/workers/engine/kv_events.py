@@ -11,7 +11,13 @@ kept, or whose epoch is not the log's, reads a snapshot and goes on from its seq
 number.
 
 The pool calls in from the engine's thread; readers call from any other: everything
-is under one lock, and `on_change` (set by the server) is told after each change.
+is under one lock. `on_change` (set by the server) is told at `publish`, which the
+engine's loop calls once per step (and after the commands it runs between steps), and
+only when events came: a waiting reader is woken once with the whole step's events.
+Telling it at each change woke the server's thread at every block a prompt chunk
+stored, and each wake-up (a write to the loop's self-pipe, which hands the interpreter
+lock over) made the server answer one block and the router ask again, while the
+engine was still in its step: a few round trips per prompt chunk, on the step's time.
 The module imports nothing that loads torch: the router computes the same hashes.
 """
 
@@ -99,6 +105,7 @@ class KVEventLog:
         self._events: deque[KVEvent] = deque(maxlen=capacity)
         self._held: dict[BlockHash, None] = {}
         self._seq = 0
+        self._published = 0  # the last event number `on_change` was told of
         self.on_change: Callable[[], None] = lambda: None
 
     @property
@@ -114,14 +121,12 @@ class KVEventLog:
         with self._lock:
             self._held[block_hash] = None
             self._append("stored", block_hash)
-        self.on_change()
 
     def removed(self, block_hash: BlockHash) -> None:
         """A cached block was evicted."""
         with self._lock:
             self._held.pop(block_hash, None)
             self._append("removed", block_hash)
-        self.on_change()
 
     def cleared(self) -> None:
         """The prefix cache dropped every block."""
@@ -129,7 +134,13 @@ class KVEventLog:
             self._held.clear()
             self._seq += 1
             self._events.append(KVEvent(self._seq, "cleared"))
-        self.on_change()
+
+    def publish(self) -> None:
+        """Tell `on_change` that events came since the last call, if any did (from the
+        engine's thread, at the end of a step)."""
+        if self._seq != self._published:
+            self._published = self._seq
+            self.on_change()
 
     def _append(self, kind: EventKind, block_hash: BlockHash) -> None:
         # Runs of one kind fold into one event: a prompt's blocks are stored together,
