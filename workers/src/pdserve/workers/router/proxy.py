@@ -66,7 +66,7 @@ _MODE = MODE_HEADER.lower()
 class Routed:
     """A validated request and the path the routing table chose for it (not changed
     once made; not frozen, as a frozen dataclass costs a call per field to make and
-    one is made for every request)."""
+    one is made for every request: by position, in the order of these fields)."""
 
     path: str  # /v1/completions or /v1/chat/completions
     body: bytes
