@@ -9,8 +9,8 @@ A block's hash is a function of its parent's hash and its ids alone, and prompts
 share their first blocks (a system prompt, a conversation's earlier turns: what
 KV-aware routing is for), so the hashes of the blocks seen last are kept, by those
 bytes: a prompt's blocks are looked up until the first one not seen, and hashed from
-there (a 9,100-token prompt seen before: 0.45x the instructions; one never seen:
-1.1x)."""
+there. A 9,100-token prompt: 2.9M instructions seen before, 7.1M never seen, against
+7.8M hashing every block of an int64 array."""
 
 from __future__ import annotations
 
