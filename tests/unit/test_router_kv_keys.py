@@ -9,6 +9,7 @@ import pytest
 
 from pdserve.workers.engine.kv_cache import hash_block, seed_root
 from pdserve.workers.engine.kv_events import prefix_hashes
+from pdserve.workers.router import kv_keys
 from pdserve.workers.router.kv_index import block_key
 from pdserve.workers.router.kv_keys import prompt_block_keys
 
@@ -34,3 +35,20 @@ def test_the_chain_starts_at_the_seeds_root() -> None:
     # A prompt that differs in one token differs from that block on, not before.
     changed = prompt_block_keys([*tokens[:5], 99, *tokens[6:]], 4, "s")
     assert changed[0] == block_key(first) and changed[1] != block_key(second)
+
+
+def test_blocks_seen_before_are_found_and_new_ones_hashed(monkeypatch: pytest.MonkeyPatch) -> None:
+    draw = random.Random(7)
+    shared = [draw.randrange(0, 2**31) for _ in range(64)]
+    prompts = [shared + [draw.randrange(0, 2**31) for _ in range(40)] for _ in range(3)]
+    prompts.append(prompts[0][:70] + prompts[1][70:])  # the first's blocks, then another's
+    prompts.append([*shared[:16], 5, *shared[17:]])  # one token changed in its second block
+    for limit in (1 << 15, 3, 1):  # kept forgotten when full: whenever, the same keys
+        monkeypatch.setattr(kv_keys, "MAX_KNOWN_BLOCKS", limit)
+        kv_keys._known.clear()
+        for _ in range(2):  # not seen, then seen
+            for tokens in prompts:
+                for seed in ("", "s"):
+                    expected = tuple(block_key(h) for h in prefix_hashes(tokens, 16, seed))
+                    assert prompt_block_keys(tokens, 16, seed) == expected
+        assert len(kv_keys._known) <= limit

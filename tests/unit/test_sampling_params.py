@@ -9,6 +9,7 @@ import inspect
 
 import pytest
 
+from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
 from pdserve.protocol.sampling import SamplingParams
 
 
@@ -52,3 +53,24 @@ def test_a_choice_is_a_copy_with_its_own_seed() -> None:
     assert choice == dataclasses.replace(params, n=1, seed=12, prompt_logprobs=None)
     assert (choice.n, choice.seed, choice.prompt_logprobs, choice.logprobs) == (1, 12, None, 1)
     assert params.n == 3
+
+
+def test_a_request_gives_each_field_its_own_value() -> None:
+    body = {
+        "prompt": "x", "max_tokens": 9, "temperature": 0.5, "top_p": 0.25, "top_k": 7,
+        "seed": 11, "stop": ["a", "b"], "stop_token_ids": [3, 4], "ignore_eos": True,
+        "min_tokens": 2, "n": 3, "logprobs": 5, "echo": True,
+    }  # fmt: skip
+    params = CompletionRequest.model_validate(body).sampling_params(default_max_tokens=None)
+    assert params == SamplingParams(
+        max_tokens=9, temperature=0.5, top_p=0.25, top_k=7, seed=11, stop=("a", "b"),
+        stop_token_ids=(3, 4), ignore_eos=True, min_tokens=2, n=3, logprobs=5,
+        prompt_logprobs=5,
+    )  # fmt: skip
+    chat = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "stop": "z", "top_k": -1,
+         "logprobs": True, "top_logprobs": 2}
+    )  # fmt: skip
+    assert chat.sampling_params(default_max_tokens=12) == SamplingParams(
+        max_tokens=12, stop=("z",), top_k=0, logprobs=2
+    )

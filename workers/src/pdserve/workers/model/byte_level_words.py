@@ -137,10 +137,9 @@ class ByteLevelWords:
         # Looked up in C; a miss is None, and no part's ids are empty (`all` tests
         # each for truth, no comparison).
         found = list(map(after.get, rest))
-        if not all(found):  # new parts (one, as a rule)
-            found = [
-                ids or self._part(part, " ", after) for ids, part in zip(found, rest, strict=True)
-            ]
+        while not all(found):  # new parts (one, as a rule), each found by a search in C
+            at = found.index(None)
+            found[at] = self._part(rest[at], " ", after)
         head = self._first.get(first)
         if head is None:
             head = self._part(first, "", self._first)

@@ -332,7 +332,9 @@ class Http1Connection(asyncio.Protocol):
         request = Request(
             self, parser.get_method().decode("ascii", "replace"),
             self._target.decode("latin-1"), parser.get_http_version(),
-            CIMultiDict(zip(decoded[::2], decoded[1::2], strict=True)),
+            # A list: given an iterator, CIMultiDict first asks it for `items` (an
+            # AttributeError made and dropped for every request).
+            CIMultiDict(list(zip(decoded[::2], decoded[1::2], strict=True))),
             parser.should_keep_alive(),
         )  # fmt: skip
         self._target = bytearray()

@@ -56,13 +56,17 @@ CONNECT_TIMEOUT_S = 3.0
 # Once a stream's `[DONE]` is relayed, the worker's connection is kept for another
 # request if the rest of its answer (nothing but its end) comes within this time.
 END_WAIT_S = 10.0
+# The worker's headers read for every request, by the lower-case names its answer's
+# headers are kept by (no lower() per lookup).
+_CACHED_TOKENS = CACHED_TOKENS_HEADER.lower()
+_MODE = MODE_HEADER.lower()
 
 
 @dataclass(slots=True)
 class Routed:
     """A validated request and the path the routing table chose for it (not changed
     once made; not frozen, as a frozen dataclass costs a call per field to make and
-    one is made for every request)."""
+    one is made for every request: by position, in the order of these fields)."""
 
     path: str  # /v1/completions or /v1/chat/completions
     body: bytes
@@ -297,11 +301,11 @@ class Forwarder:
                     return await self._refusal(routed, upstream, prefill is not None)
                 decode.breaker.succeeded()
                 if self.kv is not None and routed.kv is not None:
-                    found = upstream.header(CACHED_TOKENS_HEADER)
+                    found = upstream.headers.get(_CACHED_TOKENS)
                     self.kv.observed(routed.request_id, routed.kv, predicted[0], found)
                 if prefill is not None:
                     self._settle_prefill(routed, upstream, prefill)
-                outcome.mode = upstream.header(MODE_HEADER) or routed.mode
+                outcome.mode = upstream.headers.get(_MODE) or routed.mode
                 if routed.stream:
                     return await self._relay_stream(request, routed, upstream, outcome)
                 return await self._relay_whole(routed, upstream, outcome)
@@ -348,9 +352,9 @@ class Forwarder:
 
     def _headers(self, routed: Routed, upstream: UpstreamResponse) -> dict[str, str]:
         return {
-            "Content-Type": upstream.header("Content-Type") or "application/json",
+            "Content-Type": upstream.headers.get("content-type") or "application/json",
             REQUEST_ID_HEADER: routed.reply_id,
-            MODE_HEADER: upstream.header(MODE_HEADER) or routed.mode,
+            MODE_HEADER: upstream.headers.get(_MODE) or routed.mode,
             BUCKET_HEADER: routed.bucket,
         }
 
@@ -372,7 +376,8 @@ class Forwarder:
         upstream: UpstreamResponse,
         outcome: RequestOutcome,
     ) -> StreamedAnswer:
-        headers = {**self._headers(routed, upstream), "Cache-Control": "no-cache"}
+        headers = self._headers(routed, upstream)
+        headers["Cache-Control"] = "no-cache"
         response: StreamedAnswer | None = None
         tokens = routed.token_stream()
         broken: str | None = None

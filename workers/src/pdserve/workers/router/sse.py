@@ -52,6 +52,7 @@ class TokenStream:
         """Take bytes as they arrived at `now` (events may be split across reads)."""
         pending = self._pending
         *lines, self._pending = (pending + data if pending else data).split(b"\n")
+        streams = self.choices
         for line in lines:
             # Most lines are an event's `data:` or the blank line ending it (what a
             # line holds around them is white space to strip).
@@ -80,17 +81,33 @@ class TokenStream:
                 self.error = _message(event["error"])
                 continue
             for choice in event.get("choices") or ():
-                if isinstance(choice, dict):
-                    self._choice(choice, now)
+                if not isinstance(choice, dict):
+                    continue
+                index = choice.get("index", 0)
+                if not isinstance(index, int):
+                    continue
+                times = streams.get(index)
+                # A choice's later token, its text alone (no ids, no logprobs), as
+                # nearly every event is: one token (see `choice_token_count`), counted
+                # here without the calls of the general case.
+                if (
+                    times is not None
+                    and choice.get("text")
+                    and choice.get("token_ids") is None
+                    and choice.get("logprobs") is None
+                ):
+                    if self.generates:
+                        times.append(now)
+                    continue
+                self._choice(choice, index, times, now)
 
-    def _choice(self, choice: dict[str, Any], now: float) -> None:
-        """The tokens of one choice of an event, left at `now` (none counted when
-        nothing is generated)."""
-        index = choice.get("index", 0)
-        if not isinstance(index, int):
-            return
+    def _choice(
+        self, choice: dict[str, Any], index: int, times: list[float] | None, now: float
+    ) -> None:
+        """The tokens of choice `index` of an event (`times`: its tokens so far, None
+        before its first event), left at `now` (none counted when nothing is
+        generated)."""
         count = choice_token_count(choice)
-        times = self.choices.get(index)
         if times is None:
             if self.echo_tokens and _lists_tokens(choice):
                 count = max(0, count - self.echo_tokens)  # the first chunk lists the prompt

@@ -149,7 +149,13 @@ class Worker:
         self.prefill_tokens -= tokens
         # That prompt, else the oldest of its size (only the sizes count for load).
         sizes, sent = self.prefill_prompts, self.prefill_keys
-        index = next((i for i, k in enumerate(sent) if k is keys and sizes[i] == tokens), None)
+        # A loop, not next() over a generator: one left unfinished is closed by raising
+        # GeneratorExit in it (for every request).
+        index = None
+        for at, sent_keys in enumerate(sent):
+            if sent_keys is keys and sizes[at] == tokens:
+                index = at
+                break
         if index is None:
             with contextlib.suppress(ValueError):
                 index = sizes.index(tokens)
