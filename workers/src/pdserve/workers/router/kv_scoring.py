@@ -41,7 +41,7 @@ import random
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from pdserve.protocol.routing import Mode, Role, RoutingTable
 from pdserve.workers.router.kv_costs import StepCosts, pool_costs
@@ -188,9 +188,10 @@ class KVScorer:
         return mode
 
 
-@dataclass(frozen=True)
-class _Load:
-    """A worker's load as scoring sees it: requests held, prompt tokens waiting."""
+class _Load(NamedTuple):
+    """A worker's load as scoring sees it: requests held, prompt tokens waiting (made
+    per worker for every request scored: a tuple, not a frozen dataclass, whose fields
+    are each set through `object.__setattr__`)."""
 
     requests: int
     waiting: int
