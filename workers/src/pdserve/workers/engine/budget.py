@@ -76,7 +76,8 @@ from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from operator import attrgetter
+from typing import Any, Protocol, TypeVar
 
 from pdserve.workers.engine.clock import Clock
 from pdserve.workers.engine.config import SchedulerConfig
@@ -111,6 +112,9 @@ FEEDBACK_BOUNDS = (-0.25, 0.5)
 
 
 P = TypeVar("P")
+# What a prompt still needs, for `fill_prompts`: the policy's `PrefillWork` and the
+# scheduler's prompts both name it so.
+REMAINING: Callable[[Any], int] = attrgetter("remaining")
 
 
 def fill_prompts(
@@ -187,13 +191,7 @@ class BatchShape:
 
     def _chunks(self, prefill_tokens: int) -> list[tuple[PrefillWork, int]]:
         """The prompts `prefill_tokens` would reach, each with its chunk."""
-        return list(
-            fill_prompts(self.prefills, _remaining, prefill_tokens, self.first_tokens_alone)
-        )
-
-
-def _remaining(work: PrefillWork) -> int:
-    return work.remaining
+        return list(fill_prompts(self.prefills, REMAINING, prefill_tokens, self.first_tokens_alone))
 
 
 class GapFeedback:

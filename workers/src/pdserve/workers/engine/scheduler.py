@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 from itertools import islice
 
 from pdserve.workers.engine.budget import (
+    REMAINING,
     BatchShape,
     BudgetPolicy,
     PrefillWork,
@@ -122,10 +123,6 @@ class _Prompt:
         if self.request.prefill_overtakes >= max_overtakes:
             return (False, self.arrival_time, 0.0)
         return (True, float(self.remaining), self.arrival_time)
-
-
-def _remaining(prompt: _Prompt) -> int:
-    return prompt.remaining
 
 
 def _count_overtakes(order: list[_Prompt], granted: dict[Request, int]) -> None:
@@ -327,7 +324,7 @@ class Scheduler:
             return admitting
 
         alone = self.config.prefill_order == "shortest"
-        planned = fill_prompts(prompts, _remaining, budget, alone, admits)
+        planned = fill_prompts(prompts, REMAINING, budget, alone, admits)
         return [replace(prompt, tokens=tokens) for prompt, tokens in planned]
 
     def _cached_prefix(self, request: Request) -> int:
