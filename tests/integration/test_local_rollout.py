@@ -69,8 +69,14 @@ def test_a_budget_that_breaks_the_itl_target_is_rolled_back_without_a_failed_req
     # Both revisions' figures, from the router's and the workers' metrics by revision.
     assert decision.baseline is not None and decision.baseline.requests > 0
     for figures in (decision.canary, decision.baseline):
-        assert figures.kv_cache_usage is not None and figures.goodput is not None
-        assert figures.ttft_p95_seconds is not None and figures.error_rate == 0
+        assert figures.kv_cache_usage is not None and figures.ttft_p95_seconds is not None
+        # Goodput and error rate are shares of the requests the revision finished in the
+        # window: none before its first (the canary's streams' gaps can breach the target
+        # before any of its requests ends, and the rollback does not wait for one).
+        if figures.requests > 0:
+            assert figures.goodput is not None and figures.error_rate == 0
+        else:
+            assert figures.goodput is None and figures.error_rate is None
     assert ended.step_started_time is not None
     assert (decision.time - ended.step_started_time).total_seconds() < window_s
     assert ended.stable_revision == stable and ended.weight == 0
