@@ -267,7 +267,7 @@ class Scheduler:
         prefills = tuple(
             PrefillWork(p.start, p.remaining) for p in self._admissible(self._prefill_queue())
         )
-        alone = self.config.prefill_order == "shortest"
+        alone = self._first_tokens_alone
         return BatchShape(len(decodes), max(decodes, default=0), prefills, alone)
 
     def _prefill_queue(self, admit: bool = True) -> list[_Prompt]:
@@ -307,6 +307,13 @@ class Scheduler:
             admissible.append(prompt)
         return admissible
 
+    @property
+    def _first_tokens_alone(self) -> bool:
+        """Whether a step with a prompt's last tokens runs no part of a longer prompt
+        (`fill_prompts`): served shortest first. The plan and the policy's view of the
+        step (`_shape`) both ask here, so they fill a step alike."""
+        return self.config.prefill_order == "shortest"
+
     def _plan(self, prompts: list[_Prompt], budget: int) -> list[_Prompt]:
         """Each prompt's chunk, as much as it needs in turn while the budget lasts;
         served shortest first, once a prompt's last tokens are in, only prompts whose
@@ -323,8 +330,7 @@ class Scheduler:
                 admitting = False
             return admitting
 
-        alone = self.config.prefill_order == "shortest"
-        planned = fill_prompts(prompts, REMAINING, budget, alone, admits)
+        planned = fill_prompts(prompts, REMAINING, budget, self._first_tokens_alone, admits)
         return [replace(prompt, tokens=tokens) for prompt, tokens in planned]
 
     def _cached_prefix(self, request: Request) -> int:
