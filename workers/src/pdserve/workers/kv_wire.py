@@ -5,8 +5,16 @@ here: hashes are 32 hex digits, counts and lengths are bounded.
   GET /pd/kv/snapshot -> KVSnapshotBody: the worker's identity (what the router's
       handshake compares) and every block hash its prefix cache holds, as of event
       `seq` of `epoch`.
+  GET /pd/kv/stream?epoch=E&after=N -> one long-lived answer of newline-delimited
+      KVEventsBody lines (`application/x-ndjson`): the first at once (the events after
+      number N, or none), then one for each step that changed the cache (at most
+      MAX_LINE_EVENTS events a line; more are split), and an empty one every
+      HEARTBEAT_S while nothing changes. A line with `gap` (the subscriber's events
+      are no longer all kept, or its epoch is not the worker's) is the stream's last:
+      read a snapshot. The worker also ends it when it stops.
   GET /pd/kv/events?epoch=E&after=N&wait_ms=W -> KVEventsBody: the events after
-      number N (waiting up to W ms for one), or `gap`: read a snapshot.
+      number N (waiting up to W ms for one), or `gap`: read a snapshot. One request per
+      change: for subscribers that poll (the router streams).
 """
 
 from __future__ import annotations
@@ -18,6 +26,15 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 FEED_PREFIX = "/pd/kv/"
 SNAPSHOT_PATH = FEED_PREFIX + "snapshot"
 EVENTS_PATH = FEED_PREFIX + "events"
+STREAM_PATH = FEED_PREFIX + "stream"
+STREAM_CONTENT_TYPE = "application/x-ndjson"
+# How often a stream says it lives while the cache does not change; a subscriber
+# that hears nothing for a few of these drops the connection and reconnects.
+HEARTBEAT_S = 5.0
+# Most events one stream line carries, so a line stays under MAX_LINE_BYTES even when
+# a subscriber catches up on many steps at once (an event folds up to 64 hashes).
+MAX_LINE_EVENTS = 128
+MAX_LINE_BYTES = 1 << 20
 # The longest a worker holds an events request open waiting for an event.
 MAX_WAIT_MS = 10_000
 # Most hashes one answer may carry (a worker's whole cache, in a snapshot).

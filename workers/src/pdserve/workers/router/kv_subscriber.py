@@ -3,11 +3,15 @@
 
 For each worker discovery reports, a task reads the worker's snapshot
 (`/pd/kv/snapshot`, with the pool's credential), checks the handshake in it, loads the
-worker's blocks into the index, then follows its events (`/pd/kv/events`, held open
-until one comes). It reads a snapshot again when the feed says events were missed
-(gap), when the worker's epoch changes (it restarted), when the connection breaks
-(reconnect; the worker's blocks leave the index meanwhile) or when the worker claims
-more blocks than its cache holds (overflow).
+worker's blocks into the index, then follows its events over one long-lived answer
+(`/pd/kv/stream`: a line per step that changed the worker's cache). It reads a
+snapshot again when the feed says events were missed (gap: also what a worker says
+to a subscriber that fell further behind than it keeps), when the worker's epoch
+changes (it restarted), when the connection breaks or the stream ends or falls
+silent past a few heartbeats (reconnect, with backoff; the worker's blocks leave the
+index meanwhile) or when the worker claims more blocks than its cache holds
+(overflow). A worker without the stream (an earlier version, during a rolling
+update) is followed by long-polling `/pd/kv/events`, as before.
 
 The handshake fails loudly: a worker whose block size, hash function or seed differ
 from the router's, that serves another model, or whose weights are not the pool's
@@ -25,7 +29,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -36,7 +40,10 @@ from pdserve.protocol.routing import ROLES, Role
 from pdserve.workers.engine.kv_events import HASH_FUNCTION, HASH_SEED
 from pdserve.workers.kv_wire import (
     EVENTS_PATH,
+    HEARTBEAT_S,
+    MAX_LINE_BYTES,
     SNAPSHOT_PATH,
+    STREAM_PATH,
     KVEventBody,
     KVEventsBody,
     KVIdentity,
@@ -49,8 +56,12 @@ log = logging.getLogger(__name__)
 
 Body = TypeVar("Body", bound=BaseModel)
 FeedState = Literal["syncing", "synced", "refused", "unreachable"]
-WAIT_MS = 5_000  # how long a worker holds an events request open
+WAIT_MS = 5_000  # how long a worker holds an events request open (when polling)
 SNAPSHOT_TIMEOUT_S = 30.0
+CONNECT_TIMEOUT_S = 10.0
+# A stream that says nothing for this long (it sends a heartbeat every HEARTBEAT_S)
+# is taken for broken: the worker's host may be gone without closing it.
+SILENT_S = 3 * HEARTBEAT_S
 RETRY_MIN_S = 0.1
 RETRY_MAX_S = 1.0  # a restarted worker is read again within this of its first answer
 REFUSED_RETRY_S = 10.0
@@ -141,6 +152,7 @@ class Subscription:
         self.feeds = feeds
         self.status = KVFeedStatus(state="syncing")
         self.synced_at: float | None = None
+        self._polls = False  # the worker has no stream (asked again on reconnecting)
 
     async def run(self) -> None:
         """Follow the feed until cancelled."""
@@ -178,6 +190,36 @@ class Subscription:
             "KV index of %s %s: %d blocks (epoch %s, %s)",
             self.role, self.url, self.index.blocks(self.url), epoch[:8], reason,
         )  # fmt: skip
+        if not self._polls:
+            await self._stream(epoch, seq)  # returns if the worker has no stream
+        await self._poll(epoch, seq)
+
+    async def _stream(self, epoch: str, seq: int) -> None:
+        """Apply the stream's lines until a resync is needed (or the worker has no
+        stream: then poll)."""
+        timeout = aiohttp.ClientTimeout(sock_connect=CONNECT_TIMEOUT_S, sock_read=SILENT_S)
+        query = {"epoch": epoch, "after": str(seq)}
+        async with self.feeds.session.get(
+            self.url + STREAM_PATH, params=query, headers=self.feeds.headers, timeout=timeout
+        ) as response:
+            if response.status == 404:
+                log.info("%s has no KV event stream: polling its events", self.url)
+                self._polls = True
+                return
+            self._check_status(STREAM_PATH, response)
+            async for line in _lines(response.content):
+                body = _validated(STREAM_PATH, KVEventsBody, line)
+                if body.epoch != epoch:
+                    raise _Resync("epoch")
+                if body.gap:
+                    raise _Resync("gap")
+                if body.events:
+                    seq = self._apply(body.events, seq)
+                    self._synced(epoch, seq)
+        raise aiohttp.ClientPayloadError("the worker ended its KV event stream")
+
+    async def _poll(self, epoch: str, seq: int) -> None:
+        """Long-poll the events until a resync is needed."""
         while True:
             query = {"epoch": epoch, "after": str(seq), "wait_ms": str(WAIT_MS)}
             body = await self._get(EVENTS_PATH, KVEventsBody, WAIT_MS / 1000 + 5, query)
@@ -215,16 +257,20 @@ class Subscription:
         async with self.feeds.session.get(
             self.url + path, params=query, headers=self.feeds.headers, timeout=timeout
         ) as response:
-            if response.status in (401, 403, 404):
-                raise RefusedError(
-                    "feed", f"{path} answered {response.status} (no KV feed for this router)"
-                )
-            response.raise_for_status()
+            self._check_status(path, response)
             raw: Any = await response.json()
         try:
             return model.model_validate(raw)
         except ValidationError as error:
             raise RefusedError("feed", f"{path} answered an unusable body: {error}") from error
+
+    @staticmethod
+    def _check_status(path: str, response: aiohttp.ClientResponse) -> None:
+        if response.status in (401, 403, 404):
+            raise RefusedError(
+                "feed", f"{path} answered {response.status} (no KV feed for this router)"
+            )
+        response.raise_for_status()
 
     def _synced(self, epoch: str, seq: int) -> None:
         if self.status.state != "synced":
@@ -249,9 +295,33 @@ class Subscription:
 
     def _lost(self, error: Exception) -> None:
         self.index.drop(self.url)
+        self._polls = False  # a restarted worker may be of a version that streams
         if self.status.state != "unreachable":
             log.info("KV feed of %s lost: %s", self.url, error or type(error).__name__)
         self.status = KVFeedStatus(state="unreachable", reason=str(error)[:200] or None)
+
+
+async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The lines of a stream's body, each at most MAX_LINE_BYTES (a longer one is a
+    ValueError: the connection is dropped and read again)."""
+    pending = bytearray()
+    while chunk := await content.readany():
+        pending += chunk
+        end = pending.rfind(b"\n")
+        if end >= 0:
+            for line in bytes(pending[:end]).split(b"\n"):
+                if line:
+                    yield line
+            del pending[: end + 1]
+        if len(pending) > MAX_LINE_BYTES:
+            raise ValueError(f"a KV event stream's line is over {MAX_LINE_BYTES} bytes")
+
+
+def _validated(path: str, model: type[Body], line: bytes) -> Body:
+    try:
+        return model.model_validate_json(line)
+    except ValidationError as error:
+        raise RefusedError("feed", f"{path} sent an unusable line: {error}") from error
 
 
 class KVFeeds:
