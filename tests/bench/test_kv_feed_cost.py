@@ -116,7 +116,7 @@ def run_phase(url: str, prompts: Prompts, log: Path) -> dict[str, list[Step]]:
     for thread in threads:
         thread.start()
     try:
-        for _ in range(PROMPTS // 2):
+        for _ in range(PROMPTS):
             complete(url, prompts.take(BESIDE_TOKENS), 1)
             complete(url, prompts.take(8), 1)  # a gap: decode-only steps between
     finally:
@@ -160,6 +160,7 @@ def test_a_kv_feed_subscriber_costs_the_workers_steps(tiny_model_dir: Path, tmp_
     ]  # fmt: skip
     log = tmp_path / "worker.log"
     samples: dict[str, list[dict[str, list[Step]]]] = {c: [] for c in conditions}
+    server_cpu = dict.fromkeys(conditions, 0.0)
     prompts = Prompts()
     env = step_logging_env()
     with running_worker(tiny_model_dir, log, args, env=env) as worker:
@@ -172,7 +173,9 @@ def test_a_kv_feed_subscriber_costs_the_workers_steps(tiny_model_dir: Path, tmp_
                 with subscriber(condition, table, credential, router_log) as router_url:
                     if router_url is not None:
                         wait_synced(router_url, [worker.url])
+                    before = server_thread_cpu_s(worker.process.pid)
                     samples[condition].append(run_phase(worker.url, prompts, log))
+                    server_cpu[condition] += server_thread_cpu_s(worker.process.pid) - before
     merged = {
         condition: {part: [step for phase in phases for step in phase[part]] for part in phases[0]}
         for condition, phases in samples.items()
@@ -193,7 +196,19 @@ def test_a_kv_feed_subscriber_costs_the_workers_steps(tiny_model_dir: Path, tmp_
             )  # fmt: skip
         row["steps (none)"] = _count(merged["none"], part)
         table_rows.append(row)
-    publish("kv_feed_cost", table_rows, {"rounds": ROUNDS, "prompts": PROMPTS})
+    # The worker's serving thread (its event loop: the completions, and the feed) in
+    # CPU ms per engine step: the steps run the same requests in every condition.
+    steps_run = {c: sum(len(part) for phase in samples[c] for part in phase.values())
+                 for c in conditions}  # fmt: skip
+    per_step = {c: round(1e3 * server_cpu[c] / max(1, steps_run[c]), 3) for c in conditions}
+    extra = {"rounds": ROUNDS, "prompts": PROMPTS, "server thread CPU ms per step": per_step}
+    publish("kv_feed_cost", table_rows, extra)
+
+
+def server_thread_cpu_s(pid: int) -> float:
+    """CPU seconds the process's main thread (the worker's event loop) has used."""
+    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _count(steps: dict[str, list[Step]], part: str) -> int:
