@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.protocol.api_errors import error_middleware
 from pdserve.protocol.internal import InternalAuth, bearer
 from pdserve.workers.engine.kv_events import KVEventLog
-from pdserve.workers.kv_wire import STREAM_PATH, KVIdentity
+from pdserve.workers.kv_wire import EVENTS_PATH, STREAM_PATH, KVIdentity
 from pdserve.workers.router.kv_index import block_key
 from pdserve.workers.router.kv_metrics import KVRoutingMetrics
 from pdserve.workers.router.kv_subscriber import Expected, KVFeeds, KVFeedStatus
@@ -366,5 +366,33 @@ async def test_a_stream_line_that_is_not_the_wire_format_refuses_the_worker(line
 
             status = await until(refused, "the worker refused")
             assert "sent an unusable line" in (status.reason or "")
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_worker_without_the_stream_is_followed_by_polling_its_events() -> None:
+    """A worker of an earlier version (during a rolling update) serves the snapshot
+    and the events one request at a time: the router polls it, and its blocks still
+    reach the index."""
+    log = KVEventLog()
+    step(log, 1)
+    worker = Worker(log)
+    app = web.Application(middlewares=[error_middleware(lambda *_: None)])
+    app.router.add_get("/pd/kv/snapshot", worker.feed.snapshot)
+    app.router.add_get(EVENTS_PATH, worker.feed.events)
+    app.on_startup.append(worker.feed._bind_loop)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    await web.SockSite(runner, worker.sock).start()
+    try:
+        async with router() as (feeds, registry):
+            feeds.track("decode", [worker.url])
+            await until(lambda: holds(feeds, worker.url, 1), "the snapshot in the index")
+            await until(lambda: worker.feed.streams == 1, "an events request waiting")
+            step(log, 2)
+            await until(lambda: holds(feeds, worker.url, 2), "a polled block")
+            status = feeds.status("decode", worker.url)
+            assert status is not None and status.state == "synced"
+            assert resyncs(registry, "start") == 1 and resyncs(registry, "reconnect") == 0
     finally:
         await runner.cleanup()
