@@ -9,7 +9,7 @@ pays a fixed overhead on its way in (HTTP, tokenization, the router's hop).
 
 A step that carries a prompt's chunk computes slower in a serving worker than the
 engine alone in the sweep (`ServingOverhead.mixed_factor`, measured on a real worker
-with prompts sent while streams decode).
+with prompts sent while streams decode, from the steps it logs).
 
 A step's time is not the same twice: the machine's other threads take the cores for
 a time slice now and then, a step that waits out such a slice runs several times its
@@ -181,10 +181,11 @@ class ServingOverhead(_Model):
     # A step that carries a prompt's chunk computes slower in a serving worker than
     # the sweep's engine alone (its server's threads, the streams' events and the
     # machine's other work take the cores the chunk's parallel compute waits on): its
-    # compute over the step-cost model's, measured with prompts sent to a worker while
-    # streams decode on it. 1: not measured.
+    # compute over the step-cost model's, measured from the step log of a worker that
+    # is sent prompts while streams decode on it (less what every step takes beyond
+    # the model, which the fixed overhead already charges). 1: not measured.
     mixed_factor: float = Field(default=1.0, gt=0)
-    # (prompt tokens, that step's compute over the model's) of each prompt measured.
+    # (prompt tokens, that step's compute over the model's) of each prompt step logged.
     mixed_samples: tuple[tuple[int, float], ...] = ()
 
     def seconds(self, tokens: int) -> float:

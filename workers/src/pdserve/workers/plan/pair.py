@@ -10,9 +10,11 @@ hand-off's time for that many bytes, fitted as fixed plus per byte. Then a few
 batches of streams decode together on the decode worker: the gaps they see, beyond
 the compute the step-cost model gives such a step, are what serving adds to a step,
 fitted as fixed plus per token streamed, and each gap over its batch's median is the
-spread of a serving worker's steps. Last, through the router: the CPU it and the
-load generator spend per request and token, and a request's overhead as the bench
-sees it (`clients`).
+spread of a serving worker's steps. Then prompts sent one at a time while streams
+decode: what the steps carrying them took, as the decode worker's step log tells it,
+over the step-cost model's compute, is the mixed factor (`step_log`). Last, through
+the router: the CPU it and the load generator spend per request and token, and a
+request's overhead as the bench sees it (`clients`).
 
 A router runs in front of the pair throughout, as in a pool: it follows both
 workers' KV event feeds, so every step that stores a block (each prompt chunk) is
@@ -21,9 +23,7 @@ timed with the worker serving its events, as it does in a pool.
 
 from __future__ import annotations
 
-import itertools
 import json
-import math
 import statistics
 import tempfile
 import threading
@@ -54,6 +54,7 @@ from pdserve.workers.plan.costs import (
     StepCost,
     StepSpread,
 )
+from pdserve.workers.plan.step_log import prompt_step_samples, read_steps, step_logging_env
 from pdserve.workers.server.process import ServerProcess, start_worker
 
 REPEATS = 5
@@ -69,9 +70,8 @@ MIXED_PROMPTS = (128, 256, 448)
 MIXED_STREAMS = 4
 MIXED_OUTPUT_TOKENS = 192
 MIXED_WARM_UP_S = 0.5
-# How late a stream's event may come after the prompt's answer and still be the
-# event of the step that carried the prompt (the two leave the server together).
-MIXED_SLACK_S = 0.005
+# How long after the last prompt's answer its step's lines are surely in the log.
+MIXED_SLACK_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -108,15 +108,17 @@ def measure_pair(
         credential = write_new_credential(directory / "credential")
         common = ["--port", "0", "--internal-token-file", str(directory / "credential")]
         common += ["--kv-transfer", setup.backend, *setup.worker_args]
+        # Both log their steps, as a measured pool's workers do (two lines a step).
+        env = step_logging_env(directory)
         started = time.perf_counter()
         prefill_args = ["--role", "prefill", *common]
-        prefill = start_worker(setup.model, directory / "prefill.log", prefill_args)
+        prefill = start_worker(setup.model, directory / "prefill.log", prefill_args, env)
         workers = [prefill]
         try:
             prefill.wait_ready()
             startup_s = time.perf_counter() - started
             decode_args = ["--role", "decode", "--prefill-peer", prefill.url, *common]
-            decode = start_worker(setup.model, directory / "decode.log", decode_args)
+            decode = start_worker(setup.model, directory / "decode.log", decode_args, env)
             workers.append(decode)
             decode.wait_ready()
             progress(f"profile: worker pair ready ({startup_s:.1f}s to start one worker)")
@@ -161,7 +163,7 @@ def _measure(
         blocks = -(-length // setup.block_size)
         extra.append((blocks * setup.block_bytes, statistics.median(disaggregated[1:]) - local))
         overheads.append((length, local))
-    streamed = _Streamed(decode.url, headers, setup.vocab, rng)
+    streamed = _Streamed(decode.url, headers, setup.vocab, rng, decode.log_path)
     serving = _with_mixed_factor(_serving_overhead(streamed, cost), streamed, cost)
     handoff = _fit_handoff(extra, setup.backend)
     # The shortest prompt's: the least of its time is the predicted compute subtracted
@@ -180,6 +182,7 @@ class _Streamed:
     headers: dict[str, str]
     vocab: int
     rng: np.random.Generator
+    log: Path  # the worker's, with its step log lines
 
     def prompt(self, length: int) -> list[int]:
         """A prompt of `length` random tokens."""
@@ -216,63 +219,40 @@ def _with_mixed_factor(
     serving: ServingOverhead, worker: _Streamed, cost: StepCost
 ) -> ServingOverhead:
     """`serving` with the mixed factor: prompts of MIXED_PROMPTS tokens sent one at a
-    time (one token each) while streams decode; the step that carries each is the
-    streams' longest gap from the prompt's sending to its answer, and that gap less
-    what serving adds to a step, over the step-cost model's compute of it, is the
-    prompt's sample. The factor is the samples' median."""
+    time (one token each) while streams decode; each step of that time that ran one
+    of their chunks, what it took (less what every step takes beyond the model) over
+    the step-cost model's compute of it, is a sample (`step_log`). The factor is the
+    samples' median."""
     stop = threading.Event()
-    context = STREAM_PROMPT_TOKENS + MIXED_OUTPUT_TOKENS // 2  # a decode's keys, mid-run
 
-    def stream_on(seed: int) -> list[float]:
+    def stream_on(seed: int) -> None:
         stream_rng = np.random.default_rng(seed)
-        times: list[float] = []
         while not stop.is_set():
             prompt = stream_rng.integers(FIRST_PROMPT_TOKEN_ID, worker.vocab, STREAM_PROMPT_TOKENS)
-            answer = stream_times(worker.url, prompt.tolist(), worker.headers, MIXED_OUTPUT_TOKENS)
-            times += [math.nan, *answer]
-        return times
+            stream_times(worker.url, prompt.tolist(), worker.headers, MIXED_OUTPUT_TOKENS)
 
-    sent: list[tuple[int, float, float]] = []  # (prompt tokens, sent, answered)
     with ThreadPoolExecutor(MIXED_STREAMS) as pool:
         streams = [pool.submit(stream_on, seed) for seed in range(MIXED_STREAMS)]
         try:
             time.sleep(MIXED_WARM_UP_S)
+            logged_from = worker.log.stat().st_size
             for _ in range(REPEATS):
                 for length in MIXED_PROMPTS:
-                    prompt = worker.prompt(length)
-                    started = time.perf_counter()
-                    answered = started + _first_token_s(worker.url, prompt, worker.headers)
-                    sent.append((length, started, answered))
+                    _first_token_s(worker.url, worker.prompt(length), worker.headers)
+            time.sleep(MIXED_SLACK_S)  # the last step's lines reach the log
+            with worker.log.open("rb") as log:
+                log.seek(logged_from)
+                logged = log.read().decode(errors="replace")
         finally:
             stop.set()
-        events = [stream.result() for stream in streams]
-    samples: list[tuple[int, float]] = []
-    for length, start, end in sent:
-        gap = mixed_gap(events, start, end + MIXED_SLACK_S)
-        step = StepFeatures(MIXED_STREAMS, length, MIXED_STREAMS * context, length**2)
-        if gap is not None:
-            samples.append((length, (gap - serving.seconds(MIXED_STREAMS)) / cost.seconds(step)))
+        for stream in streams:
+            stream.result()
+    # The streams' own prompts are shorter than any of MIXED_PROMPTS.
+    samples = prompt_step_samples(read_steps(logged), cost, min(MIXED_PROMPTS))
     if not samples:
         return serving
     factor = max(1e-3, statistics.median(ratio for _, ratio in samples))
-    return serving.model_copy(update={"mixed_factor": factor, "mixed_samples": tuple(samples)})
-
-
-def mixed_gap(streams: Sequence[Sequence[float]], start: float, end: float) -> float | None:
-    """The median over streams of each one's longest gap between events that ends in
-    (`start`, `end`]: the step that carried a prompt sent at `start` and answered by
-    `end`. A NaN in a stream's events marks where it started a new request (no gap
-    across it). None: no stream saw one."""
-    longest: list[float] = []
-    for times in streams:
-        gaps = [
-            later - earlier
-            for earlier, later in itertools.pairwise(times)
-            if start < later <= end and not math.isnan(earlier)
-        ]
-        if gaps:
-            longest.append(max(gaps))
-    return statistics.median(longest) if longest else None
+    return serving.model_copy(update={"mixed_factor": factor, "mixed_samples": samples})
 
 
 def _fit_handoff(points: Sequence[tuple[int, float]], backend: str) -> HandoffCost:
