@@ -23,6 +23,7 @@ timed with the worker serving its events, as it does in a pool.
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import tempfile
@@ -31,7 +32,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +52,7 @@ from pdserve.workers.plan.costs import (
     ClientCost,
     HandoffCost,
     ServingOverhead,
+    Spread,
     StepCost,
     StepSpread,
 )
@@ -64,6 +66,8 @@ STREAMS = (1, 4, 8, 16)
 STREAM_PROMPT_TOKENS = 32
 STREAM_OUTPUT_TOKENS = 48
 STREAM_SKIP_GAPS = 6
+# The batches of streams are measured this many times over, in alternate orders.
+SERVING_ROUNDS = 3
 # The prompts sent, each alone in its step (under the default token budget), while
 # MIXED_STREAMS streams decode answers of MIXED_OUTPUT_TOKENS one after another.
 MIXED_PROMPTS = (128, 256, 448)
@@ -84,6 +88,8 @@ class PairFigures:
     serving: ServingOverhead
     clients: ClientCost
     busy_request_overhead_s: float | None = None
+    # Figures measured in rounds, by name, as each round gave them.
+    spreads: dict[str, Spread] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -127,10 +133,13 @@ def measure_pair(
                 setup.model, decode.url, prefill.url, credential_file, directory
             ) as router:
                 figures = _measure(setup, cost, credential, prefill, decode, startup_s)
-                clients, overheads = measure_client_cost(
+                clients, overheads, spreads = measure_client_cost(
                     router, decode.url, credential_file, (cost, figures.serving)
                 )
-            figures = replace(figures, clients=clients, busy_request_overhead_s=overheads.busy_s)
+            figures = replace(
+                figures, clients=clients, busy_request_overhead_s=overheads.busy_s,
+                spreads={**figures.spreads, **spreads},
+            )  # fmt: skip
             if overheads.idle_s is None:  # no request answered through the router
                 return figures
             return replace(figures, request_overhead_s=overheads.idle_s)
@@ -164,13 +173,15 @@ def _measure(
         extra.append((blocks * setup.block_bytes, statistics.median(disaggregated[1:]) - local))
         overheads.append((length, local))
     streamed = _Streamed(decode.url, headers, setup.vocab, rng, decode.log_path)
-    serving = _with_mixed_factor(_serving_overhead(streamed, cost), streamed, cost)
+    serving, spreads = _serving_overhead(streamed, cost)
+    serving, spreads["serving.mixed_factor"] = _with_mixed_factor(serving, streamed, cost)
     handoff = _fit_handoff(extra, setup.backend)
     # The shortest prompt's: the least of its time is the predicted compute subtracted
     # (a long prompt's is chunked, and an error in its compute would hide the overhead).
     length, local = overheads[0]
     computed = serving.compute(StepFeatures(prefill_tokens=length, prefill_keys=length**2), cost)
-    return PairFigures(handoff, max(0.0, local - computed), startup_s, serving, ClientCost())
+    overhead = max(0.0, local - computed)
+    return PairFigures(handoff, overhead, startup_s, serving, ClientCost(), spreads=spreads)
 
 
 @dataclass(frozen=True)
@@ -190,39 +201,54 @@ class _Streamed:
         return drawn
 
 
-def _serving_overhead(worker: _Streamed, cost: StepCost) -> ServingOverhead:
+def _serving_overhead(
+    worker: _Streamed, cost: StepCost
+) -> tuple[ServingOverhead, dict[str, Spread]]:
     """The median gap of streams decoding together, beyond the step's predicted
-    compute, per batch size; fitted as fixed plus per token streamed."""
-    points: list[tuple[int, float]] = []
+    compute, per batch size: each batch measured in SERVING_ROUNDS rounds (the sizes
+    in one order, then the reverse, so a slow stretch falls on no size alone), its
+    median over the rounds; fitted as fixed plus per token streamed. With the fixed
+    and per-token times each round's batches alone give."""
+    medians: dict[int, list[float]] = {streams: [] for streams in STREAMS}
     ratios: list[float] = []  # each gap over its batch's median gap
     context = STREAM_PROMPT_TOKENS + STREAM_OUTPUT_TOKENS // 2  # a decode's keys, mid-run
     tokens = STREAM_OUTPUT_TOKENS
-    for streams in STREAMS:
-        prompts = [worker.prompt(STREAM_PROMPT_TOKENS) for _ in range(streams)]
-        with ThreadPoolExecutor(streams) as pool:
-            times = list(
-                pool.map(lambda p: stream_times(worker.url, p, worker.headers, tokens), prompts)
-            )
-        gaps = [float(gap) for t in times for gap in np.diff(t[STREAM_SKIP_GAPS:])]
-        typical = statistics.median(gaps)
-        ratios += [gap / typical for gap in gaps]
-        step = StepFeatures(decode_tokens=streams, decode_keys=streams * context)
-        points.append((streams, typical - cost.seconds(step)))
+    rounds: list[tuple[float, float]] = []
+    for round_ in range(SERVING_ROUNDS):
+        points: list[tuple[int, float]] = []
+        for streams in STREAMS if round_ % 2 == 0 else STREAMS[::-1]:
+            prompts = [worker.prompt(STREAM_PROMPT_TOKENS) for _ in range(streams)]
+            with ThreadPoolExecutor(streams) as pool:
+                times = list(pool.map(
+                    lambda p: stream_times(worker.url, p, worker.headers, tokens), prompts
+                ))  # fmt: skip
+            gaps = [float(gap) for t in times for gap in np.diff(t[STREAM_SKIP_GAPS:])]
+            typical = statistics.median(gaps)
+            ratios += [gap / typical for gap in gaps]
+            step = StepFeatures(decode_tokens=streams, decode_keys=streams * context)
+            medians[streams].append(typical - cost.seconds(step))
+            points.append((streams, medians[streams][-1]))
+        rounds.append(_non_negative_line(points))
+    points = [(streams, statistics.median(beyond)) for streams, beyond in medians.items()]
     fixed, per_token = _non_negative_line(points)
+    spreads = {
+        "serving.fixed_s": Spread(rounds=tuple(fixed for fixed, _ in rounds)),
+        "serving.per_token_s": Spread(rounds=tuple(per_token for _, per_token in rounds)),
+    }
     return ServingOverhead(
         fixed_s=fixed, per_token_s=per_token, samples=tuple((n, float(s)) for n, s in points),
         spread=StepSpread.of(ratios),
-    )  # fmt: skip
+    ), spreads  # fmt: skip
 
 
 def _with_mixed_factor(
     serving: ServingOverhead, worker: _Streamed, cost: StepCost
-) -> ServingOverhead:
+) -> tuple[ServingOverhead, Spread]:
     """`serving` with the mixed factor: prompts of MIXED_PROMPTS tokens sent one at a
     time (one token each) while streams decode; each step of that time that ran one
     of their chunks, what it took (less what every step takes beyond the model) over
     the step-cost model's compute of it, is a sample (`step_log`). The factor is the
-    samples' median."""
+    samples' median; each of the REPEATS rounds of prompts gives one too, its spread."""
     stop = threading.Event()
 
     def stream_on(seed: int) -> None:
@@ -235,24 +261,33 @@ def _with_mixed_factor(
         streams = [pool.submit(stream_on, seed) for seed in range(MIXED_STREAMS)]
         try:
             time.sleep(MIXED_WARM_UP_S)
-            logged_from = worker.log.stat().st_size
+            offsets = []  # where each round's lines begin in the log
             for _ in range(REPEATS):
+                offsets.append(worker.log.stat().st_size)
                 for length in MIXED_PROMPTS:
                     _first_token_s(worker.url, worker.prompt(length), worker.headers)
             time.sleep(MIXED_SLACK_S)  # the last step's lines reach the log
-            with worker.log.open("rb") as log:
-                log.seek(logged_from)
-                logged = log.read().decode(errors="replace")
+            logged = worker.log.read_bytes()
         finally:
             stop.set()
         for stream in streams:
             stream.result()
     # The streams' own prompts are shorter than any of MIXED_PROMPTS.
-    samples = prompt_step_samples(read_steps(logged), cost, min(MIXED_PROMPTS))
+    rounds = [
+        prompt_step_samples(
+            read_steps(logged[begin:end].decode(errors="replace")), cost, min(MIXED_PROMPTS)
+        )
+        for begin, end in itertools.pairwise([*offsets, len(logged)])
+    ]
+    samples = tuple(sample for round_ in rounds for sample in round_)
+    spread = Spread(rounds=tuple(
+        statistics.median(ratio for _, ratio in round_) for round_ in rounds if round_
+    ))  # fmt: skip
     if not samples:
-        return serving
+        return serving, spread
     factor = max(1e-3, statistics.median(ratio for _, ratio in samples))
-    return serving.model_copy(update={"mixed_factor": factor, "mixed_samples": samples})
+    updated = serving.model_copy(update={"mixed_factor": factor, "mixed_samples": samples})
+    return updated, spread
 
 
 def _fit_handoff(points: Sequence[tuple[int, float]], backend: str) -> HandoffCost:
