@@ -7,6 +7,7 @@ rounds too, each level against the lone worker of its own round."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,14 @@ from pdserve.workers.plan.contention import fit_slope, median_slowdowns, round_s
 from pdserve.workers.plan.costs import Profile, Spread, StepCost, StepSample
 from pdserve.workers.plan.fit import fit_with_error, round_costs
 from pdserve.workers.plan.profile import cost_spreads
-from pdserve.workers.plan.sweep import SweepPoint, measurement_order
+from pdserve.workers.plan.sweep import (
+    DESIGNS,
+    Sweep,
+    SweepPoint,
+    design_points,
+    measurement_order,
+)
+from support.engine import make_engine
 from support.plan import constant_profile, model_config_dir
 
 # Costs of the order this machine's profiles measure.
@@ -192,3 +200,20 @@ def test_a_profile_keeps_its_spreads_and_one_without_them_loads(tmp_path: Path) 
     kept = profile.model_copy(update={"spreads": {"contention.slope": Spread(rounds=(0.1, 0.2))}})
     again = Profile.model_validate_json(kept.model_dump_json())
     assert again.spreads["contention.slope"].rounds == (0.1, 0.2)
+
+
+def test_a_real_sweep_measures_every_point_each_round_beside_all_its_decodes(
+    small_model_dir: Path,
+) -> None:
+    # The quick design at contexts long enough that building a batch takes steps of
+    # its own: each decode keeps tokens to draw until its batch's points are measured.
+    design = replace(DESIGNS["quick"], contexts=(32, 512), decodes=(0, 16), rounds=2)
+    engine = make_engine(small_model_dir, num_blocks=1024)
+    measured = Sweep(engine).run(design)
+
+    points = list(design_points(design, engine))
+    for round_ in (0, 1):
+        mine = sorted((p for p, s in measured if s.round == round_), key=repr)
+        assert mine == sorted(points, key=repr)
+    assert all(sample.decode_tokens == point.decodes for point, sample in measured)
+    assert all(sample.prefill_tokens == point.prefill for point, sample in measured)

@@ -42,6 +42,7 @@ from pdserve.workers.server.worker import torch_threads
 WARM_UP_STEPS = 4
 REPEAT_ROOM = 256  # tokens a repeated batch decodes before it is made again
 REFERENCE_REPEATS = 3  # reference steps timed before and after each batch (the median)
+BUILD_BUDGET = 512  # the least token budget a batch's prompts are prefilled under
 
 
 @dataclass(frozen=True)
@@ -124,8 +125,15 @@ def measurement_order(
 
 
 def decode_steps(design: SweepDesign) -> int:
-    """The most steps a decode batch runs for: two per measurement, and a margin."""
-    return 2 * len(design.prefills) * len(design.starts) * design.repeats + 16
+    """The most steps a decode batch runs for: while its later requests are prefilled
+    (the first ones decode meanwhile), two per measurement, and a margin. A batch that
+    ran out of tokens before its points were measured would measure fewer decodes."""
+    building = max(
+        -(-decodes * context // max(BUILD_BUDGET, context))
+        for context in design.contexts
+        for decodes in design.decodes
+    )
+    return building + 2 * len(design.prefills) * len(design.starts) * design.repeats + 16
 
 
 class Sweep:
@@ -199,7 +207,7 @@ class Sweep:
         while any(r.is_prefilling for r in self.engine.scheduler.running) or (
             self.engine.scheduler.waiting
         ):
-            self._step(max(512, context))
+            self._step(max(BUILD_BUDGET, context))
         return ids
 
     def _measure(self, point: SweepPoint) -> StepSample:
