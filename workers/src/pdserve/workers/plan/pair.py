@@ -56,7 +56,12 @@ from pdserve.workers.plan.costs import (
     StepCost,
     StepSpread,
 )
-from pdserve.workers.plan.step_log import prompt_step_samples, read_steps, step_logging_env
+from pdserve.workers.plan.step_log import (
+    decode_steps_beyond,
+    prompt_step_samples,
+    read_steps,
+    step_logging_env,
+)
 from pdserve.workers.server.process import ServerProcess, start_worker
 
 REPEATS = 5
@@ -174,7 +179,9 @@ def _measure(
         overheads.append((length, local))
     streamed = _Streamed(decode.url, headers, setup.vocab, rng, decode.log_path)
     serving, spreads = _serving_overhead(streamed, cost)
-    serving, spreads["serving.mixed_factor"] = _with_mixed_factor(serving, streamed, cost)
+    serving, factor, beyond = _with_mixed_factor(serving, streamed, cost)
+    spreads["serving.mixed_factor"] = factor
+    spreads["serving.decode_step_beyond_model_s"] = beyond
     handoff = _fit_handoff(extra, setup.backend)
     # The shortest prompt's: the least of its time is the predicted compute subtracted
     # (a long prompt's is chunked, and an error in its compute would hide the overhead).
@@ -243,7 +250,7 @@ def _serving_overhead(
 
 def _with_mixed_factor(
     serving: ServingOverhead, worker: _Streamed, cost: StepCost
-) -> tuple[ServingOverhead, Spread]:
+) -> tuple[ServingOverhead, Spread, Spread]:
     """`serving` with the mixed factor: prompts of MIXED_PROMPTS tokens sent one at a
     time (one token each) while streams decode; each step of that time that ran one
     of their chunks, what it took (less what every step takes beyond the model) over
@@ -273,21 +280,23 @@ def _with_mixed_factor(
         for stream in streams:
             stream.result()
     # The streams' own prompts are shorter than any of MIXED_PROMPTS.
-    rounds = [
-        prompt_step_samples(
-            read_steps(logged[begin:end].decode(errors="replace")), cost, min(MIXED_PROMPTS)
-        )
+    logs = [
+        read_steps(logged[begin:end].decode(errors="replace"))
         for begin, end in itertools.pairwise([*offsets, len(logged)])
     ]
+    rounds = [prompt_step_samples(steps, cost, min(MIXED_PROMPTS)) for steps in logs]
+    # What the factor's samples take off each prompt step, per round: beside the
+    # factor's own spread, it says whether the worker's decode-only steps moved it.
+    beyond = Spread(rounds=tuple(decode_steps_beyond(steps, cost) for steps in logs))
     samples = tuple(sample for round_ in rounds for sample in round_)
     spread = Spread(rounds=tuple(
         statistics.median(ratio for _, ratio in round_) for round_ in rounds if round_
     ))  # fmt: skip
     if not samples:
-        return serving, spread
+        return serving, spread, beyond
     factor = max(1e-3, statistics.median(ratio for _, ratio in samples))
     updated = serving.model_copy(update={"mixed_factor": factor, "mixed_samples": samples})
-    return updated, spread
+    return updated, spread, beyond
 
 
 def _fit_handoff(points: Sequence[tuple[int, float]], backend: str) -> HandoffCost:

@@ -88,9 +88,7 @@ def prompt_step_samples(
     decode-only steps among `steps` took beyond the model (their median): that part
     is every step's, and the serving overhead, measured from decode-only steps'
     gaps, already charges it to each step."""
-    decode_only = [step for step in steps if step.longest_chunk == 1]
-    beyond = [step.took_s - cost.seconds(step.features) for step in decode_only]
-    every_step_s = statistics.median(beyond) if beyond else 0.0
+    every_step_s = decode_steps_beyond(steps, cost)
     samples = []
     for step in steps:
         if step.longest_chunk >= least_chunk:
@@ -98,3 +96,12 @@ def prompt_step_samples(
             compute = step.took_s - every_step_s
             samples.append((features.prefill_tokens, compute / cost.seconds(features)))
     return tuple(samples)
+
+
+def decode_steps_beyond(steps: Sequence[LoggedStep], cost: StepCost) -> float:
+    """The median of what the decode-only steps among `steps` took beyond the
+    step-cost model's compute (0: none among them)."""
+    beyond = [
+        step.took_s - cost.seconds(step.features) for step in steps if step.longest_chunk == 1
+    ]
+    return statistics.median(beyond) if beyond else 0.0
