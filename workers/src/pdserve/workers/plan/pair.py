@@ -79,6 +79,7 @@ MIXED_PROMPTS = (128, 256, 448)
 MIXED_STREAMS = 4
 MIXED_OUTPUT_TOKENS = 192
 MIXED_WARM_UP_S = 0.5
+MIXED_ROUNDS = 10  # each of MIXED_PROMPTS sent once a round
 # How long after the last prompt's answer its step's lines are surely in the log.
 MIXED_SLACK_S = 0.2
 
@@ -255,7 +256,8 @@ def _with_mixed_factor(
     time (one token each) while streams decode; each step of that time that ran one
     of their chunks, what it took (less what every step takes beyond the model) over
     the step-cost model's compute of it, is a sample (`step_log`). The factor is the
-    samples' median; each of the REPEATS rounds of prompts gives one too, its spread."""
+    samples' median; each of the MIXED_ROUNDS rounds of prompts gives one too, its
+    spread."""
     stop = threading.Event()
 
     def stream_on(seed: int) -> None:
@@ -269,7 +271,7 @@ def _with_mixed_factor(
         try:
             time.sleep(MIXED_WARM_UP_S)
             offsets = []  # where each round's lines begin in the log
-            for _ in range(REPEATS):
+            for _ in range(MIXED_ROUNDS):
                 offsets.append(worker.log.stat().st_size)
                 for length in MIXED_PROMPTS:
                     _first_token_s(worker.url, worker.prompt(length), worker.headers)
@@ -284,9 +286,11 @@ def _with_mixed_factor(
         read_steps(logged[begin:end].decode(errors="replace"))
         for begin, end in itertools.pairwise([*offsets, len(logged)])
     ]
-    rounds = [prompt_step_samples(steps, cost, min(MIXED_PROMPTS)) for steps in logs]
-    # What the factor's samples take off each prompt step, per round: beside the
-    # factor's own spread, it says whether the worker's decode-only steps moved it.
+    # What every step takes beyond the model, over all the rounds' decode-only steps
+    # (a round's few move it by milliseconds), taken off each prompt step; per round
+    # beside the factor's own spread, it says whether the worker's steps moved it.
+    every_step_s = decode_steps_beyond([step for steps in logs for step in steps], cost)
+    rounds = [prompt_step_samples(steps, cost, min(MIXED_PROMPTS), every_step_s) for steps in logs]
     beyond = Spread(rounds=tuple(decode_steps_beyond(steps, cost) for steps in logs))
     samples = tuple(sample for round_ in rounds for sample in round_)
     spread = Spread(rounds=tuple(

@@ -81,14 +81,18 @@ def read_steps(text: str) -> list[LoggedStep]:
 
 
 def prompt_step_samples(
-    steps: Sequence[LoggedStep], cost: StepCost, least_chunk: int
+    steps: Sequence[LoggedStep],
+    cost: StepCost,
+    least_chunk: int,
+    every_step_s: float | None = None,
 ) -> tuple[tuple[int, float], ...]:
     """(prompt tokens, compute over the model's) of each step that ran a chunk of at
-    least `least_chunk` tokens. A step's compute is what it took less what the
-    decode-only steps among `steps` took beyond the model (their median): that part
-    is every step's, and the serving overhead, measured from decode-only steps'
-    gaps, already charges it to each step."""
-    every_step_s = decode_steps_beyond(steps, cost)
+    least `least_chunk` tokens. A step's compute is what it took less what every step
+    takes beyond the model (`every_step_s`; by default what the decode-only steps
+    among `steps` took beyond it, their median): the serving overhead, measured from
+    decode-only steps' gaps, already charges that part to each step."""
+    if every_step_s is None:
+        every_step_s = decode_steps_beyond(steps, cost)
     samples = []
     for step in steps:
         if step.longest_chunk >= least_chunk:
