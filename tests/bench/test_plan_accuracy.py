@@ -214,6 +214,8 @@ def test_profile_this_machine(tiny_model_dir: Path) -> None:
         f"{[(n, spread_figures(spread)) for n, spread in profile.contention.spreads]}; "
         f"load average before {before}, after {load_average()}"
     )
+    for name, spread in profile.spreads.items():  # each figure as each round gave it
+        print(f"  {name}: rounds {', '.join(f'{value:.4g}' for value in spread.rounds)}")
 
 
 def planned_runs(workload: str) -> list[tuple[str, str, int]]:

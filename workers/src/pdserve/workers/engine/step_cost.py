@@ -55,17 +55,23 @@ class StepFeatures:
 
     @classmethod
     def of(cls, chunks: Iterable[ScheduledChunk]) -> StepFeatures:
-        """The features of a scheduled step. A one-token chunk takes the runner's
-        batched decode path, whatever it computes."""
+        """The features of a scheduled step."""
+        return cls.of_spans((chunk.start, chunk.num_tokens) for chunk in chunks)
+
+    @classmethod
+    def of_spans(cls, spans: Iterable[tuple[int, int]]) -> StepFeatures:
+        """The features of a step whose chunks are (start, tokens) spans (as a step log
+        tells them). A one-token chunk takes the runner's batched decode path, whatever
+        it computes."""
         decodes, longest, prefill_tokens, prefill_keys = 0, 0, 0, 0
-        for chunk in chunks:
-            end = chunk.start + chunk.num_tokens
-            if chunk.num_tokens == 1:
+        for start, tokens in spans:
+            end = start + tokens
+            if tokens == 1:
                 decodes += 1
                 longest = max(longest, end)
             else:
-                prefill_tokens += chunk.num_tokens
-                prefill_keys += chunk.num_tokens * end
+                prefill_tokens += tokens
+                prefill_keys += tokens * end
         return cls(decodes, prefill_tokens, decodes * longest, prefill_keys)
 
     def vector(self) -> Vector:

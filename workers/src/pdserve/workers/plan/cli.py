@@ -93,6 +93,10 @@ def _run_profile(args: argparse.Namespace) -> int:
         f"{fit.mean_abs:.1%}, p90 {fit.p90_abs:.1%}"
         + ("" if fit.holdout_mean_abs is None else f", held out {fit.holdout_mean_abs:.1%}")
     )
+    for name, spread in profile.spreads.items():
+        if spread.rounds:
+            rounds = ", ".join(f"{value:.4g}" for value in spread.rounds)
+            print(f"  {name}: rounds {rounds}")
     return 0
 
 

@@ -35,7 +35,7 @@ from pdserve.workers.bench.config import FIRST_PROMPT_TOKEN_ID, BenchConfig
 from pdserve.workers.bench.records import RequestRecord
 from pdserve.workers.bench.runner import run_benchmark
 from pdserve.workers.engine.step_cost import StepFeatures
-from pdserve.workers.plan.costs import ClientCost, ServingOverhead, StepCost
+from pdserve.workers.plan.costs import ClientCost, ServingOverhead, Spread, StepCost
 
 REQUESTS = 24
 RATE = 8.0  # requests per second
@@ -50,6 +50,10 @@ BUSY_PROMPT_TOKENS = 32
 BUSY_OUTPUT_TOKENS = 48
 BUSY_WARM_UP_S = 0.5
 FEEDS_TIMEOUT_S = 30.0  # the longest the router may take to follow the workers' feeds
+# The three runs (single-token answers, longer ones, single-token on a busy worker)
+# are made this many times over, each time with prompts of their own: the figures are
+# taken over all of them, and each round's own gives their spread.
+ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -94,18 +98,36 @@ def measure_client_cost(
     decode_url: str,
     credential: Path,
     costs: tuple[StepCost, ServingOverhead],
-) -> tuple[ClientCost, Overheads]:
-    """Route runs through `router` to the decode worker at `decode_url`: the client
-    cost, and a request's overhead through the router on the worker idle and busy
-    (beyond the steps' compute as the step cost and the serving worker's give it)."""
+) -> tuple[ClientCost, Overheads, dict[str, Spread]]:
+    """Route runs through `router` to the decode worker at `decode_url`, in ROUNDS
+    rounds: the client cost, a request's overhead through the router on the worker
+    idle and busy (beyond the steps' compute as the step cost and the serving worker's
+    give it), over every round's requests; and those figures as each round gave them."""
     headers = {"Content-Type": "application/json", **bearer(read_credential(credential))}
-    runs = [_run(router, tokens) for tokens in ANSWER_TOKENS]
-    busy = _busy_run(router, decode_url, headers)
-    samples = tuple(sample for sample, _ in runs)
+    samples: list[tuple[int, int, float]] = []
+    idle: list[RequestRecord] = []
+    busy: list[RequestRecord] = []
+    rounds: list[tuple[ClientCost, float | None, float | None]] = []
+    for round_ in range(ROUNDS):
+        runs = [_run(router, tokens, seed=tokens + 100 * round_) for tokens in ANSWER_TOKENS]
+        loaded = _busy_run(router, decode_url, headers, seed=1 + 100 * round_)
+        samples += [sample for sample, _ in runs]
+        idle += runs[0][1]
+        busy += loaded
+        rounds.append((
+            _fit(tuple(sample for sample, _ in runs)), request_overhead_s(runs[0][1], costs),
+            request_overhead_s(loaded, costs, BUSY_STREAMS),
+        ))  # fmt: skip
     overheads = Overheads(
-        request_overhead_s(runs[0][1], costs), request_overhead_s(busy, costs, BUSY_STREAMS)
+        request_overhead_s(idle, costs), request_overhead_s(busy, costs, BUSY_STREAMS)
     )
-    return _fit(samples), overheads
+    spreads = {
+        "clients.per_request_s": Spread(rounds=tuple(c.per_request_s for c, _, _ in rounds)),
+        "clients.per_token_s": Spread(rounds=tuple(c.per_token_s for c, _, _ in rounds)),
+        "request_overhead_s": Spread(rounds=tuple(s for _, s, _ in rounds if s is not None)),
+        "busy_request_overhead_s": Spread(rounds=tuple(s for _, _, s in rounds if s is not None)),
+    }
+    return _fit(tuple(samples)), overheads, spreads
 
 
 def _wait_following(router: ServerProcess, feeds: int) -> None:
@@ -147,7 +169,7 @@ def request_overhead_s(
 
 
 def _busy_run(
-    router: ServerProcess, decode_url: str, headers: dict[str, str]
+    router: ServerProcess, decode_url: str, headers: dict[str, str], seed: int = 1
 ) -> list[RequestRecord]:
     """The records of single-token answers through the router while BUSY_STREAMS
     streams decode on the worker."""
@@ -163,7 +185,7 @@ def _busy_run(
         streams = [pool.submit(stream_on, seed) for seed in range(BUSY_STREAMS)]
         try:
             time.sleep(BUSY_WARM_UP_S)  # the streams are decoding
-            _, records = _run(router, 1)
+            _, records = _run(router, 1, seed)
         finally:
             stop.set()
         for stream in streams:
@@ -191,12 +213,12 @@ def stream_times(
 
 
 def _run(
-    router: ServerProcess, answer_tokens: int
+    router: ServerProcess, answer_tokens: int, seed: int
 ) -> tuple[tuple[int, int, float], list[RequestRecord]]:
     """(requests, tokens streamed, CPU seconds of the router and the generator), and
-    the requests' records."""
+    the requests' records (prompts drawn with `seed`: no run finds another's cached)."""
     config = BenchConfig(
-        url=router.url, workload="chat", rate=RATE, num_requests=REQUESTS, seed=answer_tokens,
+        url=router.url, workload="chat", rate=RATE, num_requests=REQUESTS, seed=seed,
         vocab_size=VOCAB, max_input_tokens=PROMPT_TOKENS, max_output_tokens=answer_tokens,
     )  # fmt: skip
     before = _process_cpu_s(router.process.pid)

@@ -2,12 +2,16 @@
 
 Workers are started as processes of their own (the engine under the workers' flags
 and threads, as the sweep's); each repeats one mixed step (a decode batch and a
-prefill chunk) and one decode-only step. First one worker alone, then two together,
-and so on to one more worker than the cores hold: each level's median step time over
-the lone worker's is the slowdown, and the contention model's slope is the one whose
-predictions come closest to the slowdowns measured (`costs.Contention`). Each level's
-steps, each over the median of its kind there, are that level's spread: the steps
-that waited out another's time slice."""
+prefill chunk) and one decode-only step. One worker alone, then two together, and so
+on to one more worker than the cores hold, in rounds: the levels in one order, then
+in the reverse order, and so on, so that a slow stretch of the machine does not fall
+on one level (in one pass, the highest level came last, and a neighbour's work then
+read as contention). In each round each level's median step time over the lone
+worker's in the same round is that round's slowdown; a level's slowdown is the median
+over the rounds, and the contention model's slope is the one whose predictions come
+closest to those (`costs.Contention`); the slope fitted to each round alone gives its
+spread. Each level's steps, each over the median of its kind there, are that level's
+spread of steps: the steps that waited out another's time slice."""
 
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.workers.engine.engine import LLMEngine
-from pdserve.workers.plan.costs import Contention, StepSpread
+from pdserve.workers.plan.costs import Contention, Spread, StepSpread
 from pdserve.workers.plan.scenario import role_setup
 from pdserve.workers.plan.sweep import Sweep, SweepPoint, worker_threads
 
@@ -33,6 +37,7 @@ WARM_UP_S = 1.0
 MOST_WORKERS = 4
 START_TIMEOUT_S = 300.0
 SLOPES = np.linspace(0.0, 4.0, 401)  # the slopes tried
+ROUNDS = 3  # passes over the levels, each level `level_s / ROUNDS` seconds a pass
 
 
 def levels(cores: int, threads: int) -> tuple[int, ...]:
@@ -49,9 +54,9 @@ def measure_contention(
     threads: int,
     level_s: float,
     progress: Callable[[str], None] = lambda line: None,
-) -> Contention:
-    """Step workers alone and together, `level_s` seconds at each level; the fitted
-    contention."""
+) -> tuple[Contention, dict[str, Spread]]:
+    """Step workers alone and together, `level_s` seconds at each level over all
+    rounds; the fitted contention, and its figures as each round gave them."""
     counts = levels(cores, threads)
     spawn = multiprocessing.get_context("spawn")
     pipes: list[Connection] = []
@@ -69,16 +74,20 @@ def measure_contention(
             if not pipe.poll(START_TIMEOUT_S):
                 raise RuntimeError("a contention worker did not start")
             pipe.recv()
-        medians: list[float] = []
-        spreads: list[tuple[int, StepSpread]] = []
-        for count in counts:
-            for pipe in pipes[:count]:
-                pipe.send(level_s)
-            steps: list[list[tuple[float, float]]] = [p.recv() for p in pipes[:count]]
-            # A worker whose first pair outlasted the level (a slow machine) has none.
-            medians.append(statistics.median(pair_median(pairs) for pairs in steps if pairs))
-            spreads.append((count, level_spread(steps)))
-            progress(f"profile: {count} workers stepping together: {medians[-1] * 1e3:.1f} ms")
+        rounds: list[dict[int, float]] = []  # each round's median pair time by level
+        steps: dict[int, list[list[tuple[float, float]]]] = {count: [] for count in counts}
+        for round_ in range(ROUNDS):
+            medians: dict[int, float] = {}
+            for count in counts if round_ % 2 == 0 else counts[::-1]:
+                for pipe in pipes[:count]:
+                    pipe.send(level_s / ROUNDS)
+                level = [p.recv() for p in pipes[:count]]
+                steps[count] += level
+                # A worker whose first pair outlasted the level (a slow machine) has none.
+                medians[count] = statistics.median(pair_median(pairs) for pairs in level if pairs)
+                progress(f"profile: {count} workers stepping together (round {round_ + 1}): "
+                         f"{medians[count] * 1e3:.1f} ms")  # fmt: skip
+            rounds.append(medians)
     finally:
         for pipe in pipes:
             with contextlib.suppress(OSError):  # it is gone already
@@ -87,10 +96,37 @@ def measure_contention(
             process.join(timeout=30)
             if process.is_alive():
                 process.kill()
-    slowdowns = (median / medians[0] for median in medians)
-    samples = tuple(zip(counts, slowdowns, strict=True))
-    return Contention(
-        slope=fit_slope(samples, cores, threads), samples=samples, spreads=tuple(spreads)
+    per_round = [round_slowdowns(medians) for medians in rounds]
+    samples = median_slowdowns(per_round)
+    contention = Contention(
+        slope=fit_slope(samples, cores, threads),
+        samples=samples,
+        spreads=tuple((count, level_spread(steps[count])) for count in counts),
+    )
+    figures = {"contention.slope": Spread(rounds=tuple(
+        fit_slope(tuple(slowdowns.items()), cores, threads) for slowdowns in per_round
+    ))}  # fmt: skip
+    for count in counts[1:]:
+        figures[f"contention.slowdown.{count}"] = Spread(
+            rounds=tuple(slowdowns[count] for slowdowns in per_round)
+        )
+    return contention, figures
+
+
+def round_slowdowns(medians: dict[int, float]) -> dict[int, float]:
+    """One round's slowdown of each level: its median over the lone worker's in the
+    same round (the machine's pace then)."""
+    alone = medians[min(medians)]
+    return {count: medians[count] / alone for count in sorted(medians)}
+
+
+def median_slowdowns(per_round: Sequence[dict[int, float]]) -> tuple[tuple[int, float], ...]:
+    """Each level's median slowdown over the rounds: a round in which another process
+    took the cores does not move it."""
+    counts = sorted(per_round[0])
+    return tuple(
+        (count, float(statistics.median(slowdowns[count] for slowdowns in per_round)))
+        for count in counts
     )
 
 

@@ -9,7 +9,7 @@ pays a fixed overhead on its way in (HTTP, tokenization, the router's hop).
 
 A step that carries a prompt's chunk computes slower in a serving worker than the
 engine alone in the sweep (`ServingOverhead.mixed_factor`, measured on a real worker
-with prompts sent while streams decode).
+with prompts sent while streams decode, from the steps it logs).
 
 A step's time is not the same twice: the machine's other threads take the cores for
 a time slice now and then, a step that waits out such a slice runs several times its
@@ -84,6 +84,7 @@ class FitError(_Model):
     measured time: over the steps it was fitted on, and over steps held out of it."""
 
     samples: int = Field(ge=0)
+    rounds: int = Field(default=1, ge=1)  # the sweep's passes over its grid
     mean_abs: float = Field(ge=0)
     p90_abs: float = Field(ge=0)
     max_abs: float = Field(ge=0)
@@ -106,6 +107,9 @@ class StepSample(_Model):
     # The reference step's time measured beside this one (the machine's pace then);
     # None where the sweep did not measure it.
     reference_s: float | None = Field(default=None, gt=0)
+    # The round of the sweep it was measured in (the sweep visits every point once a
+    # round); None where the sweep ran in one pass.
+    round: int | None = Field(default=None, ge=0)
 
     @property
     def features(self) -> StepFeatures:
@@ -181,10 +185,11 @@ class ServingOverhead(_Model):
     # A step that carries a prompt's chunk computes slower in a serving worker than
     # the sweep's engine alone (its server's threads, the streams' events and the
     # machine's other work take the cores the chunk's parallel compute waits on): its
-    # compute over the step-cost model's, measured with prompts sent to a worker while
-    # streams decode on it. 1: not measured.
+    # compute over the step-cost model's, measured from the step log of a worker that
+    # is sent prompts while streams decode on it (less what every step takes beyond
+    # the model, which the fixed overhead already charges). 1: not measured.
     mixed_factor: float = Field(default=1.0, gt=0)
-    # (prompt tokens, that step's compute over the model's) of each prompt measured.
+    # (prompt tokens, that step's compute over the model's) of each prompt step logged.
     mixed_samples: tuple[tuple[int, float], ...] = ()
 
     def seconds(self, tokens: int) -> float:
@@ -238,6 +243,33 @@ class ClientCost(_Model):
     samples: tuple[tuple[int, int, float], ...] = ()
 
 
+class Spread(_Model):
+    """A figure as each round of its measurement gave it. A profile measures in
+    rounds, one after another, so that the machine's pace drifting while it runs is
+    spread over every figure rather than read as one of them; the figure it keeps is
+    taken over the rounds together (medians), and how far the rounds' own values lie
+    apart says how far the figure holds on this machine."""
+
+    rounds: tuple[float, ...] = ()
+
+    @property
+    def low(self) -> float | None:
+        """The least of the rounds' values (None: none measured)."""
+        return min(self.rounds, default=None)
+
+    @property
+    def high(self) -> float | None:
+        """The most of the rounds' values (None: none measured)."""
+        return max(self.rounds, default=None)
+
+    def relative(self, value: float) -> float | None:
+        """The rounds' range over `value` (the figure kept); None where it is zero or
+        there were fewer than two rounds."""
+        if len(self.rounds) < 2 or value == 0:
+            return None
+        return (max(self.rounds) - min(self.rounds)) / abs(value)
+
+
 class Profile(_Model):
     """A profile file."""
 
@@ -264,6 +296,9 @@ class Profile(_Model):
     startup_s: float | None = Field(default=None, ge=0)
     contention: Contention = Contention()
     clients: ClientCost = ClientCost()
+    # Each figure measured in rounds, by its name in the file ("step_cost.base_s",
+    # "contention.slope", "request_overhead_s", ...): the value each round gave.
+    spreads: dict[str, Spread] = {}
 
     def request_overhead(self, busy: bool) -> float:
         """What a request pays on its way in and its first token on its way out,

@@ -11,6 +11,11 @@ typical pace (its time scaled by the typical reference time over the one measure
 beside it), so that the machine drifting while the batches were measured one after
 another is not fitted as a cost of the batch measured then; that is done where it
 predicts the steps as timed better than a constant pace does.
+The sweep measures each point once a round over several rounds, in an order drawn
+afresh each round (`sweep`), so that a slow stretch of the machine lands on different
+points each round: the fit is made to each point's median step over its rounds, which
+a step slowed by another process, or a round that ran slow there, does not move. Each
+round is also fitted alone: how far the rounds' costs lie apart is the costs' spread.
 Its error is measured on the steps it was fitted on and on design points held out."""
 
 from __future__ import annotations
@@ -119,31 +124,50 @@ def timed_errors(
     return errors
 
 
-def _fit(samples: Sequence[StepSample], typical: float | None) -> StepCost:
-    return fit_step_cost(samples if typical is None else at_typical_pace(samples, typical))
+def point_medians(measured: Sequence[tuple[SweepPoint, StepSample]]) -> list[StepSample]:
+    """Each point's median step over its measurements: the step whose time is the
+    median (the lower of the middle two), so that its features are those it was
+    timed with."""
+    by_point: dict[SweepPoint, list[StepSample]] = {}
+    for point, sample in measured:
+        by_point.setdefault(point, []).append(sample)
+    return [
+        sorted(samples, key=lambda sample: sample.seconds)[(len(samples) - 1) // 2]
+        for samples in by_point.values()
+    ]
+
+
+def _fit(measured: Sequence[tuple[SweepPoint, StepSample]], typical: float | None) -> StepCost:
+    """The fit to each point's median step, at the typical pace where one is given."""
+    if typical is not None:
+        paced = at_typical_pace([sample for _, sample in measured], typical)
+        measured = [(point, sample) for (point, _), sample in zip(measured, paced, strict=True)]
+    return fit_step_cost(point_medians(measured))
 
 
 def fit_with_error(measured: Sequence[tuple[SweepPoint, StepSample]]) -> tuple[StepCost, FitError]:
-    """The fit over every step, its in-sample error, and the error on held-out points
-    of a fit made without them, against the steps as timed. The machine's pace is
-    taken into account where it predicts the steps better than a constant pace: a
-    reference step's own jitter would otherwise move a quiet machine's steps."""
+    """The fit over every point's median step, its in-sample error, and the error on
+    held-out points of a fit made without them, against the steps as timed. The
+    machine's pace is taken into account where it predicts the steps better than a
+    constant pace: a reference step's own jitter would otherwise move a quiet
+    machine's steps."""
     timed = [sample for _, sample in measured]
     typical = typical_pace(timed)
-    unpaced = timed_errors(fit_step_cost(timed), timed, None)
+    unpaced = timed_errors(_fit(measured, None), timed, None)
     paced = typical is not None and bool(
-        timed_errors(_fit(timed, typical), timed, typical).mean() < unpaced.mean()
+        timed_errors(_fit(measured, typical), timed, typical).mean() < unpaced.mean()
     )
     pace = typical if paced else None
-    cost = _fit(timed, pace)
+    cost = _fit(measured, pace)
     errors = timed_errors(cost, timed, pace)
     points = sorted({point for point, _ in measured}, key=repr)
     held = {point for index, point in enumerate(points) if index % HOLDOUT_EVERY == 0}
-    train = [sample for point, sample in measured if point not in held]
+    train = [(point, sample) for point, sample in measured if point not in held]
     test = [sample for point, sample in measured if point in held]
     holdout = timed_errors(_fit(train, pace), test, pace) if train and test else np.array([])
     return cost, FitError(
         samples=len(timed),
+        rounds=len(rounds_of(measured)),
         mean_abs=float(errors.mean()) if errors.size else 0.0,
         p90_abs=float(np.percentile(errors, 90)) if errors.size else 0.0,
         max_abs=float(errors.max()) if errors.size else 0.0,
@@ -152,3 +176,20 @@ def fit_with_error(measured: Sequence[tuple[SweepPoint, StepSample]]) -> tuple[S
         paced=paced,
         unpaced_mean_abs=float(unpaced.mean()) if typical is not None and unpaced.size else None,
     )
+
+
+def rounds_of(
+    measured: Sequence[tuple[SweepPoint, StepSample]],
+) -> dict[int, list[tuple[SweepPoint, StepSample]]]:
+    """The steps by the round they were measured in (a sweep in one pass: one)."""
+    rounds: dict[int, list[tuple[SweepPoint, StepSample]]] = {}
+    for point, sample in measured:
+        rounds.setdefault(sample.round or 0, []).append((point, sample))
+    return dict(sorted(rounds.items()))
+
+
+def round_costs(measured: Sequence[tuple[SweepPoint, StepSample]], paced: bool) -> list[StepCost]:
+    """Each round's steps fitted alone (at the typical pace of all of them where the
+    fit took the pace into account): how far the costs move from round to round."""
+    typical = typical_pace([sample for _, sample in measured]) if paced else None
+    return [_fit(steps, typical) for steps in rounds_of(measured).values()]

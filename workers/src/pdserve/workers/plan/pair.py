@@ -10,9 +10,11 @@ hand-off's time for that many bytes, fitted as fixed plus per byte. Then a few
 batches of streams decode together on the decode worker: the gaps they see, beyond
 the compute the step-cost model gives such a step, are what serving adds to a step,
 fitted as fixed plus per token streamed, and each gap over its batch's median is the
-spread of a serving worker's steps. Last, through the router: the CPU it and the
-load generator spend per request and token, and a request's overhead as the bench
-sees it (`clients`).
+spread of a serving worker's steps. Then prompts sent one at a time while streams
+decode: what the steps carrying them took, as the decode worker's step log tells it,
+over the step-cost model's compute, is the mixed factor (`step_log`). Last, through
+the router: the CPU it and the load generator spend per request and token, and a
+request's overhead as the bench sees it (`clients`).
 
 A router runs in front of the pair throughout, as in a pool: it follows both
 workers' KV event feeds, so every step that stores a block (each prompt chunk) is
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import statistics
 import tempfile
 import threading
@@ -31,7 +32,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -51,8 +52,15 @@ from pdserve.workers.plan.costs import (
     ClientCost,
     HandoffCost,
     ServingOverhead,
+    Spread,
     StepCost,
     StepSpread,
+)
+from pdserve.workers.plan.step_log import (
+    decode_steps_beyond,
+    prompt_step_samples,
+    read_steps,
+    step_logging_env,
 )
 from pdserve.workers.server.process import ServerProcess, start_worker
 
@@ -63,15 +71,17 @@ STREAMS = (1, 4, 8, 16)
 STREAM_PROMPT_TOKENS = 32
 STREAM_OUTPUT_TOKENS = 48
 STREAM_SKIP_GAPS = 6
+# The batches of streams are measured this many times over, in alternate orders.
+SERVING_ROUNDS = 3
 # The prompts sent, each alone in its step (under the default token budget), while
 # MIXED_STREAMS streams decode answers of MIXED_OUTPUT_TOKENS one after another.
 MIXED_PROMPTS = (128, 256, 448)
 MIXED_STREAMS = 4
 MIXED_OUTPUT_TOKENS = 192
 MIXED_WARM_UP_S = 0.5
-# How late a stream's event may come after the prompt's answer and still be the
-# event of the step that carried the prompt (the two leave the server together).
-MIXED_SLACK_S = 0.005
+MIXED_ROUNDS = 10  # each of MIXED_PROMPTS sent once a round
+# How long after the last prompt's answer its step's lines are surely in the log.
+MIXED_SLACK_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,8 @@ class PairFigures:
     serving: ServingOverhead
     clients: ClientCost
     busy_request_overhead_s: float | None = None
+    # Figures measured in rounds, by name, as each round gave them.
+    spreads: dict[str, Spread] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -108,15 +120,17 @@ def measure_pair(
         credential = write_new_credential(directory / "credential")
         common = ["--port", "0", "--internal-token-file", str(directory / "credential")]
         common += ["--kv-transfer", setup.backend, *setup.worker_args]
+        # Both log their steps, as a measured pool's workers do (two lines a step).
+        env = step_logging_env(directory)
         started = time.perf_counter()
         prefill_args = ["--role", "prefill", *common]
-        prefill = start_worker(setup.model, directory / "prefill.log", prefill_args)
+        prefill = start_worker(setup.model, directory / "prefill.log", prefill_args, env)
         workers = [prefill]
         try:
             prefill.wait_ready()
             startup_s = time.perf_counter() - started
             decode_args = ["--role", "decode", "--prefill-peer", prefill.url, *common]
-            decode = start_worker(setup.model, directory / "decode.log", decode_args)
+            decode = start_worker(setup.model, directory / "decode.log", decode_args, env)
             workers.append(decode)
             decode.wait_ready()
             progress(f"profile: worker pair ready ({startup_s:.1f}s to start one worker)")
@@ -125,10 +139,13 @@ def measure_pair(
                 setup.model, decode.url, prefill.url, credential_file, directory
             ) as router:
                 figures = _measure(setup, cost, credential, prefill, decode, startup_s)
-                clients, overheads = measure_client_cost(
+                clients, overheads, spreads = measure_client_cost(
                     router, decode.url, credential_file, (cost, figures.serving)
                 )
-            figures = replace(figures, clients=clients, busy_request_overhead_s=overheads.busy_s)
+            figures = replace(
+                figures, clients=clients, busy_request_overhead_s=overheads.busy_s,
+                spreads={**figures.spreads, **spreads},
+            )  # fmt: skip
             if overheads.idle_s is None:  # no request answered through the router
                 return figures
             return replace(figures, request_overhead_s=overheads.idle_s)
@@ -161,14 +178,18 @@ def _measure(
         blocks = -(-length // setup.block_size)
         extra.append((blocks * setup.block_bytes, statistics.median(disaggregated[1:]) - local))
         overheads.append((length, local))
-    streamed = _Streamed(decode.url, headers, setup.vocab, rng)
-    serving = _with_mixed_factor(_serving_overhead(streamed, cost), streamed, cost)
+    streamed = _Streamed(decode.url, headers, setup.vocab, rng, decode.log_path)
+    serving, spreads = _serving_overhead(streamed, cost)
+    serving, factor, beyond = _with_mixed_factor(serving, streamed, cost)
+    spreads["serving.mixed_factor"] = factor
+    spreads["serving.decode_step_beyond_model_s"] = beyond
     handoff = _fit_handoff(extra, setup.backend)
     # The shortest prompt's: the least of its time is the predicted compute subtracted
     # (a long prompt's is chunked, and an error in its compute would hide the overhead).
     length, local = overheads[0]
     computed = serving.compute(StepFeatures(prefill_tokens=length, prefill_keys=length**2), cost)
-    return PairFigures(handoff, max(0.0, local - computed), startup_s, serving, ClientCost())
+    overhead = max(0.0, local - computed)
+    return PairFigures(handoff, overhead, startup_s, serving, ClientCost(), spreads=spreads)
 
 
 @dataclass(frozen=True)
@@ -180,6 +201,7 @@ class _Streamed:
     headers: dict[str, str]
     vocab: int
     rng: np.random.Generator
+    log: Path  # the worker's, with its step log lines
 
     def prompt(self, length: int) -> list[int]:
         """A prompt of `length` random tokens."""
@@ -187,92 +209,98 @@ class _Streamed:
         return drawn
 
 
-def _serving_overhead(worker: _Streamed, cost: StepCost) -> ServingOverhead:
+def _serving_overhead(
+    worker: _Streamed, cost: StepCost
+) -> tuple[ServingOverhead, dict[str, Spread]]:
     """The median gap of streams decoding together, beyond the step's predicted
-    compute, per batch size; fitted as fixed plus per token streamed."""
-    points: list[tuple[int, float]] = []
+    compute, per batch size: each batch measured in SERVING_ROUNDS rounds (the sizes
+    in one order, then the reverse, so a slow stretch falls on no size alone), its
+    median over the rounds; fitted as fixed plus per token streamed. With the fixed
+    and per-token times each round's batches alone give."""
+    medians: dict[int, list[float]] = {streams: [] for streams in STREAMS}
     ratios: list[float] = []  # each gap over its batch's median gap
     context = STREAM_PROMPT_TOKENS + STREAM_OUTPUT_TOKENS // 2  # a decode's keys, mid-run
     tokens = STREAM_OUTPUT_TOKENS
-    for streams in STREAMS:
-        prompts = [worker.prompt(STREAM_PROMPT_TOKENS) for _ in range(streams)]
-        with ThreadPoolExecutor(streams) as pool:
-            times = list(
-                pool.map(lambda p: stream_times(worker.url, p, worker.headers, tokens), prompts)
-            )
-        gaps = [float(gap) for t in times for gap in np.diff(t[STREAM_SKIP_GAPS:])]
-        typical = statistics.median(gaps)
-        ratios += [gap / typical for gap in gaps]
-        step = StepFeatures(decode_tokens=streams, decode_keys=streams * context)
-        points.append((streams, typical - cost.seconds(step)))
+    rounds: list[tuple[float, float]] = []
+    for round_ in range(SERVING_ROUNDS):
+        points: list[tuple[int, float]] = []
+        for streams in STREAMS if round_ % 2 == 0 else STREAMS[::-1]:
+            prompts = [worker.prompt(STREAM_PROMPT_TOKENS) for _ in range(streams)]
+            with ThreadPoolExecutor(streams) as pool:
+                times = list(pool.map(
+                    lambda p: stream_times(worker.url, p, worker.headers, tokens), prompts
+                ))  # fmt: skip
+            gaps = [float(gap) for t in times for gap in np.diff(t[STREAM_SKIP_GAPS:])]
+            typical = statistics.median(gaps)
+            ratios += [gap / typical for gap in gaps]
+            step = StepFeatures(decode_tokens=streams, decode_keys=streams * context)
+            medians[streams].append(typical - cost.seconds(step))
+            points.append((streams, medians[streams][-1]))
+        rounds.append(_non_negative_line(points))
+    points = [(streams, statistics.median(beyond)) for streams, beyond in medians.items()]
     fixed, per_token = _non_negative_line(points)
+    spreads = {
+        "serving.fixed_s": Spread(rounds=tuple(fixed for fixed, _ in rounds)),
+        "serving.per_token_s": Spread(rounds=tuple(per_token for _, per_token in rounds)),
+    }
     return ServingOverhead(
         fixed_s=fixed, per_token_s=per_token, samples=tuple((n, float(s)) for n, s in points),
         spread=StepSpread.of(ratios),
-    )  # fmt: skip
+    ), spreads  # fmt: skip
 
 
 def _with_mixed_factor(
     serving: ServingOverhead, worker: _Streamed, cost: StepCost
-) -> ServingOverhead:
+) -> tuple[ServingOverhead, Spread, Spread]:
     """`serving` with the mixed factor: prompts of MIXED_PROMPTS tokens sent one at a
-    time (one token each) while streams decode; the step that carries each is the
-    streams' longest gap from the prompt's sending to its answer, and that gap less
-    what serving adds to a step, over the step-cost model's compute of it, is the
-    prompt's sample. The factor is the samples' median."""
+    time (one token each) while streams decode; each step of that time that ran one
+    of their chunks, what it took (less what every step takes beyond the model) over
+    the step-cost model's compute of it, is a sample (`step_log`). The factor is the
+    samples' median; each of the MIXED_ROUNDS rounds of prompts gives one too, its
+    spread."""
     stop = threading.Event()
-    context = STREAM_PROMPT_TOKENS + MIXED_OUTPUT_TOKENS // 2  # a decode's keys, mid-run
 
-    def stream_on(seed: int) -> list[float]:
+    def stream_on(seed: int) -> None:
         stream_rng = np.random.default_rng(seed)
-        times: list[float] = []
         while not stop.is_set():
             prompt = stream_rng.integers(FIRST_PROMPT_TOKEN_ID, worker.vocab, STREAM_PROMPT_TOKENS)
-            answer = stream_times(worker.url, prompt.tolist(), worker.headers, MIXED_OUTPUT_TOKENS)
-            times += [math.nan, *answer]
-        return times
+            stream_times(worker.url, prompt.tolist(), worker.headers, MIXED_OUTPUT_TOKENS)
 
-    sent: list[tuple[int, float, float]] = []  # (prompt tokens, sent, answered)
     with ThreadPoolExecutor(MIXED_STREAMS) as pool:
         streams = [pool.submit(stream_on, seed) for seed in range(MIXED_STREAMS)]
         try:
             time.sleep(MIXED_WARM_UP_S)
-            for _ in range(REPEATS):
+            offsets = []  # where each round's lines begin in the log
+            for _ in range(MIXED_ROUNDS):
+                offsets.append(worker.log.stat().st_size)
                 for length in MIXED_PROMPTS:
-                    prompt = worker.prompt(length)
-                    started = time.perf_counter()
-                    answered = started + _first_token_s(worker.url, prompt, worker.headers)
-                    sent.append((length, started, answered))
+                    _first_token_s(worker.url, worker.prompt(length), worker.headers)
+            time.sleep(MIXED_SLACK_S)  # the last step's lines reach the log
+            logged = worker.log.read_bytes()
         finally:
             stop.set()
-        events = [stream.result() for stream in streams]
-    samples: list[tuple[int, float]] = []
-    for length, start, end in sent:
-        gap = mixed_gap(events, start, end + MIXED_SLACK_S)
-        step = StepFeatures(MIXED_STREAMS, length, MIXED_STREAMS * context, length**2)
-        if gap is not None:
-            samples.append((length, (gap - serving.seconds(MIXED_STREAMS)) / cost.seconds(step)))
+        for stream in streams:
+            stream.result()
+    # The streams' own prompts are shorter than any of MIXED_PROMPTS.
+    logs = [
+        read_steps(logged[begin:end].decode(errors="replace"))
+        for begin, end in itertools.pairwise([*offsets, len(logged)])
+    ]
+    # What every step takes beyond the model, over all the rounds' decode-only steps
+    # (a round's few move it by milliseconds), taken off each prompt step; per round
+    # beside the factor's own spread, it says whether the worker's steps moved it.
+    every_step_s = decode_steps_beyond([step for steps in logs for step in steps], cost)
+    rounds = [prompt_step_samples(steps, cost, min(MIXED_PROMPTS), every_step_s) for steps in logs]
+    beyond = Spread(rounds=tuple(decode_steps_beyond(steps, cost) for steps in logs))
+    samples = tuple(sample for round_ in rounds for sample in round_)
+    spread = Spread(rounds=tuple(
+        statistics.median(ratio for _, ratio in round_) for round_ in rounds if round_
+    ))  # fmt: skip
     if not samples:
-        return serving
+        return serving, spread, beyond
     factor = max(1e-3, statistics.median(ratio for _, ratio in samples))
-    return serving.model_copy(update={"mixed_factor": factor, "mixed_samples": tuple(samples)})
-
-
-def mixed_gap(streams: Sequence[Sequence[float]], start: float, end: float) -> float | None:
-    """The median over streams of each one's longest gap between events that ends in
-    (`start`, `end`]: the step that carried a prompt sent at `start` and answered by
-    `end`. A NaN in a stream's events marks where it started a new request (no gap
-    across it). None: no stream saw one."""
-    longest: list[float] = []
-    for times in streams:
-        gaps = [
-            later - earlier
-            for earlier, later in itertools.pairwise(times)
-            if start < later <= end and not math.isnan(earlier)
-        ]
-        if gaps:
-            longest.append(max(gaps))
-    return statistics.median(longest) if longest else None
+    updated = serving.model_copy(update={"mixed_factor": factor, "mixed_samples": samples})
+    return updated, spread, beyond
 
 
 def _fit_handoff(points: Sequence[tuple[int, float]], backend: str) -> HandoffCost:

@@ -6,7 +6,7 @@ import json
 import os
 import platform
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import metadata
@@ -17,8 +17,8 @@ import torch
 from pdserve.workers.engine.engine import LLMEngine
 from pdserve.workers.engine.runner import resolve_kv_dtype
 from pdserve.workers.plan.contention import measure_contention
-from pdserve.workers.plan.costs import Profile
-from pdserve.workers.plan.fit import fit_with_error
+from pdserve.workers.plan.costs import Profile, Spread, StepCost
+from pdserve.workers.plan.fit import fit_with_error, round_costs
 from pdserve.workers.plan.pair import PairSetup, measure_pair
 from pdserve.workers.plan.scenario import role_setup
 from pdserve.workers.plan.sweep import DESIGNS, Sweep, worker_threads
@@ -47,6 +47,7 @@ def profile_model(run: ProfileRun, progress: Callable[[str], None] = lambda line
     with worker_threads(setup) as threads:
         measured = Sweep(engine).run(DESIGNS[run.sweep], progress)
     cost, fit = fit_with_error(measured)
+    spreads = cost_spreads(round_costs(measured, fit.paced))
     cores = machine_cores()
     profile = Profile(
         created=datetime.now(UTC).isoformat(timespec="seconds"),
@@ -63,10 +64,12 @@ def profile_model(run: ProfileRun, progress: Callable[[str], None] = lambda line
         steps=tuple(sample for _, sample in measured),
     )
     if run.contention:
-        contention = measure_contention(
+        contention, levels = measure_contention(
             run.model, run.worker_args, cores, threads, DESIGNS[run.sweep].together_s, progress
         )
+        spreads.update(levels)
         profile = profile.model_copy(update={"contention": contention})
+    profile = profile.model_copy(update={"spreads": dict(spreads)})
     if not run.handoff:
         return profile
     itemsize = resolve_kv_dtype(setup.engine, engine.model_config).itemsize
@@ -95,8 +98,17 @@ def profile_model(run: ProfileRun, progress: Callable[[str], None] = lambda line
             "serving": figures.serving,
             "startup_s": figures.startup_s,
             "clients": figures.clients,
+            "spreads": {**spreads, **figures.spreads},
         }
     )
+
+
+def cost_spreads(costs: Sequence[StepCost]) -> dict[str, Spread]:
+    """Each step cost's value in each round's fit, by its name in the file."""
+    return {
+        f"step_cost.{name}": Spread(rounds=tuple(getattr(cost, name) for cost in costs))
+        for name in StepCost.model_fields
+    }
 
 
 def machine_cores() -> int:

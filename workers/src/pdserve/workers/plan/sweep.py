@@ -9,9 +9,14 @@ one, under the worker's flags; only each step's budget is set by the sweep.
 
 A machine's pace drifts while the sweep runs (other processes come and go), and the
 batches are measured one after another, so a drift would read as a cost of whatever
-the batch measured then. Before and after each batch the sweep times one reference
-step (a lone prefill chunk), and each step records the reference time beside it: the
-fit brings every step to the machine's typical pace (`fit`).
+the batch measured then: in one pass in the grid's order, the later contexts and the
+larger batches would take the machine's slow minutes as their own cost. So the sweep
+runs in rounds, each visiting every point once, the batches and their points in an
+order drawn afresh each round (seeded): a drift falls on different points in each
+round, and the fit takes each point's median over the rounds (`fit`). Before and
+after each batch the sweep also times one reference step (a lone prefill chunk), and
+each step records the reference time beside it: the fit may bring every step to the
+machine's typical pace.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -37,6 +42,7 @@ from pdserve.workers.server.worker import torch_threads
 WARM_UP_STEPS = 4
 REPEAT_ROOM = 256  # tokens a repeated batch decodes before it is made again
 REFERENCE_REPEATS = 3  # reference steps timed before and after each batch (the median)
+BUILD_BUDGET = 512  # the least token budget a batch's prompts are prefilled under
 
 
 @dataclass(frozen=True)
@@ -47,16 +53,26 @@ class SweepDesign:
     decodes: tuple[int, ...]
     prefills: tuple[int, ...]
     starts: tuple[int, ...]
-    repeats: int
+    repeats: int  # steps of each point per round
     together_s: float = 4.0  # workers step together this long at each level (`contention`)
+    rounds: int = 1  # passes over the whole grid, each in an order of its own
     # The reference step: a lone chunk of this many prompt tokens, no decodes.
     reference_prefill: int = 64
 
 
 DESIGNS = {
-    "quick": SweepDesign((32, 128), (0, 4), (0, 32), (0, 64), 2, together_s=1.0),
-    "full": SweepDesign((64, 256, 1024), (0, 1, 4, 16, 32), (0, 32, 128, 512), (0, 512), 3),
+    "quick": SweepDesign((32, 128), (0, 4), (0, 32), (0, 64), 1, together_s=1.5, rounds=2),
+    "full": SweepDesign(
+        (64, 256, 1024),
+        (0, 1, 4, 16, 32),
+        (0, 32, 128, 512),
+        (0, 512),
+        1,
+        together_s=6.0,
+        rounds=3,
+    ),
 }
+Batch = tuple[int, int]  # (context, decodes): the decodes a point's steps run beside
 
 
 @dataclass(frozen=True)
@@ -91,9 +107,33 @@ def design_points(design: SweepDesign, engine: LLMEngine) -> Iterator[SweepPoint
                         yield SweepPoint(context, decodes, prefill, start)
 
 
+def measurement_order(
+    points: Sequence[SweepPoint], rounds: int, seed: int = 0
+) -> list[tuple[int, Batch, list[SweepPoint]]]:
+    """The order the sweep measures `points` in: `rounds` rounds, each visiting every
+    batch once and each of its points, both in an order drawn for the round: (round,
+    batch, its points in order)."""
+    rng = np.random.default_rng(seed)
+    batches = sorted({(p.context, p.decodes) for p in points})
+    order = []
+    for round_ in range(rounds):
+        for index in rng.permutation(len(batches)):
+            batch = batches[int(index)]
+            mine = [p for p in points if (p.context, p.decodes) == batch]
+            order.append((round_, batch, [mine[int(i)] for i in rng.permutation(len(mine))]))
+    return order
+
+
 def decode_steps(design: SweepDesign) -> int:
-    """The most steps a decode batch runs for: two per measurement, and a margin."""
-    return 2 * len(design.prefills) * len(design.starts) * design.repeats + 16
+    """The most steps a decode batch runs for: while its later requests are prefilled
+    (the first ones decode meanwhile), two per measurement, and a margin. A batch that
+    ran out of tokens before its points were measured would measure fewer decodes."""
+    building = max(
+        -(-decodes * context // max(BUILD_BUDGET, context))
+        for context in design.contexts
+        for decodes in design.decodes
+    )
+    return building + 2 * len(design.prefills) * len(design.starts) * design.repeats + 16
 
 
 class Sweep:
@@ -109,23 +149,24 @@ class Sweep:
     def run(
         self, design: SweepDesign, progress: Callable[[str], None] = lambda line: None
     ) -> list[tuple[SweepPoint, StepSample]]:
-        """Every point measured `repeats` times, batch by batch."""
+        """Every point measured `repeats` times a round, batch by batch, in the
+        rounds' order (`measurement_order`)."""
         points = list(design_points(design, self.engine))
         self._decode_room = decode_steps(design)
         self._warm_up()
         samples: list[tuple[SweepPoint, StepSample]] = []
-        for batch in sorted({(p.context, p.decodes) for p in points}):
+        for round_, batch, batch_points in measurement_order(points, design.rounds):
             before = self._reference_s(design)
             running = self._decoding(*batch)
             measured: list[tuple[SweepPoint, StepSample]] = []
-            for point in (p for p in points if (p.context, p.decodes) == batch):
+            for point in batch_points:
                 measured += [(point, self._measure(point)) for _ in range(design.repeats)]
             for request_id in running:
                 self.engine.abort(request_id)
-            pace = {"reference_s": (before + self._reference_s(design)) / 2}
-            samples += [(point, sample.model_copy(update=pace)) for point, sample in measured]
-            progress(f"profile: {len(samples)} steps measured (context {batch[0]}, "
-                     f"{batch[1]} decodes)")  # fmt: skip
+            tags = {"reference_s": (before + self._reference_s(design)) / 2, "round": round_}
+            samples += [(point, sample.model_copy(update=tags)) for point, sample in measured]
+            progress(f"profile: {len(samples)} steps measured (round {round_ + 1}, "
+                     f"context {batch[0]}, {batch[1]} decodes)")  # fmt: skip
         return samples
 
     def repeat(self, point: SweepPoint, seconds: float) -> list[tuple[float, float]]:
@@ -166,7 +207,7 @@ class Sweep:
         while any(r.is_prefilling for r in self.engine.scheduler.running) or (
             self.engine.scheduler.waiting
         ):
-            self._step(max(512, context))
+            self._step(max(BUILD_BUDGET, context))
         return ids
 
     def _measure(self, point: SweepPoint) -> StepSample:
