@@ -62,7 +62,7 @@ def _operator(args: argparse.Namespace) -> int:
 
 
 def _local(args: argparse.Namespace) -> int:
-    from pdserve.operator.local.pool import Monitoring, serve
+    from pdserve.operator.local.main import Monitoring, serve
 
     options = options_from(args, LocalOptions)
     monitoring = Monitoring(options.prometheus, options.scrape_interval, options.prometheus_url)
