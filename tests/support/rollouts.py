@@ -11,7 +11,8 @@ from typing import Any
 import yaml
 
 from pdserve.operator import api
-from pdserve.operator.local.pool import LocalPool, Monitoring, watched
+from pdserve.operator.local.main import Monitoring, watched
+from pdserve.operator.local.pool import LocalPool
 from pdserve.operator.local.rollout import LocalRollouts, rolling_out
 from pdserve.workers.faults import Fault, environment
 from support.prometheus import SCRAPE_INTERVAL_S

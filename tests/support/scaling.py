@@ -14,7 +14,8 @@ from typing import Any
 import aiohttp
 
 from pdserve.operator import api
-from pdserve.operator.local.pool import LocalPool, Monitoring, watched
+from pdserve.operator.local.main import Monitoring, watched
+from pdserve.operator.local.pool import LocalPool
 from pdserve.operator.local.scaling import STATUS_FILE, LocalScaler, read_status
 from pdserve.operator.scaling.promql import PoolQueries
 from pdserve.workers.faults import Fault, environment

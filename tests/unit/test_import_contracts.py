@@ -74,6 +74,26 @@ def test_the_contracts_hold(tree: Path) -> None:
             "import pdserve.workers.engine.config",
             "operator and workers are independent",
         ),
+        (
+            "operator/src/pdserve/operator/controller/handlers.py",
+            "import pdserve.operator.cli",
+            "operator: cli above main above the handlers above options",
+        ),
+        (
+            "operator/src/pdserve/operator/local/pool.py",
+            "import pdserve.operator.local.rollout",
+            "local pool: main above rollout above pool",
+        ),
+        (
+            "workers/src/pdserve/workers/network/guard.py",
+            "import pdserve.workers.network.bodies",
+            "network: the servers above bodies above connection above guard",
+        ),
+        (
+            "workers/src/pdserve/workers/router/discovery.py",
+            "import pdserve.workers.router.kubernetes",
+            "router: app above kubernetes above discovery",
+        ),
     ],
 )
 def test_a_forbidden_import_breaks_its_contract(

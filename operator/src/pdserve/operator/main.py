@@ -12,9 +12,9 @@ from aiohttp import web
 
 from pdserve.base.ports import announce_port
 from pdserve.operator import metrics
-from pdserve.operator.cli import OperatorOptions
 from pdserve.operator.controller.kube import ConfigError, Credentials, load_credentials
 from pdserve.operator.identity import own_identity
+from pdserve.operator.options import OperatorOptions
 
 
 class _QuietWatchHandlers(logging.Filter):

@@ -24,13 +24,13 @@ from typing import Any, cast
 import kopf
 
 from pdserve.operator import api, metrics, render
-from pdserve.operator.cli import OperatorOptions
 from pdserve.operator.controller import kube
 from pdserve.operator.controller.cache import ClusterCache, PoolKey, cached_copy, pool_key
 from pdserve.operator.controller.child_events import Changed, ChildEvents
 from pdserve.operator.controller.kube import ApiError, Credentials, KubeClient
 from pdserve.operator.controller.reconcile import Reconciler
 from pdserve.operator.controller.resync import Resync, backoff
+from pdserve.operator.options import OperatorOptions
 from pdserve.operator.rollout import events as rollout_events
 from pdserve.operator.rollout.loop import Rollouts
 from pdserve.operator.scaling.autoscaler import Autoscaler

@@ -10,16 +10,13 @@ for as long as it takes to arrive. The handler then reads the body from memory."
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from pdserve.protocol.api_errors import APIError
 from pdserve.workers.network.connection import GuardedRequestHandler
-
-if TYPE_CHECKING:
-    from pdserve.workers.network.guard import NetworkGuard
+from pdserve.workers.network.guard import NetworkGuard
 
 RETRY_AFTER_S = 1
 # The error codes of the refusals that mean "busy, retry": a router retries them on

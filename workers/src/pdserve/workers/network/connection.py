@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-if TYPE_CHECKING:
-    from pdserve.workers.network.guard import NetworkGuard
-    from pdserve.workers.network.metrics import Refusal
+from pdserve.workers.network.guard import NetworkGuard
+from pdserve.workers.network.metrics import Refusal
 
 log = logging.getLogger(__name__)
 

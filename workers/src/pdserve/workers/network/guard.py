@@ -1,13 +1,11 @@
 """The network limits of one server and what they count: the connections open, the
 bodies being received, and the metric of every refusal. Both servers make one at
-start-up, put its middleware innermost in their application, and listen with it
-(`site.listen`)."""
+start-up, put its middleware (`bodies.guard_middleware`) innermost in their
+application, and listen with it (`site.listen`). It sits below the protocol
+(`connection`) and the middleware (`bodies`) that enforce it, and imports neither."""
 
 from __future__ import annotations
 
-from aiohttp.typedefs import Middleware
-
-from pdserve.workers.network.bodies import guard_middleware
 from pdserve.workers.network.limits import NetworkLimits
 from pdserve.workers.network.metrics import NetworkMetrics
 
@@ -34,8 +32,3 @@ class NetworkGuard:
         """An admitted connection closed."""
         self.connections -= 1
         self.metrics.set_connections(self.connections)
-
-    def middleware(self) -> Middleware:
-        """Refuses requests on connections past the cap, and receives each request's
-        body within its deadline, within the cap on bodies at once (see `bodies`)."""
-        return guard_middleware(self)

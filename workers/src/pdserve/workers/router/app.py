@@ -31,13 +31,19 @@ from pdserve.protocol.models import ServedModel
 from pdserve.protocol.prompts import chat_prompt, completion_prompt
 from pdserve.protocol.requests import ChatCompletionRequest, CompletionRequest
 from pdserve.protocol.response_models import probe_answer
-from pdserve.protocol.routing import Role, RoutingFileError, RoutingTable, parse_table
+from pdserve.protocol.routing import (
+    KubernetesDiscovery,
+    Role,
+    RoutingFileError,
+    RoutingTable,
+    parse_table,
+)
 from pdserve.protocol.sampling import InvalidRequestError
 from pdserve.protocol.tokenization import TokenizationServing
 from pdserve.workers.model.tokenizer import Tokenizer
 from pdserve.workers.network.http1 import Answer, Request
 from pdserve.workers.router.auth import ApiKeys
-from pdserve.workers.router.discovery import DiscoverySource, source_for
+from pdserve.workers.router.discovery import DiscoverySource, StaticSource
 from pdserve.workers.router.kv_scoring import KVPrompt
 from pdserve.workers.router.kv_subscriber import KVFeeds
 from pdserve.workers.router.metrics import RouterMetrics
@@ -220,7 +226,7 @@ class RouterServer:
         """Start (or restart) finding workers as the table says."""
         if self._discovery is not None:
             self._discovery[1].cancel()
-        source = source_for(self.table, self.kubeconfig)
+        source = _source_for(self.table, self.kubeconfig)
         task = asyncio.create_task(source.run(self._discovered), name="discovery")
         task.add_done_callback(_log_end)
         self._discovery = (source, task)
@@ -309,3 +315,13 @@ def _context_length(model_dir: str) -> int | None:
 def _log_end(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("%s stopped: %r", task.get_name(), task.exception())
+
+
+def _source_for(table: RoutingTable, kubeconfig: Path | None) -> DiscoverySource:
+    """The discovery source the table names (Kubernetes' client loaded only for it)."""
+    config = table.discovery
+    if isinstance(config, KubernetesDiscovery):
+        from pdserve.workers.router.kubernetes import EndpointSliceSource, load_access
+
+        return EndpointSliceSource(load_access(kubeconfig), config)
+    return StaticSource(config)

@@ -1,16 +1,16 @@
-"""Finding the pool's workers: a static list (the local pool), or the EndpointSlices
-of the pool's prefill and decode Services in Kubernetes, watched (see `kubernetes`).
-A source reports each role's current list of ready workers' URLs; `synced` is set once
-it has reported at least once."""
+"""Finding the pool's workers: a static list (the local pool, `StaticSource`), or the
+EndpointSlices of the pool's prefill and decode Services in Kubernetes, watched
+(`kubernetes`, which builds on this module's interface; `app` picks the source the
+routing table names). A source reports each role's current list of ready workers'
+URLs; `synced` is set once it has reported at least once."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from pathlib import Path
 from typing import Protocol
 
-from pdserve.protocol.routing import KubernetesDiscovery, Role, RoutingTable, StaticDiscovery
+from pdserve.protocol.routing import Role, StaticDiscovery
 
 # Called with a role and the full list of its ready workers' base URLs.
 Report = Callable[[Role, list[str]], None]
@@ -38,13 +38,3 @@ class StaticSource:
         report("prefill", list(self.config.prefill))
         self.synced.set()
         await asyncio.Event().wait()
-
-
-def source_for(table: RoutingTable, kubeconfig: Path | None) -> DiscoverySource:
-    """The discovery source the table names."""
-    config = table.discovery
-    if isinstance(config, KubernetesDiscovery):
-        from pdserve.workers.router.kubernetes import EndpointSliceSource, load_access
-
-        return EndpointSliceSource(load_access(kubeconfig), config)
-    return StaticSource(config)

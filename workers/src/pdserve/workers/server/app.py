@@ -24,6 +24,7 @@ from pdserve.protocol.openapi import (
 from pdserve.protocol.response_models import ProbeAnswer, probe_answer
 from pdserve.protocol.tokenization import TokenizationServing
 from pdserve.workers.handoff.prefill import PrefillService
+from pdserve.workers.network.bodies import guard_middleware
 from pdserve.workers.network.guard import NetworkGuard
 from pdserve.workers.server.drain import Drain
 from pdserve.workers.server.kv_feed import FEED_ENDPOINTS, KVFeed
@@ -85,7 +86,7 @@ class WorkerServer:
             self.load.middleware(),
         ]
         if guard is not None:
-            middlewares.append(guard.middleware())
+            middlewares.append(guard_middleware(guard))
         app = web.Application(middlewares=middlewares, client_max_size=self.max_body_size)
         app.router.add_post("/v1/completions", self.serving.completions)
         app.router.add_post("/v1/chat/completions", self.serving.chat_completions)
