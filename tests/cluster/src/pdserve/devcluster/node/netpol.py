@@ -5,13 +5,12 @@ in-cluster credentials), and a probe of whether this kernel can run it at all.""
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+import subprocess
+from typing import Any, Protocol
 
+from pdserve.devcluster.controlplane import DevCluster
 from pdserve.devcluster.node import configs
 from pdserve.devcluster.processes import ManagedProcess
-
-if TYPE_CHECKING:
-    from pdserve.devcluster.node.cluster import NodeCluster
 
 ACCOUNT = "kube-network-policies"
 NAMESPACE = "kube-system"
@@ -64,10 +63,29 @@ def _access_objects() -> list[dict[str, Any]]:
     ]
 
 
+class NodeHost(Protocol):
+    """What the enforcer needs of the node it runs on (the node's cluster, above it)."""
+
+    node_name: str
+
+    @property
+    def control_plane(self) -> DevCluster: ...
+
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None
+    ) -> subprocess.CompletedProcess[str]: ...
+
+    def run_on_node(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]: ...
+
+    def spawn_on_node(
+        self, name: str, args: list[str], env: dict[str, str] | None = None
+    ) -> ManagedProcess: ...
+
+
 class NetworkPolicyEnforcer:
     """kube-network-policies for one node."""
 
-    def __init__(self, cluster: NodeCluster, paths: configs.NodePaths) -> None:
+    def __init__(self, cluster: NodeHost, paths: configs.NodePaths) -> None:
         self._cluster = cluster
         self._paths = paths
         self.unsupported: str | None = None
