@@ -11,9 +11,10 @@ The most requests/s is the median of LOAD_ROUNDS short rounds per path, the path
 order reversed every other round (direct, pdserve, vllm-router, then vllm-router,
 pdserve, direct), and the verdict against the peer is the median of the rounds'
 ratios (pdserve's rate over vllm-router's in the same round). The machine is shared:
-with three 5-second rounds in one fixed order and their sum reported, the same two
-revisions came out 0.85x to 1.15x of the peer from run to run while their CPU per
-request hardly moved, as a burst of other work fell on one path's phase. Short
+with three 5-second rounds in one fixed order and their sum reported, the same
+revision came out 0.85x to 1.15x of the peer from run to run while its CPU per
+request stayed 1.08x to 1.23x the peer's: a burst of other work on the machine that
+falls on one path's phase moves the ratio more than the routers' own cost. Short
 rounds, paired within a round, in an order that puts neither router always right
 after the other, and medians let one disturbed round move the verdict no more than
 any other; each round's figures go to the JSON. Run with `make bench`."""
