@@ -3,7 +3,8 @@ working tree) side by side in front of one fake server that answers at once, wit
 vllm-router as the peer, measured as `test_router_overhead` measures (requests
 alternating between the paths, the load in alternating rounds). Each router's added
 P50/P99 and requests/s are printed as ratios to the first revision's, same run, with
-its CPU time per request; the rows go to a JSON file.
+its CPU time per request (`rnd/b`: the median over the load rounds of its requests/s
+over the first revision's in the same round); the rows go to a JSON file.
 
     python tests/bench/router_levers.py main=<rev> lean=<rev> head=WORKTREE --peer
 
@@ -89,14 +90,14 @@ def ratios(rows: list[dict[str, Any]]) -> None:
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = f"{'path':12s} {'P50':>7s} {'P99':>7s} {'+P50':>7s} {'+P99':>7s} {'req/s':>6s} "
-    head += f"{'+P50/b':>7s} {'+P99/b':>7s} {'rps/b':>6s} {'cpu us/req':>10s}"
+    head += f"{'+P50/b':>7s} {'+P99/b':>7s} {'rps/b':>6s} {'rnd/b':>6s} {'cpu us/req':>10s}"
     lines = [head]
     for r in rows:
         cpu = r["cpu_us_per_request"]
         lines.append(
             f"{r['path']:12s} {r['p50_ms']:7.3f} {r['p99_ms']:7.3f} {r['added_p50_ms']:7.3f} "
             f"{r['added_p99_ms']:7.3f} {r['max_req_per_s']:6.0f} {r['p50_vs_base']:7.2f} "
-            f"{r['p99_vs_base']:7.2f} {r['rps_vs_base']:6.2f} "
+            f"{r['p99_vs_base']:7.2f} {r['rps_vs_base']:6.2f} {r['median_round_ratio']:6.3f} "
             + (f"{cpu:10.0f}" if cpu is not None else f"{'-':>10s}")
         )
     return "\n".join(lines)

@@ -6,7 +6,18 @@ robin) runs beside pdserve's router as the peer. Requests to all paths alternate
 the load runs in alternating rounds, so drifts in the machine's load hit all alike.
 The prompt is text, so pdserve's router tokenizes it (and scores the workers KV-aware,
 its default policy); each router's CPU time per request is read from /proc.
-Run with `make bench`."""
+
+The most requests/s is the median of LOAD_ROUNDS short rounds per path, the paths'
+order reversed every other round (direct, pdserve, vllm-router, then vllm-router,
+pdserve, direct), and the verdict against the peer is the median of the rounds'
+ratios (pdserve's rate over vllm-router's in the same round). The machine is shared:
+with three 5-second rounds in one fixed order and their sum reported, the same
+revision came out 0.85x to 1.15x of the peer from run to run while its CPU per
+request stayed 1.08x to 1.23x the peer's: a burst of other work on the machine that
+falls on one path's phase moves the ratio more than the routers' own cost. Short
+rounds, paired within a round, in an order that puts neither router always right
+after the other, and medians let one disturbed round move the verdict no more than
+any other; each round's figures go to the JSON. Run with `make bench`."""
 
 from __future__ import annotations
 
@@ -37,8 +48,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 SEQUENTIAL = 300  # requests per path, one at a time
 CONCURRENCY = 16
-LOAD_SECONDS = 15.0  # per path, in LOAD_ROUNDS alternating rounds
-LOAD_ROUNDS = 3
+LOAD_SECONDS = 18.0  # per path, in LOAD_ROUNDS alternating rounds
+LOAD_ROUNDS = 6  # even: each path comes first and last equally often
 PEER_GOAL_P50 = 1.5  # pdserve's added P50 at most this times vllm-router's
 PROMPT = "the quick brown fox jumps over the lazy dog while a cat sleeps on the warm mat"
 # Every request's prompt is a new text (a number at its end), so nothing the router
@@ -92,14 +103,16 @@ async def completed_in(url: str, seconds: float) -> int:
     return done
 
 
-def most_requests_per_second(urls: dict[str, str]) -> dict[str, float]:
-    """Completed requests/s of each path, its load split into alternating rounds."""
-    done = dict.fromkeys(urls, 0)
+def requests_per_second_rounds(urls: dict[str, str]) -> dict[str, list[float]]:
+    """Completed requests/s of each path in each of LOAD_ROUNDS rounds, the paths'
+    order reversed every other round."""
+    rates: dict[str, list[float]] = {name: [] for name in urls}
     seconds = LOAD_SECONDS / LOAD_ROUNDS
-    for _ in range(LOAD_ROUNDS):
-        for name, url in urls.items():
-            done[name] += asyncio.run(completed_in(url, seconds))
-    return {name: count / LOAD_SECONDS for name, count in done.items()}
+    names = list(urls)
+    for round_number in range(LOAD_ROUNDS):
+        for name in names if round_number % 2 == 0 else names[::-1]:
+            rates[name].append(asyncio.run(completed_in(urls[name], seconds)) / seconds)
+    return rates
 
 
 def measure(
@@ -110,21 +123,30 @@ def measure(
     pids = pids or {}
     before = {path: cpu_seconds(pid) for path, pid in pids.items()}
     seen = asyncio.run(latencies(urls))
-    rates = most_requests_per_second(urls)
+    rounds = requests_per_second_rounds(urls)
     after = {path: cpu_seconds(pid) for path, pid in pids.items()}
     rows = []
     for path in urls:
         p50, p99 = np.percentile(seen[path], [50, 99]) * 1000
-        served = SEQUENTIAL + 1 + rates[path] * LOAD_SECONDS
+        served = SEQUENTIAL + 1 + float(np.mean(rounds[path])) * LOAD_SECONDS
         start, end = before.get(path), after.get(path)
         cpu_us = None if start is None or end is None else (end - start) / served * 1e6
         rows.append({"upstream": upstream, "path": path, "p50_ms": p50, "p99_ms": p99,
-                     "max_req_per_s": rates[path], "cpu_us_per_request": cpu_us})  # fmt: skip
+                     "max_req_per_s": float(np.median(rounds[path])),
+                     "cpu_us_per_request": cpu_us})  # fmt: skip
     direct_row = rows[0]
     for row in rows:
         row["added_p50_ms"] = row["p50_ms"] - direct_row["p50_ms"]
         row["added_p99_ms"] = row["p99_ms"] - direct_row["p99_ms"]
         row["req_per_s_vs_direct"] = row["max_req_per_s"] / direct_row["max_req_per_s"]
+        # Each round's rate, and its ratio to the first router's in the same round (the
+        # paired figure the verdict against the peer is the median of).
+        row["req_per_s_rounds"] = [round(rate, 1) for rate in rounds[row["path"]]]
+        if len(rows) > 1:
+            base = rounds[rows[1]["path"]]
+            ratios = [rate / of for rate, of in zip(rounds[row["path"]], base, strict=True)]
+            row["rounds_vs_first_router"] = [round(ratio, 3) for ratio in ratios]
+            row["median_round_ratio"] = float(np.median(ratios))
     assert all(row["req_per_s_vs_direct"] > 0 for row in rows)
     return rows
 
@@ -207,7 +229,9 @@ def test_router_overhead(tiny_model_dir: Path, tmp_path: Path) -> None:
          "load_seconds_per_path": LOAD_SECONDS, "load_rounds": LOAD_ROUNDS,
          "request": "a 17-word text prompt ending in a number of its own, 4 tokens streamed",
          "pdserve_router": "tokenizes the prompt and scores workers (KV-aware) as served",
-         "goal": f"added P50 <= {PEER_GOAL_P50}x vllm-router's, req/s >= vllm-router's",
+         "goal": f"added P50 <= {PEER_GOAL_P50}x vllm-router's, req/s >= vllm-router's "
+                 "(the median of the rounds' paired ratios)",
+         "peer_round_ratio": peer_round_ratio(rows) if peer is not None else None,
          "goal_met": goal_met(rows)},
     )  # fmt: skip
 
@@ -218,7 +242,16 @@ def goal_met(rows: list[dict[str, Any]]) -> bool | None:
     if "vllm-router" not in fake:
         return None
     ours, peer = fake["pdserve"], fake["vllm-router"]
+    # Requests/s: the median of the rounds' paired ratios (see the module's docstring).
     return bool(
         ours["added_p50_ms"] <= PEER_GOAL_P50 * max(peer["added_p50_ms"], 0.0)
-        and ours["max_req_per_s"] >= peer["max_req_per_s"]
+        and peer_round_ratio(rows) >= 1.0
     )
+
+
+def peer_round_ratio(rows: list[dict[str, Any]]) -> float:
+    """The median over the load rounds of pdserve's requests/s over vllm-router's in
+    the same round."""
+    fake = {row["path"]: row for row in rows if row["upstream"] == "fake server"}
+    ours, peer = fake["pdserve"]["req_per_s_rounds"], fake["vllm-router"]["req_per_s_rounds"]
+    return float(np.median([mine / theirs for mine, theirs in zip(ours, peer, strict=True)]))

@@ -194,6 +194,38 @@ def test_reading_the_bytes_counts_as_parsing_every_event(separators: tuple[str, 
             assert (tokens.done, tokens.error is not None) == (done, error)
 
 
+def test_a_read_of_whole_events_counts_as_reading_it_line_by_line() -> None:
+    """A read that is whole `data:` events (parsed without a loop over its lines) counts
+    as the same bytes fed a byte at a time: payloads that are no JSON object alone,
+    [DONE] amid events, NaN, stray white space and other lines among them."""
+    whole = [
+        chunk("a"),
+        chunk("b", token_ids=[1, 2]),
+        chunk("c", index=1),
+        chunk("d", logprobs={"token_logprobs": [float("-inf")]}),
+        chunk("", finish_reason="stop"),
+        b"data: 1,2\n\n",
+        b'data: {"choices": [{"index": 0, "text": "q"}]},[2\n\n',
+        b"data: 3]\n\n",
+        b"data: [DONE]\n\n",
+        b'data:  {"choices": [{"index": 0, "text": "w"}]} \n\n',
+        b'data: {"choices": [{"index": 0, "text": "v"}]}\x0c\n\n',
+        b'data: {"error": {"message": "failed"}}\n\n',
+        b": a comment\n\n",
+        b'data: {"choices": [{"index": 0,\n"text": "m"}]}\n\n',  # JSON only across lines
+        b"data: \n\n",
+    ]
+    for first in range(len(whole)):
+        for size in (1, 2, 3, 5):
+            read = b"".join(whole[first : first + size])
+            at_once, byte_by_byte = TokenStream(), TokenStream()
+            at_once.feed(read, 1.0)
+            for at in range(len(read)):
+                byte_by_byte.feed(read[at : at + 1], 1.0)
+            assert at_once.choices == byte_by_byte.choices, read
+            assert (at_once.done, at_once.error) == (byte_by_byte.done, byte_by_byte.error)
+
+
 def test_a_stream_ended_by_an_error_event() -> None:
     tokens = TokenStream()
     tokens.feed(chunk("a") + error_event("the worker failed", "worker_failed"), 1.0)

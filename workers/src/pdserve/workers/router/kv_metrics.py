@@ -117,17 +117,18 @@ class KVRoutingMetrics:
         if actual is None:
             result = "unknown"
         else:
-            self._child(self.actual_hits, target).inc(actual)
+            self._child(self.actual_hits, target, "").inc(actual)
             result = "exact" if actual == predicted else "over" if predicted > actual else "under"
-        self._child(self.predictions, target, result=result).inc()
+        self._child(self.predictions, target, result).inc()
 
-    def _child(self, counter: PlainCounter, target: str, **extra: str) -> CounterChild:
+    def _child(self, counter: PlainCounter, target: str, result: str) -> CounterChild:
         """The child of a per-request counter, bound once (a label lookup per request
-        costs more than the count)."""
-        key = (counter, target, *extra.values())
+        costs more than the count); `result`: its result label ("": none)."""
+        key = (counter, target, result)
         child = self._bound.get(key)
         if child is None:
-            child = self._bound[key] = counter.labels(**self._labels(target, **extra))
+            labels = self._labels(target, result=result) if result else self._labels(target)
+            child = self._bound[key] = counter.labels(**labels)
         return child
 
     def decided_mode(self, by_length: str, mode: str) -> None:

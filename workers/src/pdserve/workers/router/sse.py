@@ -50,31 +50,13 @@ class TokenStream:
 
     def feed(self, data: bytes, now: float) -> None:
         """Take bytes as they arrived at `now` (events may be split across reads)."""
-        pending = self._pending
-        *lines, self._pending = (pending + data if pending else data).split(b"\n")
+        events = None
+        if not self._pending and data.startswith(b"data: ") and data.endswith(b"\n\n"):
+            events = self._whole_events(data)
+        if events is None:
+            events = self._events(data)
         streams = self.choices
-        for line in lines:
-            # Most lines are an event's `data:` or the blank line ending it (what a
-            # line holds around them is white space to strip).
-            if not line:
-                continue
-            if not line.startswith(b"data:"):
-                line = line.strip()
-                if not line.startswith(b"data:"):
-                    continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                self.done = True
-                continue
-            # Every event is parsed, a token's too: orjson reads one in less than the
-            # patterns that once told a plain token event apart cost.
-            try:
-                event = _orjson_loads(payload)
-            except ValueError:  # NaN or Infinity (Python's encoder writes them), or no JSON
-                try:
-                    event = codec.loads(payload)
-                except ValueError:
-                    continue
+        for event in events:
             if not isinstance(event, dict):
                 continue
             if "error" in event:
@@ -100,6 +82,60 @@ class TokenStream:
                         times.append(now)
                     continue
                 self._choice(choice, index, times, now)
+
+    def _whole_events(self, data: bytes) -> list[Any] | None:
+        """The events of a read that is whole events, each a `data: ` line and a blank
+        line (as a worker writes them, and as they arrive together under load), parsed
+        without a Python loop over its lines; None for anything else (`_events` reads
+        it line by line, with the same result)."""
+        body = data[6:-2]
+        done = body.endswith(b"\n\ndata: [DONE]")
+        if done:
+            body = body[:-14]
+        elif body == b"[DONE]":
+            self.done = True
+            return []
+        payloads = body.split(b"\n\ndata: ")
+        if body.count(b"\n") != 2 * len(payloads) - 2:
+            return None  # other lines: comments, other fields, or an event's data in parts
+        try:
+            # Each payload parsed alone, as line by line: orjson takes the white space
+            # JSON allows around it (what it refuses, `_events` strips or refuses too).
+            events = list(map(_orjson_loads, payloads))
+        except ValueError:
+            return None
+        self.done = self.done or done
+        return events
+
+    def _events(self, data: bytes) -> list[Any]:
+        """The events of `data`, line by line, its unfinished last line kept for the
+        next read."""
+        pending = self._pending
+        *lines, self._pending = (pending + data if pending else data).split(b"\n")
+        events = []
+        for line in lines:
+            # Most lines are an event's `data:` or the blank line ending it (what a
+            # line holds around them is white space to strip).
+            if not line:
+                continue
+            if not line.startswith(b"data:"):
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                self.done = True
+                continue
+            # Every event is parsed, a token's too: orjson reads one in less than the
+            # patterns that once told a plain token event apart cost.
+            try:
+                events.append(_orjson_loads(payload))
+            except ValueError:  # NaN or Infinity (Python's encoder writes them), or no JSON
+                try:
+                    events.append(codec.loads(payload))
+                except ValueError:
+                    continue
+        return events
 
     def _choice(
         self, choice: dict[str, Any], index: int, times: list[float] | None, now: float
