@@ -94,6 +94,11 @@ def test_the_contracts_hold(tree: Path) -> None:
             "import pdserve.workers.router.kubernetes",
             "router: app above kubernetes above discovery",
         ),
+        (
+            "workers/src/pdserve/workers/router/outcome.py",
+            "import pdserve.workers.router.proxy",
+            "router: the forwarder above the outcome above the routed request",
+        ),
     ],
 )
 def test_a_forbidden_import_breaks_its_contract(

@@ -18,7 +18,8 @@ from pdserve.workers.router.kv_room import BatchRoom
 from pdserve.workers.router.kv_scoring import KVPrompt, KVScorer
 from pdserve.workers.router.kv_subscriber import Expected, KVFeeds
 from pdserve.workers.router.metrics import RouterMetrics
-from pdserve.workers.router.proxy import Forwarder, Outstanding, Routed
+from pdserve.workers.router.proxy import Forwarder, Outstanding
+from pdserve.workers.router.routed import Routed
 from pdserve.workers.router.upstream import Upstreams
 from pdserve.workers.router.workers import PublishedLoad, Worker, WorkerSet
 

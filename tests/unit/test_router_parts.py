@@ -30,7 +30,7 @@ from pdserve.workers.router.kubernetes import (
 )
 from pdserve.workers.router.metrics import RouterMetrics, meets_slo
 from pdserve.workers.router.outcome import RequestOutcome, counted
-from pdserve.workers.router.proxy import Routed
+from pdserve.workers.router.routed import Routed
 from pdserve.workers.router.sse import TokenStream, error_event
 
 

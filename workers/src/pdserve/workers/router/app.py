@@ -49,8 +49,9 @@ from pdserve.workers.router.kv_subscriber import KVFeeds
 from pdserve.workers.router.metrics import RouterMetrics
 from pdserve.workers.router.openapi import router_openapi
 from pdserve.workers.router.prompt_ids import with_prompt_ids
-from pdserve.workers.router.proxy import Forwarder, Routed
+from pdserve.workers.router.proxy import Forwarder
 from pdserve.workers.router.revisions import RevisionSplit
+from pdserve.workers.router.routed import Routed
 from pdserve.workers.router.routes import Routes
 from pdserve.workers.router.workers import WorkersAnswer, WorkerSet, WorkerState
 

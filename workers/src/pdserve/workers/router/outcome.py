@@ -14,15 +14,13 @@ from __future__ import annotations
 import asyncio
 import time
 from types import TracebackType
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pdserve.protocol.api_errors import APIError
 from pdserve.workers.network.http1 import Answer
 from pdserve.workers.router.metrics import RouterMetrics
+from pdserve.workers.router.routed import Routed
 from pdserve.workers.router.sse import TokenStream
-
-if TYPE_CHECKING:
-    from pdserve.workers.router.proxy import Routed
 
 Outcome = Literal["ok", "error", "invalid", "cancelled"]
 

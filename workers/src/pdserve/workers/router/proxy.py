@@ -36,14 +36,15 @@ from pdserve.protocol.headers import (
     REQUEST_ID_HEADER,
 )
 from pdserve.protocol.internal import bearer
-from pdserve.protocol.routing import Mode, Slo
+from pdserve.protocol.routing import Mode
 from pdserve.workers.network.bodies import BUSY_CODES
 from pdserve.workers.network.http1 import Answer, Request, StreamedAnswer
-from pdserve.workers.router.kv_scoring import KVPrompt, KVScorer
+from pdserve.workers.router.kv_scoring import KVScorer
 from pdserve.workers.router.metrics import RouterMetrics
 from pdserve.workers.router.outcome import RequestOutcome, counted
-from pdserve.workers.router.revisions import RevisionSplit, revision_of
-from pdserve.workers.router.sse import TokenStream, error_event
+from pdserve.workers.router.revisions import revision_of
+from pdserve.workers.router.routed import Routed
+from pdserve.workers.router.sse import error_event
 from pdserve.workers.router.upstream import UpstreamError, UpstreamResponse, Upstreams
 from pdserve.workers.router.workers import Worker, WorkerSet
 
@@ -60,35 +61,6 @@ END_WAIT_S = 10.0
 # headers are kept by (no lower() per lookup).
 _CACHED_TOKENS = CACHED_TOKENS_HEADER.lower()
 _MODE = MODE_HEADER.lower()
-
-
-@dataclass(slots=True)
-class Routed:
-    """A validated request and the path the routing table chose for it (not changed
-    once made; not frozen, as a frozen dataclass costs a call per field to make and
-    one is made for every request: by position, in the order of these fields)."""
-
-    path: str  # /v1/completions or /v1/chat/completions
-    body: bytes
-    stream: bool
-    prompt_tokens: int
-    bucket: str
-    mode: Mode
-    request_id: str  # the router's own
-    reply_id: str  # echoed to the client: its X-Request-Id, else the router's
-    arrival: float
-    slo: Slo
-    choices: int = 1  # n
-    echo_tokens: int = 0  # the prompt's tokens, when the answer echoes them
-    generates: bool = True  # False: max_tokens 0, the prompt scored, nothing generated
-    kv: KVPrompt | None = None  # its blocks, when the table routes KV-aware
-    split: RevisionSplit | None = None  # its revision, when a rollout splits the traffic
-    # The fingerprint of the tokenizer whose ids `body` carries (`prompt_ids`), if any.
-    tokenizer: str | None = None
-
-    def token_stream(self) -> TokenStream:
-        """A watcher of this request's relayed stream."""
-        return TokenStream(self.echo_tokens, self.generates)
 
 
 class _Retry(Exception):
