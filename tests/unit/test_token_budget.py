@@ -154,6 +154,22 @@ def test_a_model_that_learned_no_prefill_yet_takes_small_chunks() -> None:
     assert policy.budget(shape(0)) not in COLD_CHUNKS
 
 
+def test_a_cold_chunk_finishes_a_prompt_it_would_leave_a_little_of() -> None:
+    # Split in two, a short prompt's first token would come a step later for the sake
+    # of a model still learning: a cold chunk runs on to the end of a prompt whose rest
+    # lies within one more cold chunk, and no further.
+    policy = adaptive(StepCostModel())
+    short = (PrefillWork(0, 2 * COLD_CHUNK),)
+    assert policy.budget(shape(8, short)) - 8 == 2 * COLD_CHUNK
+    assert policy.budget(shape(0, short)) == 2 * COLD_CHUNK
+    longer = (PrefillWork(0, 2 * COLD_CHUNK + 1),)
+    assert policy.budget(shape(8, longer)) - 8 == COLD_CHUNK
+    # Behind a prompt it finishes, the next one's end counts from the step's start.
+    two = (PrefillWork(0, 100), PrefillWork(0, 2 * COLD_CHUNK))
+    assert policy.budget(shape(8, two)) - 8 == COLD_CHUNK
+    assert policy.budget(shape(8, (PrefillWork(0, 100), PrefillWork(0, 150)))) - 8 == 250
+
+
 def teach_alone(policy: AdaptiveBudget, model: StepCostModel, steps: Device) -> list[int]:
     """Prefill one long prompt with no decode running, in the chunks `policy` chooses,
     teaching `model` each step's time under `steps`, until the cold start is over; the

@@ -50,7 +50,13 @@ prompt tokens/s in 128-token chunks, 6,000-6,500 in 256-512), and one size every
 teaches the model nothing of how a step's time grows with its chunk: its fixed cost and
 its cost per token cannot be told apart, and the fastest chunk it then predicts is
 anything (taught by 128-token chunks alone: 170-850 tokens, by the three sizes:
-450-550, where the measured optimum is 256-512).
+450-550, where the measured optimum is 256-512). A cold chunk that would stop inside a
+prompt whose rest is within one more cold chunk runs to its end: split in two, a short
+prompt's first token would come a whole step later for the model's sake (beside
+decodes, every prompt of 129-256 tokens in a fresh worker's first 16 prefill steps: in
+the simulator with exact costs, the mixed shape's first requests' TTFT rose 15-30% and
+its TTFT P50 up to 5% over a static 512's). The step stays within twice the cold chunk,
+and beside decodes within what the target allows.
 
 The margin above sizes each step sized beside prompts as if it alone had to keep the
 target; but the P99 ITL a user measures is over every gap of every stream, those of
@@ -393,11 +399,12 @@ class AdaptiveBudget:
         The rate rises while the step's fixed cost dominates and falls once the chunk's
         attention does (the predicted time is convex in the tokens), so a ternary search
         finds its peak; a model that has learned from too few prefill steps gets
-        COLD_CHUNK beside decodes, the next of COLD_CHUNKS without."""
+        COLD_CHUNK beside decodes, the next of COLD_CHUNKS without, run on to the end
+        of a prompt within twice that."""
         learned = self.cost.prefill_steps
         if learned < COLD_PREFILL_STEPS:
             cold = COLD_CHUNKS[learned % len(COLD_CHUNKS)] if not shape.num_decodes else COLD_CHUNK
-            return min(room, cold)
+            return _to_prompt_end(shape, min(room, cold), min(room, 2 * cold))
         if self.cost.predict(shape.chunking_features(room)) <= 0:
             return room
 
@@ -433,6 +440,17 @@ class AdaptiveBudget:
             else:
                 high = middle
         return low
+
+
+def _to_prompt_end(shape: BatchShape, tokens: int, limit: int) -> int:
+    """`tokens` of prefill, or, where their last chunk stops inside a prompt whose end
+    lies within `limit` tokens in all, the tokens that finish it."""
+    chunks = shape._chunks(tokens)
+    if not chunks:
+        return tokens
+    work, chunk = chunks[-1]
+    end = tokens + work.remaining - chunk
+    return end if tokens < end <= limit else tokens
 
 
 def static_budget(config: SchedulerConfig, max_model_len: int) -> int:
