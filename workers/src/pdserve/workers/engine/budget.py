@@ -38,7 +38,9 @@ every stream and help nothing, so the policy stops at the fastest one. The rate 
 only the keys chunking adds: a chunk's tokens attend the prompt before it whatever the
 chunks (a prompt of n tokens reads n(n+1)/2 keys at best), so those keys are no cost
 of the chunk's size; what grows with it is the keys its tokens read of each other, as
-one chunk, where smaller chunks would have read them causally, about half.
+one chunk, where smaller chunks would have read them causally, about half. With no
+decode running, a chunk that would stop a little short of a prompt's end runs on to it
+where one step is predicted to finish the prompt sooner than two (`_fastest`).
 
 Until the model has learned from COLD_PREFILL_STEPS steps that computed prefill it
 knows nothing of what attention over a chunk costs, and would take the whole ceiling
