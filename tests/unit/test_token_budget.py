@@ -140,6 +140,46 @@ def test_no_chunk_is_larger_than_the_one_that_computes_prompts_fastest() -> None
     assert cpu.predict(shape(8).features(with_decodes + 100)) < 10.0
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_fastest_chunk_of_one_prompt_is_the_best_of_every_size(seed: int) -> None:
+    # One prompt waiting (most steps) finds the chunk at the highest rate from its
+    # closed form; it must be the chunk a look at every size would pick (ties to the
+    # larger).
+    rng = random.Random(seed)
+    step, key = rng.uniform(0.001, 0.02), rng.uniform(1e-9, 3e-7)
+    model = taught(device(step, rng.uniform(1e-4, 1e-3), rng.uniform(1e-5, 4e-4), 1e-7, key))
+    policy = AdaptiveBudget(10.0, 1, CEILING, model, clock=Clock())  # the target: loose
+    for decodes in (0, 1, 16):
+        for remaining in (40, 173, 245, 700, 3000):
+            one = shape(decodes, (PrefillWork(rng.randrange(0, 2000), remaining),))
+            room = CEILING - decodes
+
+            def rate(tokens: int, one: BatchShape = one) -> float:
+                features = one.chunking_features(tokens)
+                return features.prefill_tokens / model.predict(features)
+
+            best = max(range(1, room + 1), key=lambda tokens: (rate(tokens), tokens))
+            assert policy._peak(one, room) == best
+
+
+def test_with_no_decode_a_chunk_runs_on_to_a_prompts_end_if_that_is_sooner() -> None:
+    # On the CPU-like device the fastest chunk is 245 tokens (see above). With no decode
+    # running, a prompt a little longer finishes in one step: a second step's fixed
+    # cost (3 ms) is more than the keys the rest reads of the chunk (245 x 15 x 0.1 us).
+    # One much longer is cut at the fastest chunk: those keys (245 x 755 x 0.1 us) cost
+    # more than a step.
+    cpu = taught(cpu_seconds)
+    policy = adaptive(cpu)
+    fastest = policy.budget(shape(0))
+    assert fastest == pytest.approx(245, abs=3)
+    assert policy.budget(shape(0, (PrefillWork(0, fastest + 15),))) == fastest + 15
+    assert policy.budget(shape(0, (PrefillWork(0, 1000),))) == fastest
+    # Beside decodes the streams wait on the step: it stays at the fastest chunk.
+    loose = AdaptiveBudget(10.0, FLOOR, CEILING, cpu, clock=Clock())
+    beside = loose.budget(shape(8, (PrefillWork(0, 100_000),))) - 8
+    assert loose.budget(shape(8, (PrefillWork(0, beside + 15),))) - 8 == beside
+
+
 def test_a_model_that_learned_no_prefill_yet_takes_small_chunks() -> None:
     # Untaught, the model predicts no cost for attention over a chunk and would take the
     # whole ceiling at once, the slowest way to compute a long prompt on a CPU; until
@@ -152,6 +192,22 @@ def test_a_model_that_learned_no_prefill_yet_takes_small_chunks() -> None:
     taken = teach_alone(policy, model, cpu_seconds)
     assert taken == [COLD_CHUNKS[step % len(COLD_CHUNKS)] for step in range(COLD_PREFILL_STEPS)]
     assert policy.budget(shape(0)) not in COLD_CHUNKS
+
+
+def test_a_cold_chunk_finishes_a_prompt_it_would_leave_a_little_of() -> None:
+    # Split in two, a short prompt's first token would come a step later for the sake
+    # of a model still learning: a cold chunk runs on to the end of a prompt whose rest
+    # lies within one more cold chunk, and no further.
+    policy = adaptive(StepCostModel())
+    short = (PrefillWork(0, 2 * COLD_CHUNK),)
+    assert policy.budget(shape(8, short)) - 8 == 2 * COLD_CHUNK
+    assert policy.budget(shape(0, short)) == 2 * COLD_CHUNK
+    longer = (PrefillWork(0, 2 * COLD_CHUNK + 1),)
+    assert policy.budget(shape(8, longer)) - 8 == COLD_CHUNK
+    # Behind a prompt it finishes, the next one's end counts from the step's start.
+    two = (PrefillWork(0, 100), PrefillWork(0, 2 * COLD_CHUNK))
+    assert policy.budget(shape(8, two)) - 8 == COLD_CHUNK
+    assert policy.budget(shape(8, (PrefillWork(0, 100), PrefillWork(0, 150)))) - 8 == 250
 
 
 def teach_alone(policy: AdaptiveBudget, model: StepCostModel, steps: Device) -> list[int]:
