@@ -95,6 +95,11 @@ def test_the_contracts_hold(tree: Path) -> None:
             "router: app above kubernetes above discovery",
         ),
         (
+            "workers/src/pdserve/workers/engine/step_cost.py",
+            "import pdserve.workers.engine.scheduler",
+            "engine: the scheduler above its budget above the step-cost model",
+        ),
+        (
             "workers/src/pdserve/workers/router/outcome.py",
             "import pdserve.workers.router.proxy",
             "router: the forwarder above the outcome above the routed request",

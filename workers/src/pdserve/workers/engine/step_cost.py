@@ -32,10 +32,19 @@ import operator
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from pdserve.workers.engine.scheduler import ScheduledChunk
+
+class Span(Protocol):
+    """What the features read of a scheduled chunk (the scheduler's chunks are spans;
+    this module is below the scheduler, whose budget policy asks it for costs)."""
+
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
 
 # Units of the terms inside the fit (tens of decodes, thousands of prefill tokens,
 # ...), so that typical steps give every term a similar size.
@@ -54,7 +63,7 @@ class StepFeatures:
     prefill_keys: int = 0
 
     @classmethod
-    def of(cls, chunks: Iterable[ScheduledChunk]) -> StepFeatures:
+    def of(cls, chunks: Iterable[Span]) -> StepFeatures:
         """The features of a scheduled step."""
         return cls.of_spans((chunk.start, chunk.num_tokens) for chunk in chunks)
 
