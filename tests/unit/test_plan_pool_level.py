@@ -66,7 +66,8 @@ def test_a_pools_slowdown_grows_with_its_processes_through_the_measured_level() 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return model_config_dir(tmp_path_factory.mktemp("model"))
+    directory: Path = model_config_dir(tmp_path_factory.mktemp("model"))
+    return directory
 
 
 def first_token_times(profile: Profile, placement: str, num_decode: int) -> list[float]:
