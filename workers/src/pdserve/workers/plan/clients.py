@@ -109,7 +109,7 @@ def measure_client_cost(
     busy: list[RequestRecord] = []
     rounds: list[tuple[ClientCost, float | None, float | None]] = []
     for round_ in range(ROUNDS):
-        runs = [_run(router, tokens, seed=tokens + 100 * round_) for tokens in ANSWER_TOKENS]
+        runs = [route_run(router, tokens, seed=tokens + 100 * round_) for tokens in ANSWER_TOKENS]
         loaded = _busy_run(router, decode_url, headers, seed=1 + 100 * round_)
         samples += [sample for sample, _ in runs]
         idle += runs[0][1]
@@ -185,7 +185,7 @@ def _busy_run(
         streams = [pool.submit(stream_on, seed) for seed in range(BUSY_STREAMS)]
         try:
             time.sleep(BUSY_WARM_UP_S)  # the streams are decoding
-            _, records = _run(router, 1, seed)
+            _, records = route_run(router, 1, seed)
         finally:
             stop.set()
         for stream in streams:
@@ -212,7 +212,7 @@ def stream_times(
     return times
 
 
-def _run(
+def route_run(
     router: ServerProcess, answer_tokens: int, seed: int
 ) -> tuple[tuple[int, int, float], list[RequestRecord]]:
     """(requests, tokens streamed, CPU seconds of the router and the generator), and

@@ -217,12 +217,29 @@ class Contention(_Model):
     samples: tuple[tuple[int, float], ...] = ()
     # (workers stepping together, their steps' spread at that level), by level.
     spreads: tuple[tuple[int, StepSpread], ...] = ()
+    # (processes busy on the machine, a worker's steps over its steps with it busy
+    # alone), measured as a pool runs: the workers stepping while the router relays a
+    # load generator's requests and follows their KV feeds. Two bare workers stepping
+    # together barely slow each other (the slope above), yet a pool's steps ran 1.2 to
+    # 1.9 times the profile's: the router, the client and the feeds take the rest.
+    pool: tuple[tuple[int, float], ...] = ()
 
     def stretch(self, demand: float, own: float, cores: int) -> float:
         """A step's time over its time alone, with `demand` busy threads on `cores`
         (its own `own` threads among them)."""
         shared = self.slope * max(0.0, demand - own) / cores
         return max(1.0 + shared, demand / max(cores, own))
+
+    def pool_slowdown(self, processes: int) -> float:
+        """A worker's steps' time over its time busy alone, with `processes` busy on
+        the machine (its workers, the router and the client): one plus a slowdown per
+        process beyond the first, the one closest (least squares) to the measured
+        levels (`pool`), never below none; 1 where none was measured."""
+        beyond = [(count - 1, slowdown - 1.0) for count, slowdown in self.pool if count > 1]
+        if not beyond:
+            return 1.0
+        per_process = sum(n * s for n, s in beyond) / sum(n * n for n, _ in beyond)
+        return 1.0 + max(0.0, per_process) * max(0, processes - 1)
 
     def spread(self, workers: int) -> StepSpread:
         """The spread of steps with `workers` stepping together: the highest level

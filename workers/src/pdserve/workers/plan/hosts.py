@@ -22,6 +22,9 @@ Placement = Literal["node-per-worker", "one-host"]
 PLACEMENTS: tuple[Placement, ...] = ("node-per-worker", "one-host")
 # The router's and the clients' CPU is spread over this window before a step.
 CLIENT_WINDOW_S = 1.0
+# The processes busy beside a pool's workers on its machine: the router and the
+# load generator.
+ROUTER_AND_CLIENT = 2
 # The seed of the host's draws from the contention's step spread.
 SPREAD_SEED = "shared-host"
 
@@ -45,9 +48,12 @@ class _Step:
 class SharedHost:
     """One machine's cores shared by several workers, the router and the clients."""
 
-    def __init__(self, profile: Profile, cores: int) -> None:
+    def __init__(self, profile: Profile, cores: int, workers: int = 1) -> None:
         self.cores = cores
         self.contention = profile.contention
+        # Every step's time alone, as the pool's processes slow it (its workers, the
+        # router and the client busy beside it: `Contention.pool_slowdown`).
+        self.pool_factor = profile.contention.pool_slowdown(workers + ROUTER_AND_CLIENT)
         self.clients = profile.clients
         self._steps: dict[str, _Step] = {}  # by worker
         self._client_work: deque[tuple[float, float]] = deque()  # (when, CPU seconds)
@@ -61,7 +67,8 @@ class SharedHost:
         def started(start: float, alone_s: float) -> float:
             self._settle(start)
             spread = self.contention.spread(len(self._steps) + 1)
-            step = _Step(threads, alone_s * spread.draw(self._rng), 1.0, start, moved)
+            work_s = alone_s * self.pool_factor * spread.draw(self._rng)
+            step = _Step(threads, work_s, 1.0, start, moved)
             self._steps[worker] = step
             self._rerate(start, started=worker)
             return step.work_s / step.rate
@@ -113,9 +120,9 @@ class SharedHost:
             self._client_cpu_s += cpu_s
 
 
-def shared_host(placement: Placement, profile: Profile) -> SharedHost | None:
-    """The machine every worker shares, or None where none shares cores (a node per
-    worker, or a profile that did not record the machine's cores)."""
+def shared_host(placement: Placement, profile: Profile, workers: int = 1) -> SharedHost | None:
+    """The machine every one of the pool's `workers` shares, or None where none shares
+    cores (a node per worker, or a profile that did not record the machine's cores)."""
     if placement == "one-host" and profile.cores is not None:
-        return SharedHost(profile, profile.cores)
+        return SharedHost(profile, profile.cores, workers)
     return None

@@ -56,6 +56,7 @@ from pdserve.workers.plan.costs import (
     StepCost,
     StepSpread,
 )
+from pdserve.workers.plan.pool_level import measure_pool_level
 from pdserve.workers.plan.step_log import (
     decode_steps_beyond,
     prompt_step_samples,
@@ -94,6 +95,8 @@ class PairFigures:
     serving: ServingOverhead
     clients: ClientCost
     busy_request_overhead_s: float | None = None
+    # The contention levels measured as a pool runs (`pool_level`).
+    pool: tuple[tuple[int, float], ...] = ()
     # Figures measured in rounds, by name, as each round gave them.
     spreads: dict[str, Spread] = field(default_factory=dict)
 
@@ -142,9 +145,16 @@ def measure_pair(
                 clients, overheads, spreads = measure_client_cost(
                     router, decode.url, credential_file, (cost, figures.serving)
                 )
+                headers = {"Content-Type": "application/json", **bearer(credential)}
+                handed = {**headers, PREFILL_URL_HEADER: prefill.url}
+                pool, slowdowns = measure_pool_level(
+                    router, decode.url, headers, handed, decode.log_path, cost
+                )
+                spreads["contention.pool_slowdown"] = slowdowns
+                progress(f"profile: a pool's steps over a lone worker's: {pool[-1][1]:.2f}")
             figures = replace(
                 figures, clients=clients, busy_request_overhead_s=overheads.busy_s,
-                spreads={**figures.spreads, **spreads},
+                pool=pool, spreads={**figures.spreads, **spreads},
             )  # fmt: skip
             if overheads.idle_s is None:  # no request answered through the router
                 return figures

@@ -99,7 +99,8 @@ class PoolSimulation:
         self.model = ModelConfig.from_dict(profile.model_json)
         self.sets = {role: WorkerSet(role, clock=self._now) for role in ROLES}
         self.router = SimRouter(scenario.table, self.sets, self._now)
-        self.host = shared_host(scenario.placement, profile)
+        workers = sum(len(scenario.urls(role)) for role in scenario.roles)
+        self.host = shared_host(scenario.placement, profile, workers)
         self.workers: dict[str, SimWorker] = {}
         for role, setup in scenario.roles.items():
             urls = scenario.urls(role)

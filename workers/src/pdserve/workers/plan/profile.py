@@ -98,6 +98,7 @@ def profile_model(run: ProfileRun, progress: Callable[[str], None] = lambda line
             "serving": figures.serving,
             "startup_s": figures.startup_s,
             "clients": figures.clients,
+            "contention": profile.contention.model_copy(update={"pool": figures.pool}),
             "spreads": {**spreads, **figures.spreads},
         }
     )

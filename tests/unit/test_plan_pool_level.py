@@ -1,0 +1,101 @@
+"""The contention a pool's workers step under beside the router and the load
+generator: the level measured on the profile's pair (each round's pool phase over its
+lone phase), the slowdown a pool of so many processes gets from it, and the
+simulator's steps on a shared host taking it; on nodes of their own, none."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pdserve.workers.bench.plan import PlannedRequest
+from pdserve.workers.plan.costs import Contention, Profile, StepCost
+from pdserve.workers.plan.hosts import ROUTER_AND_CLIENT
+from pdserve.workers.plan.pool import PoolSimulation, Traffic
+from pdserve.workers.plan.pool_level import POOL_PROCESSES, pool_level, typical_ratio
+from pdserve.workers.plan.scenario import parse_scenario
+from pdserve.workers.plan.step_log import LoggedStep
+from support.plan import constant_profile, model_config_dir, scenario_line
+
+STEP_S = 0.01
+COST = StepCost(
+    base_s=0.004, per_decode_token_s=0.001, per_prefill_token_s=0.0001,
+    per_decode_key_s=0.0, per_prefill_key_s=0.0,
+)  # fmt: skip
+
+
+def decodes(count: int, ratio: float) -> LoggedStep:
+    """A decode-only step of `count` decodes that took `ratio` times the model's."""
+    spans = tuple((64 + i, 1) for i in range(count))
+    return LoggedStep(spans, ratio * (0.004 + 0.001 * count))
+
+
+def test_a_rounds_slowdown_is_its_pool_phases_typical_step_over_its_lone_phases() -> None:
+    # The lone phases' decode-only steps run 1.1x the model, the pool phases' 1.43x,
+    # 1.65x and 1.32x: slowdowns 1.3, 1.5, 1.2; the level kept is their median.
+    alone = [decodes(4, 1.1), decodes(8, 1.1), decodes(2, 1.1)]
+    rounds = [(alone, [decodes(n, 1.1 * s) for n in (4, 12, 6)]) for s in (1.3, 1.5, 1.2)]
+    levels, spread = pool_level(rounds, COST)
+    assert levels[0] == (1, 1.0)
+    assert levels[1][0] == POOL_PROCESSES
+    assert levels[1][1] == pytest.approx(1.3)
+    assert spread.rounds == pytest.approx((1.3, 1.5, 1.2))
+
+
+def test_steps_that_carry_a_prompt_do_not_move_the_typical_step() -> None:
+    prompt = LoggedStep(((0, 256), (70, 1)), 1.0)  # far beyond the model: not counted
+    assert typical_ratio([decodes(4, 1.2), prompt, decodes(4, 1.2)], COST) == pytest.approx(1.2)
+
+
+def test_a_round_without_decode_only_steps_in_a_phase_is_left_out() -> None:
+    prompt = LoggedStep(((0, 256),), 0.05)
+    levels, spread = pool_level([([decodes(4, 1.0)], [prompt])], COST)
+    assert levels == ((1, 1.0),)
+    assert spread.rounds == ()
+
+
+def test_a_pools_slowdown_grows_with_its_processes_through_the_measured_level() -> None:
+    contention = Contention(pool=((1, 1.0), (4, 1.3)))
+    assert contention.pool_slowdown(4) == pytest.approx(1.3)
+    assert contention.pool_slowdown(3) == pytest.approx(1.2)  # one worker, router, client
+    assert contention.pool_slowdown(5) == pytest.approx(1.4)
+    assert Contention().pool_slowdown(5) == 1.0  # not measured (an older profile)
+    assert Contention(pool=((1, 1.0), (4, 0.9))).pool_slowdown(4) == 1.0  # never faster
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory: Path = model_config_dir(tmp_path_factory.mktemp("model"))
+    return directory
+
+
+def first_token_times(profile: Profile, placement: str, num_decode: int) -> list[float]:
+    """Each request's TTFT: one one-token prompt per worker, all at once."""
+    line = scenario_line("pool-level", [], num_decode=num_decode, placement=placement)
+    plan = [PlannedRequest(i, 0.0, 16, 1, "t") for i in range(num_decode)]
+    simulation = PoolSimulation(parse_scenario(line), profile, Traffic(plan, 0, 256, 60.0, None))
+    records = simulation.run()
+    assert all(record.finished for record in records)
+    return sorted(record.chunk_times[0] - (record.sent_at or 0.0) for record in records)
+
+
+def measured_profile(model_dir: Path) -> Profile:
+    """Steps of STEP_S alone on a 4-core machine (two workers do not share a core),
+    whose pool of four processes measured 1.3x."""
+    profile: Profile = constant_profile(model_dir, STEP_S).model_copy(
+        update={"cores": 4, "contention": Contention(pool=((1, 1.0), (4, 1.3)))}
+    )
+    return profile
+
+
+def test_a_pools_workers_on_one_host_step_slower_by_its_processes(model_dir: Path) -> None:
+    profile = measured_profile(model_dir)
+    assert ROUTER_AND_CLIENT == 2  # a worker alone is three processes busy: 1.2x
+    assert first_token_times(profile, "one-host", 1) == pytest.approx([STEP_S * 1.2])
+    assert first_token_times(profile, "one-host", 2) == pytest.approx([STEP_S * 1.3] * 2)
+
+
+def test_workers_on_nodes_of_their_own_take_no_pool_slowdown(model_dir: Path) -> None:
+    times = first_token_times(measured_profile(model_dir), "node-per-worker", 2)
+    assert times == [STEP_S, STEP_S]

@@ -1,0 +1,134 @@
+"""The contention a pool's workers step under on a machine they share with the router
+and the load generator, measured on the profile's pair.
+
+Two bare workers stepping together barely slow each other (`contention`), yet a
+pool's steps run well beyond the profile's: beside its workers run the router, which
+relays every request and token and follows the workers' KV feeds, and the client
+driving them. Here the decode worker's streams decode in two phases, in rounds: busy
+alone (the router idle, the prefill worker idle), and as a pool runs (the bench's
+load generator sending requests through the router, and prompts handed over from
+the prefill worker, so both workers step and the router relays and follows both
+feeds). The decode-only steps of each phase, from the worker's step log, each over
+the step-cost model's compute of it, give a typical ratio; the pool phase's over the
+lone one's in the same round is that round's slowdown, and the median over rounds is
+the level kept (`costs.Contention.pool`), with the processes busy in it."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from pdserve.base.process import ServerProcess
+from pdserve.workers.bench.config import FIRST_PROMPT_TOKEN_ID
+from pdserve.workers.plan.clients import route_run, stream_times
+from pdserve.workers.plan.costs import Spread, StepCost
+from pdserve.workers.plan.step_log import LoggedStep, read_steps
+
+ROUNDS = 3
+STREAMS = 4  # streams decoding on the decode worker in both phases
+STREAM_PROMPT_TOKENS = 32
+STREAM_OUTPUT_TOKENS = 96
+HANDED_PROMPT_TOKENS = 128  # each prompt the prefill worker computes and hands over
+ANSWER_TOKENS = 32  # the most tokens each of the load generator's requests asks for
+WARM_UP_S = 0.5
+ALONE_S = 3.0  # about as long as the load generator's run
+SLACK_S = 0.2  # the last step's lines reach the log
+# Busy in the pool phase: the two workers, the router and the load generator.
+POOL_PROCESSES = 4
+
+
+def typical_ratio(steps: Sequence[LoggedStep], cost: StepCost) -> float | None:
+    """The median of the decode-only steps' time over the step-cost model's compute
+    (None: no decode-only step)."""
+    ratios = [
+        step.took_s / cost.seconds(step.features)
+        for step in steps
+        if step.longest_chunk == 1 and cost.seconds(step.features) > 0
+    ]
+    return statistics.median(ratios) if ratios else None
+
+
+def pool_level(
+    rounds: Sequence[tuple[Sequence[LoggedStep], Sequence[LoggedStep]]], cost: StepCost
+) -> tuple[tuple[tuple[int, float], ...], Spread]:
+    """From each round's (lone, pool) phases' steps: the levels kept (one process
+    busy, none slowed; the pool's, its median slowdown over the rounds) and each
+    round's slowdown. No level but the lone one where no round had both phases' steps."""
+    slowdowns = []
+    for alone, pool in rounds:
+        lone, busy = typical_ratio(alone, cost), typical_ratio(pool, cost)
+        if lone and busy:
+            slowdowns.append(busy / lone)
+    spread = Spread(rounds=tuple(slowdowns))
+    if not slowdowns:
+        return ((1, 1.0),), spread
+    return ((1, 1.0), (POOL_PROCESSES, float(statistics.median(slowdowns)))), spread
+
+
+def measure_pool_level(
+    router: ServerProcess,
+    decode_url: str,
+    headers: dict[str, str],
+    handed: dict[str, str],
+    log: Path,
+    cost: StepCost,
+) -> tuple[tuple[tuple[int, float], ...], Spread]:
+    """Measure the decode worker (`decode_url`, its step log at `log`) in ROUNDS rounds
+    of both phases (lone first in even rounds, pool first in odd ones); `handed` are
+    the headers that have the prefill worker compute a prompt and hand it over."""
+    rounds = []
+    for round_ in range(ROUNDS):
+        phases = {}
+        for busy in (False, True) if round_ % 2 == 0 else (True, False):
+            phases[busy] = _phase(router, decode_url, headers, handed, log, busy, round_)
+        rounds.append((phases[False], phases[True]))
+    return pool_level(rounds, cost)
+
+
+def _phase(
+    router: ServerProcess,
+    decode_url: str,
+    headers: dict[str, str],
+    handed: dict[str, str],
+    log: Path,
+    busy: bool,
+    round_: int,
+) -> list[LoggedStep]:
+    stop = threading.Event()
+
+    def stream_on(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        while not stop.is_set():
+            prompt = rng.integers(FIRST_PROMPT_TOKEN_ID, 256, STREAM_PROMPT_TOKENS).tolist()
+            stream_times(decode_url, prompt, headers, STREAM_OUTPUT_TOKENS)
+
+    def hand_on(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        while not stop.is_set():
+            prompt = rng.integers(FIRST_PROMPT_TOKEN_ID, 256, HANDED_PROMPT_TOKENS).tolist()
+            stream_times(decode_url, prompt, handed, 1)
+
+    seed = 1000 * (round_ + 1) + (500 if busy else 0)
+    with ThreadPoolExecutor(STREAMS + 1) as pool:
+        running = [pool.submit(stream_on, seed + i) for i in range(STREAMS)]
+        try:
+            time.sleep(WARM_UP_S)
+            begin = log.stat().st_size
+            if busy:
+                running.append(pool.submit(hand_on, seed + STREAMS))
+                route_run(router, ANSWER_TOKENS, seed)
+            else:
+                time.sleep(ALONE_S)
+            time.sleep(SLACK_S)
+            logged = log.read_bytes()[begin:]
+        finally:
+            stop.set()
+        for future in running:
+            future.result()
+    return read_steps(logged.decode(errors="replace"))
