@@ -154,17 +154,24 @@ class StepSpread(_Model):
 
 
 class HandoffCost(_Model):
-    """A hand-off's time beyond the prefill's compute: fixed plus per byte of KV."""
+    """A hand-off's time beyond the prefill's compute: fixed plus per byte of KV.
+
+    Measured twice: on the idle pair (`fixed_s`, the transfer and the extra hops) and
+    as a pool runs (`pool_s`, the fixed time then: the decode worker, busy with its
+    streams and feeds, takes the prefill worker's reply and adopts the KV late). A
+    pool's request waits the latter, so it is charged where measured."""
 
     fixed_s: float = Field(default=0.0, ge=0)
     per_byte_s: float = Field(default=0.0, ge=0)
     backend: str | None = None
     # (bytes, seconds) pairs it was fitted from; empty when not measured.
     samples: tuple[tuple[int, float], ...] = ()
+    pool_s: float | None = Field(default=None, ge=0)
 
     def seconds(self, nbytes: int) -> float:
-        """The time to hand `nbytes` of KV cache over."""
-        return self.fixed_s + self.per_byte_s * nbytes
+        """The time to hand `nbytes` of KV cache over, as a request in a pool waits it."""
+        fixed = self.fixed_s if self.pool_s is None else self.pool_s
+        return fixed + self.per_byte_s * nbytes
 
 
 class ServingOverhead(_Model):

@@ -56,7 +56,7 @@ from pdserve.workers.plan.costs import (
     StepCost,
     StepSpread,
 )
-from pdserve.workers.plan.pool_level import measure_pool_level
+from pdserve.workers.plan.pool_level import HANDED_PROMPT_TOKENS, measure_pool_level
 from pdserve.workers.plan.step_log import (
     decode_steps_beyond,
     prompt_step_samples,
@@ -65,7 +65,9 @@ from pdserve.workers.plan.step_log import (
 )
 from pdserve.workers.server.process import ServerProcess, start_worker
 
-REPEATS = 5
+REPEATS = 3  # of each kind of prompt, each length, each round
+# The hand-off is measured this many times over, the lengths in alternate orders.
+HANDOFF_ROUNDS = 3
 # Streams decoding together, each with a prompt and an answer of these lengths; the
 # first gaps of each stream (its batch still prefilling) are left out.
 STREAMS = (1, 4, 8, 16)
@@ -147,14 +149,21 @@ def measure_pair(
                 )
                 headers = {"Content-Type": "application/json", **bearer(credential)}
                 handed = {**headers, PREFILL_URL_HEADER: prefill.url}
-                pool, slowdowns = measure_pool_level(
+                pool, slowdowns, waits = measure_pool_level(
                     router, decode.url, headers, handed, decode.log_path, cost
                 )
                 spreads["contention.pool_slowdown"] = slowdowns
+                spreads["handoff.pool_s"] = waits
                 progress(f"profile: a pool's steps over a lone worker's: {pool[-1][1]:.2f}")
+            handoff = figures.handoff
+            if waits.rounds:  # what a request waits for its hand-off as a pool runs
+                blocks = -(-HANDED_PROMPT_TOKENS // setup.block_size)
+                sent_s = handoff.per_byte_s * blocks * setup.block_bytes
+                pool_s = max(0.0, float(statistics.median(waits.rounds)) - sent_s)
+                handoff = handoff.model_copy(update={"pool_s": pool_s})
             figures = replace(
                 figures, clients=clients, busy_request_overhead_s=overheads.busy_s,
-                pool=pool, spreads={**figures.spreads, **spreads},
+                pool=pool, spreads={**figures.spreads, **spreads}, handoff=handoff,
             )  # fmt: skip
             if overheads.idle_s is None:  # no request answered through the router
                 return figures
@@ -175,25 +184,35 @@ def _measure(
     rng = np.random.default_rng(0)
     headers = {"Content-Type": "application/json", **bearer(credential)}
     handed = {**headers, PREFILL_URL_HEADER: prefill.url}
-    extra: list[tuple[int, float]] = []
-    overheads: list[tuple[int, float]] = []  # (prompt tokens, its first token's time)
-    for length in setup.lengths:
-        colocated, disaggregated = [], []
-        for _ in range(REPEATS + 1):  # the first of each is a warm-up
-            prompt = rng.integers(FIRST_PROMPT_TOKEN_ID, setup.vocab, length).tolist()
-            colocated.append(_first_token_s(decode.url, prompt, headers))
-            prompt = rng.integers(FIRST_PROMPT_TOKEN_ID, setup.vocab, length).tolist()
-            disaggregated.append(_first_token_s(decode.url, prompt, handed))
-        local = statistics.median(colocated[1:])
-        blocks = -(-length // setup.block_size)
-        extra.append((blocks * setup.block_bytes, statistics.median(disaggregated[1:]) - local))
-        overheads.append((length, local))
+    # One warm-up of each kind, then the lengths in HANDOFF_ROUNDS rounds (in one
+    # order, then the reverse), each length's colocated and handed-over prompts
+    # alternating, so that a slow stretch falls on neither kind and no length alone.
+    for kind in (headers, handed):
+        _first_token_s(decode.url, _prompt(rng, setup.vocab, setup.lengths[0]), kind)
+    extra: list[list[tuple[int, float]]] = []  # per round, (bytes, seconds handed over)
+    local_by_length: dict[int, list[float]] = {length: [] for length in setup.lengths}
+    for round_ in range(HANDOFF_ROUNDS):
+        points = []
+        for length in setup.lengths if round_ % 2 == 0 else setup.lengths[::-1]:
+            colocated, disaggregated = [], []
+            for _ in range(REPEATS):
+                prompt = _prompt(rng, setup.vocab, length)
+                colocated.append(_first_token_s(decode.url, prompt, headers))
+                prompt = _prompt(rng, setup.vocab, length)
+                disaggregated.append(_first_token_s(decode.url, prompt, handed))
+            local_by_length[length] += colocated
+            blocks = -(-length // setup.block_size)
+            handed_s = _median_difference(disaggregated, colocated)
+            points.append((blocks * setup.block_bytes, handed_s))
+        extra.append(points)
+    overheads = [(length, statistics.median(times)) for length, times in local_by_length.items()]
     streamed = _Streamed(decode.url, headers, setup.vocab, rng, decode.log_path)
     serving, spreads = _serving_overhead(streamed, cost)
     serving, factor, beyond = _with_mixed_factor(serving, streamed, cost)
     spreads["serving.mixed_factor"] = factor
     spreads["serving.decode_step_beyond_model_s"] = beyond
-    handoff = _fit_handoff(extra, setup.backend)
+    handoff, handoff_spreads = fit_handoff_rounds(extra, setup.backend)
+    spreads.update(handoff_spreads)
     # The shortest prompt's: the least of its time is the predicted compute subtracted
     # (a long prompt's is chunked, and an error in its compute would hide the overhead).
     length, local = overheads[0]
@@ -311,6 +330,37 @@ def _with_mixed_factor(
     factor = max(1e-3, statistics.median(ratio for _, ratio in samples))
     updated = serving.model_copy(update={"mixed_factor": factor, "mixed_samples": samples})
     return updated, spread, beyond
+
+
+def fit_handoff_rounds(
+    rounds: Sequence[Sequence[tuple[int, float]]], backend: str
+) -> tuple[HandoffCost, dict[str, Spread]]:
+    """The hand-off's cost from each round's (bytes, seconds handed over beyond
+    colocated) points: each length's median over the rounds (one round's stall moves
+    no length), fitted as fixed plus per byte; with the fit each round alone gives."""
+    by_bytes: dict[int, list[float]] = {}
+    for points in rounds:
+        for nbytes, seconds in points:
+            by_bytes.setdefault(nbytes, []).append(seconds)
+    medians = [(nbytes, float(statistics.median(s))) for nbytes, s in sorted(by_bytes.items())]
+    handoff = _fit_handoff(medians, backend)
+    fits = [_non_negative_line(points) for points in rounds if points]
+    spreads = {
+        "handoff.fixed_s": Spread(rounds=tuple(fixed for fixed, _ in fits)),
+        "handoff.per_byte_s": Spread(rounds=tuple(per_byte for _, per_byte in fits)),
+    }
+    return handoff, spreads
+
+
+def _median_difference(later: Sequence[float], sooner: Sequence[float]) -> float:
+    """The median of the pairwise differences of two samples (Hodges-Lehmann): one
+    slow request in either moves it less than it moves a difference of medians."""
+    return float(statistics.median(a - b for a in later for b in sooner))
+
+
+def _prompt(rng: np.random.Generator, vocab: int, length: int) -> list[int]:
+    drawn: list[int] = rng.integers(FIRST_PROMPT_TOKEN_ID, vocab, length).tolist()
+    return drawn
 
 
 def _fit_handoff(points: Sequence[tuple[int, float]], backend: str) -> HandoffCost:

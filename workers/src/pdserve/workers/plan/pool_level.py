@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -78,17 +79,40 @@ def measure_pool_level(
     handed: dict[str, str],
     log: Path,
     cost: StepCost,
-) -> tuple[tuple[tuple[int, float], ...], Spread]:
+) -> tuple[tuple[tuple[int, float], ...], Spread, Spread]:
     """Measure the decode worker (`decode_url`, its step log at `log`) in ROUNDS rounds
     of both phases (lone first in even rounds, pool first in odd ones); `handed` are
-    the headers that have the prefill worker compute a prompt and hand it over."""
-    rounds = []
+    the headers that have the prefill worker compute a prompt and hand it over.
+    With each round's hand-off wait as the pool ran (`handoff_wait`)."""
+    rounds, waits = [], []
     for round_ in range(ROUNDS):
         phases = {}
         for busy in (False, True) if round_ % 2 == 0 else (True, False):
             phases[busy] = _phase(router, decode_url, headers, handed, log, busy, round_)
-        rounds.append((phases[False], phases[True]))
-    return pool_level(rounds, cost)
+        rounds.append((phases[False][0], phases[True][0]))
+        waits.append(phases[True][1])
+    levels, slowdowns = pool_level(rounds, cost)
+    return levels, slowdowns, handoff_wait(waits)
+
+
+@dataclass
+class HandedWaits:
+    """First-token times of one-token prompts of HANDED_PROMPT_TOKENS sent in turn
+    through the prefill worker and to the decode worker alone, as a pool runs."""
+
+    handed: list[float] = field(default_factory=list)
+    colocated: list[float] = field(default_factory=list)
+
+
+def handoff_wait(rounds: Sequence[HandedWaits]) -> Spread:
+    """What a hand-off adds to a prompt's first token as a pool runs, per round: the
+    median of the pairwise differences of the handed-over and colocated times (one
+    stalled request moves it little). Rounds with no prompt of either kind give none."""
+    return Spread(rounds=tuple(
+        float(statistics.median(a - b for a in waits.handed for b in waits.colocated))
+        for waits in rounds
+        if waits.handed and waits.colocated
+    ))  # fmt: skip
 
 
 def _phase(
@@ -99,7 +123,7 @@ def _phase(
     log: Path,
     busy: bool,
     round_: int,
-) -> list[LoggedStep]:
+) -> tuple[list[LoggedStep], HandedWaits]:
     stop = threading.Event()
 
     def stream_on(seed: int) -> None:
@@ -109,12 +133,19 @@ def _phase(
             stream_times(decode_url, prompt, headers, STREAM_OUTPUT_TOKENS)
 
     def hand_on(seed: int) -> None:
+        # Each prompt handed over is followed by one the decode worker computes itself:
+        # their first tokens' times apart are what a hand-off adds as a pool runs.
         rng = np.random.default_rng(seed)
         while not stop.is_set():
-            prompt = rng.integers(FIRST_PROMPT_TOKEN_ID, 256, HANDED_PROMPT_TOKENS).tolist()
-            stream_times(decode_url, prompt, handed, 1)
+            for kind, times in ((handed, waits.handed), (headers, waits.colocated)):
+                prompt = rng.integers(FIRST_PROMPT_TOKEN_ID, 256, HANDED_PROMPT_TOKENS).tolist()
+                started = time.perf_counter()
+                stream_times(decode_url, prompt, kind, 1)
+                if not stop.is_set():
+                    times.append(time.perf_counter() - started)
 
     seed = 1000 * (round_ + 1) + (500 if busy else 0)
+    waits = HandedWaits()
     with ThreadPoolExecutor(STREAMS + 1) as pool:
         running = [pool.submit(stream_on, seed + i) for i in range(STREAMS)]
         try:
@@ -131,4 +162,4 @@ def _phase(
             stop.set()
         for future in running:
             future.result()
-    return read_steps(logged.decode(errors="replace"))
+    return read_steps(logged.decode(errors="replace")), waits
