@@ -25,7 +25,8 @@ KIB = 1024
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return model_config_dir(tmp_path_factory.mktemp("model"))
+    directory: Path = model_config_dir(tmp_path_factory.mktemp("model"))
+    return directory
 
 
 def handed(fixed_s: float, per_byte_s: float, nbytes: int) -> tuple[int, float]:
