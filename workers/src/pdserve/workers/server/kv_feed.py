@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
@@ -42,7 +43,6 @@ from pdserve.workers.kv_wire import (
     SNAPSHOT_PATH,
     STREAM_CONTENT_TYPE,
     STREAM_PATH,
-    KVEventBody,
     KVEventsBody,
     KVIdentity,
     KVSnapshotBody,
@@ -209,42 +209,30 @@ class KVFeed:
                     found = self.log.since(epoch, after)
             finally:
                 self._readers.discard(woken)
-        body = KVEventsBody.model_construct(
-            epoch=found.epoch,
-            seq=found.seq,
-            events=[_event_body(event) for event in found.events],
-            gap=found.gap,
-        )
-        return web.json_response(body.model_dump())
+        return web.json_response(_events_json(found, found.events))
 
 
 def _lines(found: KVEventsSince) -> bytes:
     """A stream's lines for what `since` found: its events, at most MAX_LINE_EVENTS a
-    line (one line without any, to say the stream lives or that it has a gap).
-    Written as JSON directly: the wire models describe (and validate) them on the
-    subscriber's side, and a step's line is on the worker's time."""
+    line (one line without any, to say the stream lives or that it has a gap)."""
     events = found.events
     parts = [events[at : at + MAX_LINE_EVENTS] for at in range(0, len(events), MAX_LINE_EVENTS)]
-    lines = []
-    for part in parts or [()]:
-        line: dict[str, Any] = {
-            "epoch": found.epoch,
-            "seq": found.seq,
-            "events": [_event_json(event) for event in part],
-            "gap": found.gap,
-        }
-        lines.append(json.dumps(line, separators=(",", ":")))
+    lines = [json.dumps(_events_json(found, part), separators=(",", ":")) for part in parts or [()]]
     return ("\n".join(lines) + "\n").encode()
 
 
-def _event_json(event: KVEvent) -> dict[str, Any]:
-    return {"seq": event.seq, "kind": event.kind, "hashes": [h.hex() for h in event.hashes]}
-
-
-def _event_body(event: KVEvent) -> KVEventBody:
-    return KVEventBody.model_construct(
-        seq=event.seq, kind=event.kind, hashes=[block_hash.hex() for block_hash in event.hashes]
-    )
+def _events_json(found: KVEventsSince, events: Sequence[KVEvent]) -> dict[str, Any]:
+    """A KVEventsBody of `events`, as JSON: built directly, as the wire models describe
+    (and validate) it on the subscriber's side, and an answer is on the worker's time."""
+    return {
+        "epoch": found.epoch,
+        "seq": found.seq,
+        "events": [
+            {"seq": event.seq, "kind": event.kind, "hashes": [h.hex() for h in event.hashes]}
+            for event in events
+        ],
+        "gap": found.gap,
+    }
 
 
 def _int_query(request: web.Request, name: str, default: int) -> int:
