@@ -120,9 +120,6 @@ FEEDBACK_BACKOFF = 0.05
 FEEDBACK_BOUNDS = (-0.25, 0.5)
 
 
-# The cost model's coefficient of the keys a prefill chunk reads (`StepCostModel.coefficients`).
-PREFILL_KEY_TERM = 4
-
 P = TypeVar("P")
 # What a prompt still needs, for `fill_prompts`: the policy's `PrefillWork` and the
 # scheduler's prompts both name it so.
@@ -451,7 +448,7 @@ class AdaptiveBudget:
             # 150-300 us of the step that gives a short prompt its first token.
             need = min(shape.prefills[0].remaining, room)
             fixed = max(self.cost.predict(shape.chunking_features(0)), 0.0)
-            per_key = self.cost.coefficients[PREFILL_KEY_TERM]
+            per_key = self.cost.per_prefill_key_s
             if per_key <= 0 or 2 * fixed >= per_key * need * need:
                 return room  # the rate still rises where the prompt ends: ties go larger
             peak = math.sqrt(2 * fixed / per_key)

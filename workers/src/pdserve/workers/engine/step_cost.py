@@ -137,6 +137,11 @@ class StepCostModel:
         key, prefill key."""
         return tuple(theta / scale for theta, scale in zip(self._theta, _SCALES, strict=True))
 
+    @property
+    def per_prefill_key_s(self) -> float:
+        """Seconds per key a prefill chunk reads (the last of the coefficients)."""
+        return self._theta[-1] / _SCALES[-1]
+
     def predict(self, features: StepFeatures) -> float:
         """The predicted duration of a step, in seconds (without the margin)."""
         return _dot(self._theta, features.vector())
