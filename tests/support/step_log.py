@@ -6,16 +6,13 @@ so a step that also ran a prompt's chunk is a long gap in each of their streams.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-_CHUNKS = re.compile(r"engine\.steps: step (?P<chunks>.*)$")
-_TIMING = re.compile(r"engine\.step_timing: .* took=(?P<took>[\d.]+)ms")
-_CHUNK = re.compile(r"^(?P<request>.+)@(?P<start>\d+)\+(?P<tokens>\d+)$")
+from pdserve.workers.plan.step_log import chunks_of, is_warm_up, took_ms_of
 
 
 @dataclass(frozen=True)
@@ -34,21 +31,13 @@ def read_steps(log: Path) -> list[Step]:
     steps: list[Step] = []
     chunks: list[tuple[str, int, int]] | None = None
     for line in log.read_text(errors="replace").splitlines():
-        if found := _CHUNKS.search(line):
-            chunks = _parse_chunks(found["chunks"])
-        elif (timed := _TIMING.search(line)) and chunks is not None:
-            if not any(request.startswith("warm-up") for request, _, _ in chunks):
-                steps.append(_step(chunks, float(timed["took"])))
+        if (listed := chunks_of(line)) is not None:
+            chunks = listed
+        elif (took_ms := took_ms_of(line)) is not None and chunks is not None:
+            if not is_warm_up(chunks):
+                steps.append(_step(chunks, took_ms))
             chunks = None
     return steps
-
-
-def _parse_chunks(text: str) -> list[tuple[str, int, int]]:
-    parsed = []
-    for chunk in text.split():
-        if found := _CHUNK.match(chunk):
-            parsed.append((found["request"], int(found["start"]), int(found["tokens"])))
-    return parsed
 
 
 def _step(chunks: list[tuple[str, int, int]], took_ms: float) -> Step:

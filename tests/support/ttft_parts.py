@@ -1,6 +1,7 @@
 """Where each request's time to first token went, from the bench's records and the
-decode workers' DEBUG logs (`support.step_log`'s lines, and the serving layer's
-"request ... is the client's ..." line, written when a request reaches the worker):
+decode workers' DEBUG logs (the step lines `pdserve.workers.plan.step_log` reads, and
+the serving layer's "request ... is the client's ..." line, written when a request
+reaches the worker):
 
     way in    sent, to the worker having it (the router: tokenization, block hashes,
               choice; the HTTP hops)
@@ -27,11 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve.workers.plan.step_log import chunks_of, took_ms_of
+
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 _ARRIVED = re.compile(r"serving: request (\S+) is the client's ")
-_CHUNKS = re.compile(r"engine\.steps: step (?P<chunks>.*)$")
-_TIMING = re.compile(r"engine\.step_timing: .* took=(?P<took>[\d.]+)ms")
-_CHUNK = re.compile(r"^(?P<request>.+)@(?P<start>\d+)\+(?P<tokens>\d+)$")
 
 
 @dataclass
@@ -67,15 +67,11 @@ def read_requests(logs: Iterable[Path]) -> list[WorkerRequest]:
         for line in log.read_text(errors="replace").splitlines():
             if arrived := _ARRIVED.search(line):
                 by_id[arrived[1]] = WorkerRequest(worker, _wall(line))
-            elif listed := _CHUNKS.search(line):
-                chunks = [
-                    (m["request"], int(m["start"]), int(m["tokens"]))
-                    for chunk in listed["chunks"].split()
-                    if (m := _CHUNK.match(chunk))
-                ]
-            elif (timed := _TIMING.search(line)) and chunks is not None:
+            elif (listed := chunks_of(line)) is not None:
+                chunks = listed
+            elif (took_ms := took_ms_of(line)) is not None and chunks is not None:
                 end = _wall(line)
-                step = _Step(end - float(timed["took"]) / 1000, end, chunks)
+                step = _Step(end - took_ms / 1000, end, chunks)
                 for request, start, tokens in chunks:
                     if request in by_id:
                         by_id[request].steps.append((step, start, tokens))

@@ -60,22 +60,42 @@ def step_logging_env(directory: Path) -> dict[str, str]:
     return {"PYTHONPATH": str(home)}
 
 
+def chunks_of(line: str) -> list[tuple[str, int, int]] | None:
+    """The (request, start, tokens) chunks a step's chunks line lists; None for any
+    other line."""
+    found = _CHUNKS.search(line)
+    if found is None:
+        return None
+    return [
+        (chunk["request"], int(chunk["start"]), int(chunk["tokens"]))
+        for part in found["chunks"].split()
+        if (chunk := _CHUNK.match(part))
+    ]
+
+
+def took_ms_of(line: str) -> float | None:
+    """The milliseconds a step's timing line says it took; None for any other line."""
+    timed = _TIMING.search(line)
+    return None if timed is None else float(timed["took"])
+
+
+def is_warm_up(chunks: Sequence[tuple[str, int, int]]) -> bool:
+    """Whether a step ran the worker's warm-up (not a request's work)."""
+    return any(request.startswith("warm-up") for request, _, _ in chunks)
+
+
 def read_steps(text: str) -> list[LoggedStep]:
     """The steps a worker's log text tells, in order (warm-up steps left out; a timing
     line without its chunks' line before it, as at the start of a slice of a log, too)."""
     steps: list[LoggedStep] = []
     chunks: list[tuple[str, int, int]] | None = None
     for line in text.splitlines():
-        if found := _CHUNKS.search(line):
-            chunks = [
-                (chunk["request"], int(chunk["start"]), int(chunk["tokens"]))
-                for part in found["chunks"].split()
-                if (chunk := _CHUNK.match(part))
-            ]
-        elif (timed := _TIMING.search(line)) and chunks is not None:
-            if chunks and not any(request.startswith("warm-up") for request, _, _ in chunks):
+        if (listed := chunks_of(line)) is not None:
+            chunks = listed
+        elif (took_ms := took_ms_of(line)) is not None and chunks is not None:
+            if chunks and not is_warm_up(chunks):
                 spans = tuple((start, tokens) for _, start, tokens in chunks)
-                steps.append(LoggedStep(spans, float(timed["took"]) / 1e3))
+                steps.append(LoggedStep(spans, took_ms / 1e3))
             chunks = None
     return steps
 
