@@ -21,6 +21,7 @@ Its error is measured on the steps it was fitted on and on design points held ou
 from __future__ import annotations
 
 import itertools
+import statistics
 from collections.abc import Sequence
 
 import numpy as np
@@ -193,3 +194,9 @@ def round_costs(measured: Sequence[tuple[SweepPoint, StepSample]], paced: bool) 
     fit took the pace into account): how far the costs move from round to round."""
     typical = typical_pace([sample for _, sample in measured]) if paced else None
     return [_fit(steps, typical) for steps in rounds_of(measured).values()]
+
+
+def median_difference(later: Sequence[float], sooner: Sequence[float]) -> float:
+    """The median of the pairwise differences of two samples (Hodges-Lehmann): one
+    slow request in either moves it less than it moves a difference of medians."""
+    return float(statistics.median(a - b for a in later for b in sooner))

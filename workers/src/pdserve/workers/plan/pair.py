@@ -56,6 +56,7 @@ from pdserve.workers.plan.costs import (
     StepCost,
     StepSpread,
 )
+from pdserve.workers.plan.fit import median_difference
 from pdserve.workers.plan.pool_level import HANDED_PROMPT_TOKENS, measure_pool_level
 from pdserve.workers.plan.step_log import (
     decode_steps_beyond,
@@ -202,7 +203,7 @@ def _measure(
                 disaggregated.append(_first_token_s(decode.url, prompt, handed))
             local_by_length[length] += colocated
             blocks = -(-length // setup.block_size)
-            handed_s = _median_difference(disaggregated, colocated)
+            handed_s = median_difference(disaggregated, colocated)
             points.append((blocks * setup.block_bytes, handed_s))
         extra.append(points)
     overheads = [(length, statistics.median(times)) for length, times in local_by_length.items()]
@@ -350,12 +351,6 @@ def fit_handoff_rounds(
         "handoff.per_byte_s": Spread(rounds=tuple(per_byte for _, per_byte in fits)),
     }
     return handoff, spreads
-
-
-def _median_difference(later: Sequence[float], sooner: Sequence[float]) -> float:
-    """The median of the pairwise differences of two samples (Hodges-Lehmann): one
-    slow request in either moves it less than it moves a difference of medians."""
-    return float(statistics.median(a - b for a in later for b in sooner))
 
 
 def _prompt(rng: np.random.Generator, vocab: int, length: int) -> list[int]:

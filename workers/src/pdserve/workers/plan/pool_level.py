@@ -29,6 +29,7 @@ from pdserve.base.process import ServerProcess
 from pdserve.workers.bench.config import FIRST_PROMPT_TOKEN_ID
 from pdserve.workers.plan.clients import route_run, stream_times
 from pdserve.workers.plan.costs import Spread, StepCost
+from pdserve.workers.plan.fit import median_difference
 from pdserve.workers.plan.step_log import LoggedStep, read_steps
 
 ROUNDS = 3
@@ -109,7 +110,7 @@ def handoff_wait(rounds: Sequence[HandedWaits]) -> Spread:
     median of the pairwise differences of the handed-over and colocated times (one
     stalled request moves it little). Rounds with no prompt of either kind give none."""
     return Spread(rounds=tuple(
-        float(statistics.median(a - b for a in waits.handed for b in waits.colocated))
+        median_difference(waits.handed, waits.colocated)
         for waits in rounds
         if waits.handed and waits.colocated
     ))  # fmt: skip
