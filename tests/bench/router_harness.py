@@ -42,7 +42,6 @@ from pdserve.workers.network.guard import NetworkGuard  # noqa: E402
 from pdserve.workers.network.http1 import Http1Connection, Http1Server  # noqa: E402
 from pdserve.workers.network.limits import NetworkLimits  # noqa: E402
 from pdserve.workers.network.metrics import NetworkMetrics  # noqa: E402
-from pdserve.workers.router import upstream as upstream_module  # noqa: E402
 from pdserve.workers.router.app import RouterServer  # noqa: E402
 from pdserve.workers.router.auth import ApiKeys  # noqa: E402
 from pdserve.workers.router.kv_metrics import KVRoutingMetrics  # noqa: E402
@@ -175,13 +174,22 @@ def build(model_dir: Path, answer: list[bytes]) -> Http1Server:
     server.sets["decode"].update([UPSTREAM])
     server.ready = True
 
-    async def connect(pool: Any, timeout_s: float) -> Any:
-        connection = upstream_module._Connection(pool)
-        connection.connection_made(WorkerTransport(connection, answer))  # type: ignore[arg-type]
-        return connection
-
-    upstream_module._Pool.connect = connect  # type: ignore[method-assign,assignment]
     return Http1Server(server.routes(), guard, limits.max_body_size)
+
+
+def fake_worker_loop(answer: list[bytes]) -> asyncio.AbstractEventLoop:
+    """uvloop's loop whose connections to workers reach a fake worker answering
+    `answer` (the upstream client's own classes untouched: they may be compiled)."""
+    import uvloop
+
+    class Loop(uvloop.Loop):  # type: ignore[misc,name-defined]
+        async def create_connection(self, factory: Any, *args: Any, **kwargs: Any) -> Any:
+            protocol = factory()
+            transport = WorkerTransport(protocol, answer)
+            protocol.connection_made(transport)
+            return transport, protocol
+
+    return Loop()  # type: ignore[no-any-return]
 
 
 NUMBERS = itertools.count()
@@ -218,8 +226,6 @@ async def drive(
 
 
 def run(model_dir: Path, warmup: int, requests: int, mode: str, each: bool, top: int = 40) -> None:
-    import uvloop
-
     # Under load the worker's whole answer reaches the router in one read (strace: about
     # two reads per request, the client's and the worker's); `each`: a read per write.
     answer = worker_answer() if each else [b"".join(worker_answer())]
@@ -263,7 +269,7 @@ def run(model_dir: Path, warmup: int, requests: int, mode: str, each: bool, top:
         for name, count in counts.most_common(top):
             print(f"  {count / requests:8.1f}  {name}")
 
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+    with asyncio.Runner(loop_factory=lambda: fake_worker_loop(answer)) as runner:
         server = runner.run(warm())
         if mode == "cpu":
             runner.run(cpu(server))

@@ -156,7 +156,7 @@ async def test_an_answer_given_up_closes_its_connection() -> None:
     async with serving(stream) as (server, url):
         upstreams = Upstreams(1.0)
         async with await upstreams.post(url, "/x", b"{}", {}) as reply:
-            assert await anext(aiter(reply)) == b"hello"
+            assert await reply.next_piece() == b"hello"
         await asyncio.wait_for(server.closed.wait(), 5)  # the worker sees its client gone
 
 
@@ -226,7 +226,7 @@ async def test_an_answer_ended_later_keeps_its_connection_if_its_end_comes() -> 
         upstreams = Upstreams(1.0)
         for within_s in (5.0, 0.2):
             async with await upstreams.post(url, "/x", b"{}", {}) as reply:
-                assert await anext(aiter(reply)) == b"hello"
+                assert await reply.next_piece() == b"hello"
                 reply.end_later(within_s)
             async with asyncio.timeout(5):  # the first answer's end comes
                 while within_s == 5.0 and not upstreams._pools[url]._idle:

@@ -28,7 +28,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from http import HTTPStatus
-from typing import NoReturn, cast
+from typing import Any, NoReturn, TypeAlias, cast
 
 import httptools
 import orjson
@@ -156,8 +156,10 @@ class StreamedAnswer:
             await connection.drain()
 
 
-Answer = web.Response | StreamedAnswer
-Handler = Callable[[Request], Awaitable[Answer]]
+# Declared aliases: where aiohttp is not installed (compiling, see pdserve.workers.compiled)
+# its types are Any, and only a declared alias may hold one.
+Answer: TypeAlias = web.Response | StreamedAnswer
+Handler: TypeAlias = Callable[[Request], Awaitable[Answer]]
 
 
 class Http1Server:
@@ -175,7 +177,10 @@ class Http1Server:
         """Serve on host:port; the port bound (OSError when it cannot be)."""
         loop = asyncio.get_running_loop()
         self._listener = await loop.create_server(lambda: Http1Connection(self), host, port)
-        return int(self._listener.sockets[0].getsockname()[1])
+        # uvloop's server lists its sockets where asyncio's types say a tuple (which the
+        # compiled module would check).
+        sockets: Any = self._listener.sockets
+        return int(sockets[0].getsockname()[1])
 
     async def shutdown(self, grace_s: float) -> None:
         """Stop accepting; let the requests under way end within `grace_s`; close all."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from itertools import repeat
 from types import TracebackType
 from typing import cast
@@ -101,18 +101,10 @@ class UpstreamResponse:
             pieces.append(piece)
         return b"".join(pieces)
 
-    def __aiter__(self) -> AsyncIterator[bytes]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[bytes]:
-        while (piece := await self.next_piece()) is not None:
-            yield piece
-
     async def next_piece(self) -> bytes | None:
         """The body's next piece as it arrives (all that had arrived when it is taken);
-        None once it ended (UpstreamError when it broke off). What iterating the
-        answer does, without an async generator per answer (which the event loop
-        tracks in a set of its own)."""
+        None once it ended (UpstreamError when it broke off). No async generator: the
+        event loop tracks each in a set of its own, and mypyc compiles none."""
         while True:
             if self._pieces:
                 return self._take()
