@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # two over the run), so twice as many processes as cores shortens the run. Files stay
 # whole (module fixtures start their workers once).
 TEST_WORKERS ?= 4
-CODE := base protocol cli operator workers tests scripts
+CODE := base protocol cli operator workers native tests scripts
 
 .PHONY: venv lock demo test lint typecheck unit e2e bench crd clean
 
@@ -37,7 +37,7 @@ lint: venv
 	$(BIN)/lint-imports --no-cache
 
 typecheck: venv
-	$(BIN)/mypy -p pdserve.base -p pdserve.protocol -p pdserve.cli -p pdserve.operator -p pdserve.workers -p pdserve.devcluster
+	$(BIN)/mypy -p pdserve.base -p pdserve.protocol -p pdserve.cli -p pdserve.operator -p pdserve.workers -p pdserve.native -p pdserve.devcluster
 
 # Unit and integration tests: real worker processes, no Kubernetes.
 unit: venv
