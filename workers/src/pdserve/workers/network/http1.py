@@ -176,11 +176,11 @@ class Http1Server:
     async def listen(self, host: str, port: int) -> int:
         """Serve on host:port; the port bound (OSError when it cannot be)."""
         loop = asyncio.get_running_loop()
-        self._listener = await loop.create_server(lambda: Http1Connection(self), host, port)
-        # uvloop's server lists its sockets where asyncio's types say a tuple (which the
-        # compiled module would check).
-        sockets: Any = self._listener.sockets
-        return int(sockets[0].getsockname()[1])
+        # Any: uvloop's server lists its sockets where asyncio's types say a tuple (which
+        # the compiled module would check).
+        listener: Any = await loop.create_server(lambda: Http1Connection(self), host, port)
+        self._listener = listener
+        return int(listener.sockets[0].getsockname()[1])
 
     async def shutdown(self, grace_s: float) -> None:
         """Stop accepting; let the requests under way end within `grace_s`; close all."""
