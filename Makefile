@@ -14,7 +14,9 @@ PYTEST_ARGS ?=
 # Test processes for `make unit`: most tests wait on worker processes rather than
 # compute (the tests' own processes and the workers they start use about one core of
 # two over the run), so twice as many processes as cores shortens the run. Files stay
-# whole (module fixtures start their workers once).
+# whole (module fixtures start their workers once), and are handed out in the order
+# collected: xdist's default reorders them by test count, which left the long
+# one-test files (the fuzz test) and the `starts_first` marker's order to the end.
 TEST_WORKERS ?= 4
 CODE := base protocol cli operator workers tests scripts
 
@@ -41,7 +43,7 @@ typecheck: venv
 
 # Unit and integration tests: real worker processes, no Kubernetes.
 unit: venv
-	$(BIN)/pytest tests -m "not slow and not cluster" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/pytest tests -m "not slow and not cluster" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # Against a real control plane (etcd, kube-apiserver, controller-manager, scheduler,
 # kwok), built from Go modules once per machine (see mk/cluster.mk).
