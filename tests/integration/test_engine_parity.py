@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GenerationMixin
 
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.engine.engine import LLMEngine
+from pdserve.workers.engine.runner import ModelRunner
 from support.engine import GREEDY, make_engine, run_to_completion
 
 # float32 on both sides; differences come only from summation order.
@@ -19,7 +20,9 @@ PROMPT_LEN = 300
 
 @pytest.fixture(scope="module")
 def reference(small_model_dir: Path) -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(small_model_dir, dtype=torch.float32)
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
+        small_model_dir, dtype=torch.float32
+    )
     return model.eval()
 
 
@@ -36,9 +39,10 @@ def prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     rows = []
     while engine.scheduler.running or engine.scheduler.waiting:
         step = engine.scheduler.schedule()
-        batch = engine.runner.prepare(step, engine.kv_cache.block_table)
-        every_row = torch.arange(batch.input_ids.shape[0])
         runner = engine.runner
+        assert isinstance(runner, ModelRunner)  # the model's own runner, not a simulated one
+        batch = runner.prepare(step, engine.kv_cache.block_table)
+        every_row = torch.arange(batch.input_ids.shape[0])
         rows.append(
             runner.model(batch.input_ids, batch.positions, runner.kv_cache, batch.meta, every_row)
         )
@@ -63,6 +67,7 @@ def test_prompt_logits_match_transformers(
 def test_greedy_tokens_identical_chunked_unchunked_transformers(
     small_model_dir: Path, reference: torch.nn.Module, prompt: list[int]
 ) -> None:
+    assert isinstance(reference, GenerationMixin)  # a causal LM: it generates
     with torch.no_grad():
         generated = reference.generate(
             torch.tensor([prompt]), max_new_tokens=32, do_sample=False, min_new_tokens=32
