@@ -10,6 +10,7 @@ The two ways alternate round by round in one process. Run with `make bench`, or
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -28,10 +29,10 @@ from support.results import publish
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 2, 32, 16
-SIZES = ((300, 9000), (110, 9000), (512, 9000), (300, 2048), (128, 2048), (512, 1024),
-         (300, 512), (128, 512), (32, 512))  # fmt: skip
-ATTENTION_ROUNDS = 9
-STEP_ROUNDS = 10
+SIZES = ((300, 9000), (110, 9000), (512, 9000), (300, 4096), (110, 4096), (512, 4096),
+         (300, 2048), (128, 2048), (512, 1024), (128, 512), (32, 512))  # fmt: skip
+ATTENTION_ROUNDS = int(os.environ.get("PDSERVE_BENCH_ATTENTION_ROUNDS", "9"))
+STEP_ROUNDS = int(os.environ.get("PDSERVE_BENCH_ATTENTION_STEP_ROUNDS", "10"))
 PREFIX = 8992  # cached tokens a hit finds (whole blocks)
 
 

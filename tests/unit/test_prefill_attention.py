@@ -71,22 +71,22 @@ def test_a_chunk_over_a_long_cached_prefix_is_split_and_exact() -> None:
     run_chunks([(cached, chunk)], heads=4, kv_heads=2, dim=32, seed=0)
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(4))
 def test_random_shapes_ragged_blocks_and_several_chunks_in_one_batch(seed: int) -> None:
     generator = torch.Generator().manual_seed(100 + seed)
 
     def pick(low: int, high: int) -> int:
         return int(torch.randint(low, high, (1,), generator=generator))
 
-    kv_heads = (1, 2, 4)[pick(0, 3)]
+    kv_heads = (1, 2)[pick(0, 2)]
     heads = kv_heads * (1, 2, 4)[pick(0, 3)]
     dim = (8, 16, 32, 64)[pick(0, 4)]
     chunks = [
         (0, pick(2, 200)),  # a chunk at the start of its prompt: no cached keys
-        (pick(512, 6_000), pick(1, 400)),  # long cached prefixes, ends off a block's edge
-        (pick(512, 3_000), 1),  # one query over a long prefix
-        (pick(1, 500), pick(2, 600)),  # short prefixes: the one-call path
-        (pick(600, 1_500), attention.SPLIT_MAX_CHUNK + pick(1, 50)),  # too long to split
+        (pick(4_096, 7_000), pick(2, 130)),  # long cached prefixes, ends off a block's edge
+        (pick(4_096, 6_000), 1),  # one query over a long prefix
+        (pick(1, 2_000), pick(2, 600)),  # shorter prefixes: the one-call path
+        (pick(1, 300), attention.SPLIT_MAX_CHUNK + pick(1, 50)),  # a chunk too long to split
     ]
     run_chunks(chunks, heads, kv_heads, dim, seed)
 

@@ -102,8 +102,10 @@ def _decode_attention(
 
 # A chunk attends over its cached prefix in two parts when the prefix is long enough
 # for it to pay: the cached keys with no mask (the fused kernel's fast path) and the
-# chunk's own keys, causal. Below these sizes one masked call is as fast.
-SPLIT_MIN_CACHED = 512  # cached tokens before the chunk
+# chunk's own keys, causal. Below these sizes one masked call is faster: on CPU the
+# split's copies and the chunk's own square outweigh the mask up to ~2,048 cached
+# tokens (tests/bench/test_prefill_attention.py).
+SPLIT_MIN_CACHED = 4096  # cached tokens before the chunk
 SPLIT_MAX_CHUNK = 1024  # the chunk's own scores are computed whole: [heads, n, n]
 
 
@@ -181,12 +183,8 @@ def _split_prefill_attention(
     stacked = query.new_zeros(kv_heads, rows, width)
     stacked[..., :dim] = grouped.reshape(kv_heads, rows, dim)
     stacked[..., dim] = (own_lse / scale).reshape(kv_heads, rows)
-    cached_keys = query.new_zeros(kv_heads, cached + 1, width)
-    cached_keys[:, :cached, :dim] = keys[:, :cached]
-    cached_keys[:, cached, dim] = 1
-    cached_values = query.new_zeros(kv_heads, cached + 1, width)
-    cached_values[:, :cached, :dim] = values[:, :cached]
-    cached_values[:, cached, dim] = 1
+    cached_keys = _with_stand_in(keys[:, :cached], width)
+    cached_values = _with_stand_in(values[:, :cached], width)
     attended = F.scaled_dot_product_attention(
         stacked[None], cached_keys[None], cached_values[None], scale=scale
     )[0].float()  # [kvh, rows, width]
@@ -198,3 +196,16 @@ def _split_prefill_attention(
     merged = (attended[..., :dim] + weight[..., None] * own) / (1 - share + weight)[..., None]
     heads_first = merged.view(kv_heads, group, num_queries, dim).reshape(heads, num_queries, dim)
     return heads_first.transpose(0, 1).to(query.dtype)
+
+
+def _with_stand_in(part: torch.Tensor, width: int) -> torch.Tensor:
+    """`part` ([kvh, cached, dim]) widened to `width` with zeros, and one row more: the
+    stand-in key (or value), 0 but for a 1 in column `dim`. Written once: only the
+    added columns and row are zeroed."""
+    kv_heads, cached, dim = part.shape
+    out = part.new_empty(kv_heads, cached + 1, width)
+    out[:, :cached, :dim] = part
+    out[:, :cached, dim:] = 0
+    out[:, cached] = 0
+    out[:, cached, dim] = 1
+    return out
