@@ -29,7 +29,8 @@ from support.results import publish
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 2, 32, 16
-SIZES = ((300, 9000), (110, 9000), (512, 9000), (300, 4096), (110, 4096), (512, 4096),
+SIZES = ((300, 9000), (110, 9000), (512, 9000), (48, 9000), (16, 9000), (4, 9000),
+         (300, 4096), (110, 4096), (512, 4096), (16, 4096),
          (300, 2048), (128, 2048), (512, 1024), (128, 512), (32, 512))  # fmt: skip
 ATTENTION_ROUNDS = int(os.environ.get("PDSERVE_BENCH_ATTENTION_ROUNDS", "9"))
 STEP_ROUNDS = int(os.environ.get("PDSERVE_BENCH_ATTENTION_STEP_ROUNDS", "10"))
@@ -79,18 +80,19 @@ def attention_rows() -> list[dict[str, object]]:
             attention._prefill_attention(query, kv_layer, segment, HEAD_DIM**-0.5)
             return 1e3 * (time.perf_counter() - started)
 
-        kept = attention.SPLIT_MIN_CACHED
-        attention.SPLIT_MIN_CACHED = 1  # split whatever the sizes, to see where it pays
+        kept = attention.SPLIT_MIN_CACHED, attention.SPLIT_MIN_CHUNK
+        # Split whatever the sizes, to see where it pays.
+        attention.SPLIT_MIN_CACHED = attention.SPLIT_MIN_CHUNK = 1
         try:
             split = alternate({"one call": once, "split": once}, ATTENTION_ROUNDS)
         finally:
-            attention.SPLIT_MIN_CACHED = kept
+            attention.SPLIT_MIN_CACHED, attention.SPLIT_MIN_CHUNK = kept
         before, after = statistics.median(split["one call"]), statistics.median(split["split"])
         rows.append({
             "chunk": chunk, "cached": cached, "one_call_ms": before, "split_ms": after,
             "speedup": before / after,
             "engine_splits": cached >= attention.SPLIT_MIN_CACHED
-            and chunk <= attention.SPLIT_MAX_CHUNK,
+            and attention.SPLIT_MIN_CHUNK <= chunk <= attention.SPLIT_MAX_CHUNK,
         })  # fmt: skip
     return rows
 
@@ -138,6 +140,7 @@ def step_rows(model_dir: Path) -> list[dict[str, object]]:
     cases: dict[str, Callable[[], float]] = {
         f"hit: 300 over {PREFIX} cached": lambda: prompt_step(prefix + fresh(300)),
         f"hit: 110 over {PREFIX} cached": lambda: prompt_step(prefix + fresh(110)),
+        f"hit: 16 over {PREFIX} cached": lambda: prompt_step(prefix + fresh(16)),
         "prompt 32": lambda: prompt_step(fresh(32)),
         "prompt 128": lambda: prompt_step(fresh(128)),
         "decode-only, 4 sequences": decode_step,

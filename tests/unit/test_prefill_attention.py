@@ -67,7 +67,8 @@ def run_chunks(chunks: list[tuple[int, int]], heads: int, kv_heads: int, dim: in
 
 def test_a_chunk_over_a_long_cached_prefix_is_split_and_exact() -> None:
     cached, chunk = 9_000, 120
-    assert cached >= attention.SPLIT_MIN_CACHED and chunk <= attention.SPLIT_MAX_CHUNK
+    assert cached >= attention.SPLIT_MIN_CACHED
+    assert attention.SPLIT_MIN_CHUNK <= chunk <= attention.SPLIT_MAX_CHUNK
     run_chunks([(cached, chunk)], heads=4, kv_heads=2, dim=32, seed=0)
 
 
@@ -84,7 +85,7 @@ def test_random_shapes_ragged_blocks_and_several_chunks_in_one_batch(seed: int) 
     chunks = [
         (0, pick(2, 200)),  # a chunk at the start of its prompt: no cached keys
         (pick(4_096, 7_000), pick(2, 130)),  # long cached prefixes, ends off a block's edge
-        (pick(4_096, 6_000), 1),  # one query over a long prefix
+        (pick(4_096, 6_000), 1),  # one query over a long prefix: too few to split
         (pick(1, 2_000), pick(2, 600)),  # shorter prefixes: the one-call path
         (pick(1, 300), attention.SPLIT_MAX_CHUNK + pick(1, 50)),  # a chunk too long to split
     ]
@@ -98,5 +99,6 @@ def test_split_exact_when_either_part_dominates(
     """Large scores put almost all weight on a few keys, in the cached part or in the
     chunk; the merge must keep both limits exact, short prefixes included."""
     monkeypatch.setattr(attention, "SPLIT_MIN_CACHED", 1)
+    monkeypatch.setattr(attention, "SPLIT_MIN_CHUNK", 1)
     chunks = [(1, 1), (3, 40), (700, 17), (2_048, 256), (31, 5)]
     run_chunks(chunks, heads=4, kv_heads=2, dim=32, seed=7, query_scale=query_scale)

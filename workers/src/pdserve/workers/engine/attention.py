@@ -104,8 +104,10 @@ def _decode_attention(
 # for it to pay: the cached keys with no mask (the fused kernel's fast path) and the
 # chunk's own keys, causal. Below these sizes one masked call is faster: on CPU the
 # split's copies and the chunk's own square outweigh the mask up to ~2,048 cached
-# tokens (tests/bench/test_prefill_attention.py).
+# tokens, and the copies (as many as the cached keys) the attention of a chunk of 16
+# queries (tests/bench/test_prefill_attention.py).
 SPLIT_MIN_CACHED = 4096  # cached tokens before the chunk
+SPLIT_MIN_CHUNK = 64  # the chunk's queries
 SPLIT_MAX_CHUNK = 1024  # the chunk's own scores are computed whole: [heads, n, n]
 
 
@@ -117,7 +119,7 @@ def _prefill_attention(
     context = segment.context_len
     num_queries = query.shape[0]
     cached = context - num_queries
-    if cached >= SPLIT_MIN_CACHED and num_queries <= SPLIT_MAX_CHUNK:
+    if cached >= SPLIT_MIN_CACHED and SPLIT_MIN_CHUNK <= num_queries <= SPLIT_MAX_CHUNK:
         return _split_prefill_attention(
             query, keys[:, :context], values[:, :context], cached, scale
         )
