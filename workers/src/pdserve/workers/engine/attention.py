@@ -6,7 +6,8 @@ memory per layer (a KV transfer moves a few large runs, not many small pieces).
 
 A batch is flattened into one token axis: decode tokens first (one per sequence,
 attended to in one padded batched call), then prefill chunks (one call each, with a
-causal mask offset by the tokens already in the cache). The same code runs on CPU and
+causal mask offset by the tokens already in the cache; a chunk over a long cached
+prefix in two parts, see `_split_prefill_attention`). The same code runs on CPU and
 CUDA; scaled_dot_product_attention picks the fused kernel of the device.
 """
 
@@ -99,15 +100,32 @@ def _decode_attention(
     return attended.reshape(decodes, heads, dim)
 
 
+# A chunk attends over its cached prefix in two parts when the prefix is long enough
+# for it to pay: the cached keys with no mask (the fused kernel's fast path) and the
+# chunk's own keys, causal. Below these sizes one masked call is faster: on CPU the
+# split's copies and the chunk's own square outweigh the mask up to ~2,048 cached
+# tokens, and the copies (as many as the cached keys) the attention of a chunk of 16
+# queries (tests/bench/test_prefill_attention.py).
+SPLIT_MIN_CACHED = 4096  # cached tokens before the chunk
+SPLIT_MIN_CHUNK = 64  # the chunk's queries
+SPLIT_MAX_CHUNK = 1024  # the chunk's own scores are computed whole: [heads, n, n]
+
+
 def _prefill_attention(
     query: torch.Tensor, kv_layer: torch.Tensor, segment: PrefillSegment, scale: float
 ) -> torch.Tensor:
+    """Attention of a chunk's queries ([n, heads, dim]) over its sequence's cache."""
     keys, values = _gather(kv_layer, segment.block_table)  # [kvh, L_pad, dim]
     context = segment.context_len
-    keys, values = keys[:, :context], values[:, :context]
     num_queries = query.shape[0]
+    cached = context - num_queries
+    if cached >= SPLIT_MIN_CACHED and SPLIT_MIN_CHUNK <= num_queries <= SPLIT_MAX_CHUNK:
+        return _split_prefill_attention(
+            query, keys[:, :context], values[:, :context], cached, scale
+        )
+    keys, values = keys[:, :context], values[:, :context]
     # Query i sits at position context - num_queries + i and sees keys up to it.
-    query_positions = torch.arange(context - num_queries, context, device=query.device)
+    query_positions = torch.arange(cached, context, device=query.device)
     key_positions = torch.arange(context, device=query.device)
     mask = key_positions[None, :] <= query_positions[:, None]
     attended = F.scaled_dot_product_attention(
@@ -119,3 +137,77 @@ def _prefill_attention(
         enable_gqa=True,
     )
     return attended.transpose(0, 1)
+
+
+def _split_prefill_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cached: int, scale: float
+) -> torch.Tensor:
+    """The same attention as one causal call over `keys`/`values` ([kvh, context, dim],
+    the first `cached` before the chunk), computed in two parts merged exactly.
+
+    The chunk's own keys: a small causal square computed here in float32, giving its
+    output o2 and log-sum-exp l2 per query. The cached keys, which every query sees
+    whole: one unmasked scaled_dot_product_attention per KV head with that head's
+    query heads stacked as rows (no repeated K/V, no mask: the fused kernel's fastest
+    path on CPU and CUDA alike). That call cannot return its log-sum-exp, which the
+    merge needs, so it gets one key more, standing for the chunk: a head dimension is
+    added, 0 on every cached key and 1 on that key, and each query carries l2 / scale
+    in it, so that key scores l2 exactly for its own query and the cached keys score as
+    before; its value is 0 but for a 1 in the added dimension. The output's added
+    column is then the chunk's share of the softmax and the rest the cached part's
+    weighted values: merged = (o1' + w o2) / (1 - e + w), with e that column and
+    w = e exp(l2 - c) (c: the score the kernel gave, l2 as the query's dtype holds it).
+    """
+    num_queries, heads, dim = query.shape
+    kv_heads = keys.shape[0]
+    group = heads // kv_heads
+    rows = group * num_queries
+    grouped = query.transpose(0, 1).reshape(kv_heads, group, num_queries, dim)
+
+    # The chunk's own keys, causal: query i sees chunk keys 0..i. The log-sum-exp is
+    # read off the softmax at each row's largest score (a weight of at least 1/n there,
+    # so its log is exact to rounding): torch.logsumexp and exp over the masked square
+    # cost several times the softmax on CPU.
+    own_keys = keys[:, None, cached:].float()  # [kvh, 1, n, dim]
+    own_values = values[:, None, cached:].float()
+    scores = torch.matmul(grouped.float(), own_keys.transpose(-1, -2)).mul_(scale)
+    later = torch.ones(num_queries, num_queries, dtype=torch.bool, device=query.device).triu_(1)
+    scores.masked_fill_(later, float("-inf"))  # [kvh, g, n, n]
+    top, where = scores.max(dim=-1, keepdim=True)
+    weights = torch.softmax(scores, dim=-1)
+    own_lse = (top - weights.gather(-1, where).log()).squeeze(-1)  # [kvh, g, n]
+    own_out = torch.matmul(weights, own_values)  # [kvh, g, n, dim]
+
+    # The cached keys, unmasked, with the chunk's stand-in key last. CUDA's fused
+    # kernels want head dimensions in multiples of 8 (zeros change no score or value);
+    # on CPU one more column costs least.
+    width = dim + 1 if query.device.type == "cpu" else -(-(dim + 1) // 8) * 8
+    stacked = query.new_zeros(kv_heads, rows, width)
+    stacked[..., :dim] = grouped.reshape(kv_heads, rows, dim)
+    stacked[..., dim] = (own_lse / scale).reshape(kv_heads, rows)
+    cached_keys = _with_stand_in(keys[:, :cached], width)
+    cached_values = _with_stand_in(values[:, :cached], width)
+    attended = F.scaled_dot_product_attention(
+        stacked[None], cached_keys[None], cached_values[None], scale=scale
+    )[0].float()  # [kvh, rows, width]
+
+    share = attended[..., dim]  # the stand-in key's softmax weight, e
+    given = stacked[..., dim].float() * scale  # the score it had, c
+    weight = share * torch.exp(own_lse.reshape(kv_heads, rows) - given)
+    own = own_out.reshape(kv_heads, rows, dim)
+    merged = (attended[..., :dim] + weight[..., None] * own) / (1 - share + weight)[..., None]
+    heads_first = merged.view(kv_heads, group, num_queries, dim).reshape(heads, num_queries, dim)
+    return heads_first.transpose(0, 1).to(query.dtype)
+
+
+def _with_stand_in(part: torch.Tensor, width: int) -> torch.Tensor:
+    """`part` ([kvh, cached, dim]) widened to `width` with zeros, and one row more: the
+    stand-in key (or value), 0 but for a 1 in column `dim`. Written once: only the
+    added columns and row are zeroed."""
+    kv_heads, cached, dim = part.shape
+    out = part.new_empty(kv_heads, cached + 1, width)
+    out[:, :cached, :dim] = part
+    out[:, :cached, dim:] = 0
+    out[:, cached] = 0
+    out[:, cached, dim] = 1
+    return out
