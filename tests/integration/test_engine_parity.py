@@ -104,6 +104,7 @@ def test_chunks_over_a_long_cached_prefix_match_transformers(
     monkeypatch.setattr(attention, "_split_prefill_attention", counted)
     generator = torch.Generator().manual_seed(11)
     prompt = torch.randint(3, 1000, (LONG_PROMPT_LEN,), generator=generator).tolist()
+    assert isinstance(reference, GenerationMixin)  # a causal LM: it generates
     with torch.no_grad():
         expected_logits = reference(torch.tensor([prompt])).logits[0].float()
         generated = reference.generate(
