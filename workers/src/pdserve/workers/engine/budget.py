@@ -63,7 +63,7 @@ and beside decodes within what the target allows.
 A step is sized for itself, but a prompt it finishes decodes in every step after it,
 and the decodes attend as far as the longest of them (their batch is padded to it). So
 a step does not finish a prompt whose joining would make the decodes' steps alone run
-past the target (less the margin): its chunk stops one token short, and it finishes
+past the target (less the margin): its chunk stops two tokens short, and it finishes
 once streams have ended (`_joining_fits`). Under overload that is the admission a
 stream's target needs: in the simulator's load step one 2,700-token prompt joining 60
 short streams took their steps alone from 52 to 220 ms.
@@ -387,9 +387,12 @@ class AdaptiveBudget:
         self._last_tokens_at = at
 
     def _joining_fits(self, shape: BatchShape, prefill: int, allowed_s: float) -> int:
-        """`prefill`, cut one token short of the first prompt whose last tokens it
-        holds if that prompt, joining the decodes, would make their steps alone
-        predicted longer than `allowed_s` (the target less the margin). A step is sized
+        """`prefill`, cut two tokens short of the end of the first prompt whose last
+        tokens it holds if that prompt, joining the decodes, would make their steps
+        alone predicted longer than `allowed_s` (the target less the margin). Two: a
+        chunk of one token takes the runner's decode path, the decodes then attending
+        as far as its context, which is the cost the prompt was held back from (a
+        prompt held one short sent a 60-stream step 47 ms past its prediction). A step is sized
         for itself, but a prompt it finishes decodes in every step after it, and the
         decodes attend as far as the longest of them: one long prompt joining 60 short
         streams took their steps alone from 52 to 220 ms (the load step in the
@@ -404,7 +407,7 @@ class AdaptiveBudget:
                 joined = max(longest, work.start + work.remaining + 1)
                 features = StepFeatures(decodes + 1, 0, (decodes + 1) * joined, 0)
                 if decodes and self.cost.predict(features) > allowed_s:
-                    return before + chunk - 1
+                    return before + max(chunk - 2, 0)
                 decodes, longest = decodes + 1, joined
             before += chunk
         return prefill
