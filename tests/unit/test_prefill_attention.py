@@ -50,8 +50,7 @@ def run_chunks(chunks: list[tuple[int, int]], heads: int, kv_heads: int, dim: in
         slot_blocks=torch.zeros(row, dtype=torch.long),
         slot_offsets=torch.zeros(row, dtype=torch.long),
         num_decode_tokens=0,
-        decode_block_tables=torch.zeros(0, 1, dtype=torch.long),
-        decode_context_lens=torch.zeros(0, dtype=torch.long),
+        decode_groups=(),
         prefills=tuple(segments),
     )
     scale = dim**-0.5

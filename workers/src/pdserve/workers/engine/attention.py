@@ -5,7 +5,8 @@ each block holds its K and V side by side, so a block is one contiguous run of
 memory per layer (a KV transfer moves a few large runs, not many small pieces).
 
 A batch is flattened into one token axis: decode tokens first (one per sequence,
-attended to in one padded batched call), then prefill chunks (one call each, with a
+attended to in a few padded batched calls, one per group of similar context lengths,
+see `group_decodes`), then prefill chunks (one call each, with a
 causal mask offset by the tokens already in the cache; a chunk over a long cached
 prefix in two parts, see `_split_prefill_attention`). The same code runs on CPU and
 CUDA; scaled_dot_product_attention picks the fused kernel of the device.
@@ -30,14 +31,64 @@ class PrefillSegment:
 
 
 @dataclass(frozen=True)
+class DecodeGroup:
+    """Decodes attended to in one call, each padded to the longest of the group."""
+
+    rows: torch.Tensor | None  # [g] long, the group's decode rows; None: all of them, in order
+    block_tables: torch.Tensor  # [g, max_blocks] long, padded with 0
+    context_lens: torch.Tensor  # [g] long, tokens in cache incl. the new one
+
+
+# A decode joins the group of longer ones unless padding it to the group's longest
+# context would more than double its share of the work: each call then does at most
+# twice the attention its streams need, and lengths from 100 to 100,000 tokens make at
+# most ten calls. Equal (or near-equal) lengths stay one call, as one padded call is.
+GROUP_MAX_PADDING = 0.5  # of the group's longest context
+
+
+def group_decodes(
+    tables: list[list[int]], lens: list[int], device: str | torch.device
+) -> tuple[DecodeGroup, ...]:
+    """The decodes (each one's block table and context length) in groups of similar
+    context length, computed on the host from the lengths the batch is built from: so
+    one long context in the batch does not make every short one attend over its length."""
+    if not tables:
+        return ()
+    order = sorted(range(len(tables)), key=lambda row: len(tables[row]), reverse=True)
+    members: list[list[int]] = []
+    for row in order:
+        if not members or len(tables[row]) < (1 - GROUP_MAX_PADDING) * len(tables[members[-1][0]]):
+            members.append([])
+        members[-1].append(row)
+    if len(members) == 1:
+        return (_decode_group(None, tables, lens, device),)
+    return tuple(_decode_group(rows, tables, lens, device) for rows in members)
+
+
+def _decode_group(
+    rows: list[int] | None, tables: list[list[int]], lens: list[int], device: str | torch.device
+) -> DecodeGroup:
+    picked = range(len(tables)) if rows is None else sorted(rows)
+    width = max(len(tables[row]) for row in picked)
+    # One flat list to one tensor: torch builds a nested list's tensor slowly.
+    padded = [
+        block for row in picked for block in (*tables[row], *[0] * (width - len(tables[row])))
+    ]
+    return DecodeGroup(
+        rows=None if rows is None else torch.tensor(picked, dtype=torch.long, device=device),
+        block_tables=torch.tensor(padded, dtype=torch.long, device=device).view(len(picked), width),
+        context_lens=torch.tensor([lens[row] for row in picked], dtype=torch.long, device=device),
+    )
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """Where each token's K/V goes and what each query attends to."""
 
     slot_blocks: torch.Tensor  # [T] block id receiving each token's K/V
     slot_offsets: torch.Tensor  # [T] offset inside that block
     num_decode_tokens: int  # rows [0, num_decode_tokens) are decodes
-    decode_block_tables: torch.Tensor  # [D, max_blocks] long, padded with 0
-    decode_context_lens: torch.Tensor  # [D] long, tokens in cache incl. the new one
+    decode_groups: tuple[DecodeGroup, ...]  # the decodes, by context length (group_decodes)
     prefills: tuple[PrefillSegment, ...]
 
 
@@ -55,8 +106,12 @@ def paged_attention(
     """Attention of every query row ([T, heads, head_dim]) over its sequence's cache."""
     out = torch.empty_like(query)
     decodes = meta.num_decode_tokens
-    if decodes:
-        out[:decodes] = _decode_attention(query[:decodes], kv_layer, meta, scale)
+    for group in meta.decode_groups:
+        if group.rows is None:
+            out[:decodes] = _decode_attention(query[:decodes], kv_layer, group, scale)
+        else:
+            attended = _decode_attention(query.index_select(0, group.rows), kv_layer, group, scale)
+            out.index_copy_(0, group.rows, attended)
     for segment in meta.prefills:
         rows = slice(segment.token_start, segment.token_end)
         out[rows] = _prefill_attention(query[rows], kv_layer, segment, scale)
@@ -76,20 +131,20 @@ def _gather(kv_layer: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Te
 
 
 def _decode_attention(
-    query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    query: torch.Tensor, kv_layer: torch.Tensor, group: DecodeGroup, scale: float
 ) -> torch.Tensor:
-    """All decodes in one call, grouped by KV head: each KV head's query heads attend
+    """A group's decodes in one call, grouped by KV head: each KV head's query heads attend
     to it together, so K and V are gathered once (whole rows of blocks, one copy
     each) and never repeated for the heads that share them."""
     decodes, heads, dim = query.shape
     kv_heads = kv_layer.shape[-2]
-    rows = meta.decode_block_tables.flatten()
+    rows = group.block_tables.flatten()
     keys, values = (
         kv_layer[:, part].flatten(1).index_select(0, rows).view(decodes, -1, kv_heads, dim)
         for part in (0, 1)
     )  # [D, L, kvh, dim]
     positions = torch.arange(keys.shape[1], device=query.device)
-    mask = positions[None, :] < meta.decode_context_lens[:, None]  # [D, L]
+    mask = positions[None, :] < group.context_lens[:, None]  # [D, L]
     attended = F.scaled_dot_product_attention(
         query.reshape(decodes, kv_heads, heads // kv_heads, dim),  # [D, kvh, group, dim]
         keys.transpose(1, 2).to(query.dtype),
