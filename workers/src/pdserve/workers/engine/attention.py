@@ -54,30 +54,39 @@ def group_decodes(
     one long context in the batch does not make every short one attend over its length."""
     if not tables:
         return ()
-    order = sorted(range(len(tables)), key=lambda row: len(tables[row]), reverse=True)
+    widths = [len(table) for table in tables]
+    longest = max(widths)
+    if min(widths) >= (1 - GROUP_MAX_PADDING) * longest:  # one group: no sort, no indices
+        return (_decode_group(None, tables, widths, lens, longest, device),)
+    order = sorted(range(len(tables)), key=widths.__getitem__, reverse=True)
     members: list[list[int]] = []
     for row in order:
-        if not members or len(tables[row]) < (1 - GROUP_MAX_PADDING) * len(tables[members[-1][0]]):
+        if not members or widths[row] < (1 - GROUP_MAX_PADDING) * widths[members[-1][0]]:
             members.append([])
         members[-1].append(row)
-    if len(members) == 1:
-        return (_decode_group(None, tables, lens, device),)
-    return tuple(_decode_group(rows, tables, lens, device) for rows in members)
+    return tuple(
+        _decode_group(sorted(rows), tables, widths, lens, widths[rows[0]], device)
+        for rows in members
+    )
 
 
 def _decode_group(
-    rows: list[int] | None, tables: list[list[int]], lens: list[int], device: str | torch.device
+    rows: list[int] | None,
+    tables: list[list[int]],
+    widths: list[int],
+    lens: list[int],
+    width: int,
+    device: str | torch.device,
 ) -> DecodeGroup:
-    picked = range(len(tables)) if rows is None else sorted(rows)
-    width = max(len(tables[row]) for row in picked)
+    """The decodes `rows` (None: all of them) with their tables padded to `width`."""
+    picked = range(len(tables)) if rows is None else rows
     # One flat list to one tensor: torch builds a nested list's tensor slowly.
-    padded = [
-        block for row in picked for block in (*tables[row], *[0] * (width - len(tables[row])))
-    ]
+    padded = [block for row in picked for block in (*tables[row], *[0] * (width - widths[row]))]
+    picked_lens = lens if rows is None else [lens[row] for row in rows]
     return DecodeGroup(
-        rows=None if rows is None else torch.tensor(picked, dtype=torch.long, device=device),
+        rows=None if rows is None else torch.tensor(rows, dtype=torch.long, device=device),
         block_tables=torch.tensor(padded, dtype=torch.long, device=device).view(len(picked), width),
-        context_lens=torch.tensor([lens[row] for row in picked], dtype=torch.long, device=device),
+        context_lens=torch.tensor(picked_lens, dtype=torch.long, device=device),
     )
 
 
