@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdserve.workers.engine.decode_groups import group_rows
+
 
 @dataclass(frozen=True)
 class PrefillSegment:
@@ -39,13 +41,6 @@ class DecodeGroup:
     context_lens: torch.Tensor  # [g] long, tokens in cache incl. the new one
 
 
-# A decode joins the group of longer ones unless padding it to the group's longest
-# context would more than double its share of the work: each call then does at most
-# twice the attention its streams need, and lengths from 100 to 100,000 tokens make at
-# most ten calls. Equal (or near-equal) lengths stay one call, as one padded call is.
-GROUP_MAX_PADDING = 0.5  # of the group's longest context
-
-
 def group_decodes(
     tables: list[list[int]], lens: list[int], device: str | torch.device
 ) -> tuple[DecodeGroup, ...]:
@@ -55,18 +50,12 @@ def group_decodes(
     if not tables:
         return ()
     widths = [len(table) for table in tables]
-    longest = max(widths)
-    if min(widths) >= (1 - GROUP_MAX_PADDING) * longest:  # one group: no sort, no indices
-        return (_decode_group(None, tables, widths, lens, longest, device),)
-    order = sorted(range(len(tables)), key=widths.__getitem__, reverse=True)
-    members: list[list[int]] = []
-    for row in order:
-        if not members or widths[row] < (1 - GROUP_MAX_PADDING) * widths[members[-1][0]]:
-            members.append([])
-        members[-1].append(row)
+    groups = group_rows(lens)  # the step-cost model counts keys by the same groups
+    if groups is None:  # one group: no sort, no indices
+        return (_decode_group(None, tables, widths, lens, max(widths), device),)
     return tuple(
-        _decode_group(sorted(rows), tables, widths, lens, widths[rows[0]], device)
-        for rows in members
+        _decode_group(rows, tables, widths, lens, max(widths[row] for row in rows), device)
+        for rows in groups
     )
 
 
