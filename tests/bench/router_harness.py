@@ -182,14 +182,16 @@ def fake_worker_loop(answer: list[bytes]) -> asyncio.AbstractEventLoop:
     `answer` (the upstream client's own classes untouched: they may be compiled)."""
     import uvloop
 
-    class Loop(uvloop.Loop):  # type: ignore[misc,name-defined]
-        async def create_connection(self, factory: Any, *args: Any, **kwargs: Any) -> Any:
+    class Loop(uvloop.Loop):
+        async def create_connection(  # type: ignore[override]
+            self, factory: Any, *args: Any, **kwargs: Any
+        ) -> Any:
             protocol = factory()
             transport = WorkerTransport(protocol, answer)
             protocol.connection_made(transport)
             return transport, protocol
 
-    return Loop()  # type: ignore[no-any-return]
+    return Loop()
 
 
 NUMBERS = itertools.count()

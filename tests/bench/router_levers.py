@@ -77,7 +77,8 @@ def run(variants: dict[str, str], peer: bool, work: Path, model_dir: Path) -> li
             running = stack.enter_context(bench.vllm_router(upstream, work / "vllm-router.log"))
             if running is not None:
                 urls["vllm-router"], pids["vllm-router"] = running
-        return bench.measure("fake server", urls, pids)
+        rows: list[dict[str, Any]] = bench.measure("fake server", urls, pids)
+        return rows
 
 
 def ratios(rows: list[dict[str, Any]]) -> None:

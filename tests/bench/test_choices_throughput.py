@@ -11,6 +11,7 @@ import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -72,7 +73,7 @@ def test_n_against_separate_requests(tiny_model_dir: Path, prompt_len: int) -> N
         measured["n=8"].append(run(engine(tiny_model_dir), forked, prompt))
         separate = {f"r-{round_}-{i}": params.choice(i) for i in range(N)}
         measured["8 requests"].append(run(engine(tiny_model_dir), separate, prompt))
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "way": way,
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),

@@ -127,7 +127,13 @@ def use_buckets(local: Any, buckets: list[dict[str, Any]]) -> None:
 def figures(metrics: Any) -> dict[str, float | None]:
     """TTFT P50/P99, ITL P99 (ms) and goodput of a run."""
     overall = metrics.overall
-    ms = lambda d, q: None if d is None else getattr(d, q) * 1000  # noqa: E731
+
+    def ms(distribution: Any, quantile: str) -> float | None:
+        if distribution is None:
+            return None
+        seconds: float = getattr(distribution, quantile)
+        return seconds * 1000
+
     return {
         "ttft_p50_ms": ms(overall.ttft, "p50"),
         "ttft_p99_ms": ms(overall.ttft, "p99"),

@@ -20,6 +20,7 @@ import torch
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.engine.config import EngineConfig, SchedulerConfig
 from pdserve.workers.engine.engine import LLMEngine
+from pdserve.workers.engine.runner import ModelRunner
 from support.results import publish
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -72,11 +73,13 @@ def decoding(engine: LLMEngine, batch: int) -> None:
 def profile(engine: LLMEngine, batch: int) -> dict[str, Any]:
     decoding(engine, batch)
     spent: dict[str, float] = {}
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner)  # the model's own runner, not a simulated one
     phases = {
-        FORWARD: (engine.runner.model, "forward"),
+        FORWARD: (runner.model, "forward"),
         "scheduling": (engine.scheduler, "schedule"),
-        "batch_building": (engine.runner, "prepare"),
-        "sampling": (engine.runner.sampler, "sample"),
+        "batch_building": (runner, "prepare"),
+        "sampling": (runner.sampler, "sample"),
         "outputs": (engine, "_take_sampled"),
         "accounting": (engine, "_account"),
         "step_cost_model": (engine.step_cost, "update"),

@@ -4,7 +4,8 @@ in/long out), the mixed one and a burst (the first requests of the Azure convers
 trace, arriving within seconds, prompts up to 3,000 tokens), in one run; then a load
 step (the mixed shape from half the best static budget's capacity to past it, that
 capacity measured first on this machine) and how many engine steps the ITL takes to
-come back under target.
+come back under target. PDSERVE_BENCH_LOAD_STEP=256,512 runs the load step alone,
+against those static budgets (`test_load_step_alone`).
 Run with `make bench`. PDSERVE_BENCH_RATE_SCALE multiplies every request rate (default
 1): the rates below suit a shared two-core machine, where an idle one needs more traffic
 before the budget matters.
@@ -401,31 +402,50 @@ def test_adaptive_budget_against_the_best_static_one(tiny_model_dir: Path, tmp_p
     if "mixed" in by_shape:
         mixed = best_static(by_shape["mixed"])
         fallback = str(statics_of(next(s for s in SHAPES if s.workload == "mixed"))[0])
-        load_step(tiny_model_dir, tmp_path, mixed.budget if mixed else fallback)
+        load_step(tiny_model_dir, tmp_path, (mixed.budget if mixed else fallback,))
 
 
 # -- the load step ----------------------------------------------------------------------
 
 
-def load_step(model_dir: Path, logs: Path, static: str) -> None:
-    """The mixed shape from LOAD_BEFORE to LOAD_AFTER of the best static budget's
-    capacity halfway, adaptive and that static budget on the same arrivals."""
+# PDSERVE_BENCH_LOAD_STEP=256,512 runs the load step alone (no sweep), against those
+# static budgets: the first one's capacity sets the rates, and the adaptive budget runs
+# after each static one (256, adaptive, 512, adaptive), so a drift weighs on both sides.
+_LOAD_STEP_STATICS = os.environ.get("PDSERVE_BENCH_LOAD_STEP")
+
+
+@pytest.mark.skipif(not _LOAD_STEP_STATICS, reason="PDSERVE_BENCH_LOAD_STEP not set")
+def test_load_step_alone(tiny_model_dir: Path, tmp_path: Path) -> None:
+    statics = tuple((_LOAD_STEP_STATICS or "").split(","))
+    load_step(tiny_model_dir, tmp_path, statics)
+
+
+def load_step(model_dir: Path, logs: Path, statics: Sequence[str]) -> None:
+    """The mixed shape from LOAD_BEFORE to LOAD_AFTER of the first static budget's
+    capacity halfway, on the same arrivals: each static budget, the adaptive one after
+    each (its runs after the first are labelled `adaptive 2`, ...)."""
     vocab = ModelConfig.from_dir(model_dir).vocab_size
     rows, recovery, capacity = [], {}, 0.0
     windows: dict[str, list[float | None]] = {}
-    for budget in (static, ADAPTIVE):  # the static first: its capacity sets the rates
-        with running_worker(model_dir, logs / "step" / budget, *budget_args(budget)) as worker:
-            if budget == static:
+    # Each adaptive run's label, and the static run before it.
+    pairs = {(ADAPTIVE if i == 0 else f"{ADAPTIVE} {i + 1}"): s for i, s in enumerate(statics)}
+    runs = [run for label, s in pairs.items() for run in ((s, s), (ADAPTIVE, label))]
+    for budget, label in runs:  # (the worker's budget, the run's label)
+        with running_worker(model_dir, logs / "step" / label, *budget_args(budget)) as worker:
+            if not capacity:  # the first static: its capacity sets the rates
                 capacity = measure_capacity(worker.url, vocab)
                 trace = write_step_trace(logs / "load-step.csv", capacity)
             config = bench_config(worker.url, vocab, trace=trace)
             with polled_steps(worker) as samples:
                 result = run_benchmark(config)
         step_at = result.started_at + LOAD_STEP_AT_S
-        recovery[budget] = steps_to_recover(samples, step_at)
-        windows[budget] = window_p99_itl_ms(result)
+        recovery[label] = steps_to_recover(samples, step_at)
+        windows[label] = window_p99_itl_ms(result)
         _, steps, over = samples[-1]
-        rows.append(Run("mixed, load step", budget, result.metrics.overall, steps, over).row())
+        row = Run("mixed, load step", label, result.metrics.overall, steps, over).row()
+        print(row, flush=True)
+        rows.append(row)
+    static = statics[0]
     rates = (LOAD_BEFORE * capacity, LOAD_AFTER * capacity)
     table = [
         {
@@ -446,10 +466,18 @@ def load_step(model_dir: Path, logs: Path, static: str) -> None:
             "goodput_adaptive_over_static": goodputs[ADAPTIVE] / goodputs[static]
             if goodputs[static]
             else None,
+            # Each adaptive run over the static run before it.
+            "goodput_adaptive_over_each_static": {
+                f"{label} / {before}": goodputs[label] / goodputs[before]
+                if goodputs[before]
+                else None
+                for label, before in pairs.items()
+            },
             "steps_to_recover": recovery,
             "recovery_window_steps": RECOVERY_WINDOW_STEPS,
             "target_itl_ms": TARGET_ITL_MS,
             "static_budget": static,
+            "static_budgets": list(statics),
         },
     )
 

@@ -218,8 +218,7 @@ def check_the_charts_identity(
     operator = operator_of(deployment, kubeconfig, tmp_path / "operator.log").start()
     try:
         for ns in (pools_ns, other_ns):
-            pool = json.dumps(small_pool("chat"))
-            cluster.kubectl("apply", "-n", ns, "-f", "-", input=pool)
+            cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(small_pool("chat")))
         pool = wait_ready(cluster, pools_ns, "chat")
         seconds = time.monotonic() - started
         print(f"helm install to pool Ready: {seconds:.1f}s")

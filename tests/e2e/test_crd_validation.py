@@ -8,6 +8,7 @@ just as pydantic refuses it in tests/unit/test_api.py.
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -32,7 +33,9 @@ class Cluster(Protocol):
     @property
     def kubeconfig(self) -> Path: ...
 
-    def kubectl(self, *args: str, check: bool = True) -> Any: ...
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None
+    ) -> subprocess.CompletedProcess[str]: ...
 
 
 @pytest.fixture(scope="module")

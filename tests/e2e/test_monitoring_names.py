@@ -66,7 +66,7 @@ def exported(
             cluster.kubectl("delete", "namespace", namespace, "--wait=false")
 
     scraped: dict[str, Started] = {"pool": worker_and_router, "operator": operator}
-    names = {}
+    names: dict[str, set[str]] = {}
     for part, start in scraped.items():
         with start(tmp_path_factory.mktemp(part)) as urls:
             names |= {component: exported_names(page(url)) for component, url in urls.items()}

@@ -226,7 +226,7 @@ def test_hand_edits_are_put_back_and_deleted_children_recreated(
 
     def put_back() -> bool:
         deployment = get_json(cluster, "deployment", "fixed-decode", "-n", namespace)
-        return (
+        return bool(
             deployment["spec"]["replicas"] == 2
             and container(deployment)["image"] == "pdserve:0.1.0"
         )

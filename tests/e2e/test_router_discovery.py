@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +168,7 @@ def test_the_pool_gets_a_credential_secret_and_a_network_policy(
     assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
     for role in ("prefill", "decode", "router"):
         deployment = wait_until(
-            lambda r=role: get_json(cluster, "deployment", f"{POOL}-{r}", "-n", namespace),
+            partial(get_json, cluster, "deployment", f"{POOL}-{role}", "-n", namespace),
             WAIT, f"the {role} Deployment",
         )  # fmt: skip
         volumes = deployment["spec"]["template"]["spec"]["volumes"]

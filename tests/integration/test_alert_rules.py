@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ def series(name: str, values: str, **labels: str) -> dict[str, str]:
 
 
 def histogram(
-    name: str, before: dict[str, float], after: dict[str, float], **labels: str
+    name: str, before: Mapping[str, float], after: Mapping[str, float], **labels: str
 ) -> list[dict[str, str]]:
     """Bucket counters (cumulative per-minute counts by `le`) before and after."""
     return [

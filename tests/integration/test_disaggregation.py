@@ -182,14 +182,14 @@ def test_many_handoffs_in_flight_between_two_prefill_and_two_decode(
                     )
                     for index, prompt in enumerate(prompts)
                 ]
-                return await asyncio.gather(*calls)
+                return list(await asyncio.gather(*calls))
 
         answers = asyncio.run(concurrently())
         for (status, answer), prompt in zip(answers, prompts, strict=True):
             assert status == 200, answer
             assert token_ids(answer) == expected[prompt]
         for worker in workers.prefill + workers.decode:
-            assert wait_for(lambda w=worker: kv_usage(w) == 0.0)  # type: ignore[misc]
+            assert wait_for(lambda w=worker: kv_usage(w) == 0.0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -221,7 +221,7 @@ def test_prefill_killed_mid_handoff(
                 assert status == 200 and token_ids(answer) == colocated
             else:
                 assert status == 502 and "hand-off failed" in str(answer)
-            assert wait_for(lambda d=decode: kv_usage(d) == 0.0, 20)  # type: ignore[misc]
+            assert wait_for(lambda d=decode: kv_usage(d) == 0.0, 20)
             assert metric(decode, "pdserve_kv_transfer_failures_total") == 1
 
 
@@ -306,7 +306,7 @@ def test_mismatched_handoffs_are_rejected_with_a_reason(pair: PDPair) -> None:
         ):
             return answer.status, await answer.json()
 
-    sampling = {
+    sampling: dict[str, object] = {
         "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "min_tokens": 0,
         "stop_token_ids": [], "ignore_eos": True,
     }  # fmt: skip

@@ -126,7 +126,8 @@ def run_batch(
 
 def healthy(worker: ServerProcess) -> bool:
     with urllib.request.urlopen(f"{worker.url}/health", timeout=10) as answer:
-        return answer.status == 200
+        status: int = answer.status
+        return status == 200
 
 
 @pytest.fixture(scope="module")

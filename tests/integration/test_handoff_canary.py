@@ -48,7 +48,7 @@ async def leave_mid_write(workers: PDPair, handed: list[int]) -> None:
 
 async def one(
     workers: PDPair, prompt: list[int], prefill: bool, max_tokens: int
-) -> tuple[int, dict]:
+) -> tuple[int, dict[str, object]]:
     async with aiohttp.ClientSession() as session:
         url = workers.prefill[0].url if prefill else None
         return await complete(session, workers.decode[0].url, prompt, url, max_tokens=max_tokens)

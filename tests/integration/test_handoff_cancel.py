@@ -121,7 +121,7 @@ def test_one_cancelled_hand_off_leaves_the_other_nineteen_alone(
                 await wait_for_log(prefill, fault_fired("prefill.before_write"), fired + 20)
                 assert not any(call.done() for call in calls)
                 calls[7].cancel()
-            return await asyncio.gather(*calls, return_exceptions=True)
+            return list(await asyncio.gather(*calls, return_exceptions=True))
 
     answers = asyncio.run(twenty())
     assert isinstance(answers[7], asyncio.CancelledError)

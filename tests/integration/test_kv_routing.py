@@ -13,7 +13,7 @@ import signal
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -137,13 +137,13 @@ def results(router: ServerProcess) -> dict[str, float]:
     }
 
 
-def conversation(seed: int, turns: int) -> Iterator[list[int]]:
+def conversation(seed: int, turns: int) -> Generator[list[int], list[int], None]:
     """The prompts of a chat: a system prompt, then each turn the whole history (the
     answers as the router gave them) and a new user message. Send each prompt and
     `send` back its answer's tokens."""
     history = random_tokens(seed, 3 * BLOCK + 5)
     for turn in range(turns):
-        answer: list[int] = yield history  # type: ignore[misc]
+        answer = yield history
         history = history + answer + random_tokens(seed * 100 + turn, 21)
 
 

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import yaml
@@ -135,7 +136,7 @@ def reported_dead(log: Path) -> bool:
 
 async def lose_a_worker(
     pool: Pool,
-) -> tuple[tuple[list[int], object], tuple[int, list[int], object]]:
+) -> tuple[tuple[list[int], Any], tuple[int, list[int], Any]]:
     """Kill worker A with one stream under way on it and one request waiting there;
     what both requests' clients got."""
     a, b = pool.decode_urls

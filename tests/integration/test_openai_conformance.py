@@ -296,7 +296,11 @@ def test_clients_that_leave_leave_every_routed_request_counted_once(pool: LocalP
     asyncio.run(run())
     for bucket in ("le64", "gt64"):
         decisions = router_metric(pool, "pdserve_router_decisions_total", bucket=bucket)
-        wait_until(lambda b=bucket, d=decisions: outcomes(b) == d, 60, f"{bucket}: every outcome")
+
+        def counted(b: str = bucket, d: float = decisions) -> bool:
+            return outcomes(b) == d
+
+        wait_until(counted, 60, f"{bucket}: every outcome")
         assert outcomes(bucket, outcome="cancelled") == before[bucket] + 2
     for process in (pool.router, decode):
         assert process is not None

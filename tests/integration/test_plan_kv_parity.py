@@ -14,6 +14,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -131,7 +132,10 @@ def run_simulated(model_dir: Path) -> list[Routed]:
         PlannedRequest(i, 10.0 * i, row.input_tokens, MAX_TOKENS, "parity", row)
         for i, row in enumerate(rows())
     ]
-    buckets = [{"maxInputTokens": BOUNDARY, "mode": "colocated"}, {"mode": "disaggregated"}]
+    buckets: list[dict[str, Any]] = [
+        {"maxInputTokens": BOUNDARY, "mode": "colocated"},
+        {"mode": "disaggregated"},
+    ]
     line = scenario_line(
         "kv-parity", ["--block-size", str(BLOCK)], ["--block-size", str(BLOCK)],
         num_decode=2, num_prefill=1, buckets=buckets,

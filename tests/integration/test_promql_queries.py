@@ -9,6 +9,7 @@ Series grow per minute; queries look back 5 minutes and are evaluated at minute 
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ def gauge(name: str, value: float, labels: dict[str, str], **more: str) -> dict[
 
 
 def histogram(
-    name: str, per_minute: dict[str, float], labels: dict[str, str], **more: str
+    name: str, per_minute: Mapping[str, float], labels: dict[str, str], **more: str
 ) -> list[dict[str, str]]:
     out = [series(f"{name}_bucket", n, labels, le=le, **more) for le, n in per_minute.items()]
     out.append(series(f"{name}_count", per_minute["+Inf"], labels, **more))

@@ -13,7 +13,7 @@ import subprocess
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import aiohttp
 import openai
@@ -45,7 +45,16 @@ from support.router import (
 from support.waiting import wait_until
 
 MAX_TOKENS = 12
-GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS}
+
+
+class Sampling(TypedDict):
+    """Sampling arguments of the client's create calls (typed, so they unpack into it)."""
+
+    temperature: float
+    max_tokens: int
+
+
+GREEDY: Sampling = {"temperature": 0, "max_tokens": MAX_TOKENS}
 EXTRA = {"ignore_eos": True, "return_token_ids": True}
 
 

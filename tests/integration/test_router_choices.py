@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from pdserve.operator import api
 from pdserve.operator.local.pool import LocalPool
 from support.prom import total
 from support.router import BOUNDARY, as_router, local_pool, pool_manifest, router_metric
@@ -44,11 +45,11 @@ def client(pool: LocalPool) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{pool.url}/v1", api_key="unused", max_retries=0)
 
 
-def worker_url(pool: LocalPool, role: str) -> str:
+def worker_url(pool: LocalPool, role: api.Role) -> str:
     return pool.workers[role][0].url
 
 
-def worker_total(pool: LocalPool, role: str, name: str) -> float:
+def worker_total(pool: LocalPool, role: api.Role, name: str) -> float:
     return total(f"{worker_url(pool, role)}/metrics", name)
 
 

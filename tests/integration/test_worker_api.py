@@ -11,6 +11,7 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.model.tokenizer import Tokenizer
@@ -80,15 +81,15 @@ def test_streaming_completion_sends_a_chunk_per_token(client: openai.OpenAI) -> 
 
 
 def test_chat_completion_streaming_and_not(client: openai.OpenAI) -> None:
-    messages = [{"role": "user", "content": "Say something."}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say something."}]
     whole = client.chat.completions.create(
-        model="small", messages=messages, max_tokens=8, temperature=0,  # type: ignore[arg-type]
+        model="small", messages=messages, max_tokens=8, temperature=0,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     assert whole.choices[0].message.role == "assistant"
     assert whole.usage is not None and whole.usage.completion_tokens == 8
     stream = client.chat.completions.create(
-        model="small", messages=messages, max_tokens=8, temperature=0, stream=True,  # type: ignore[arg-type]
+        model="small", messages=messages, max_tokens=8, temperature=0, stream=True,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)

@@ -200,7 +200,8 @@ def _greedy(body: Body) -> bool:
 
 
 def _limit(body: Body) -> int:
-    limit: int = body.get("max_tokens", body.get("max_completion_tokens", MAX_TOKENS))
+    limit = body.get("max_tokens", body.get("max_completion_tokens", MAX_TOKENS))
+    assert isinstance(limit, int)
     return limit
 
 
@@ -237,7 +238,8 @@ CHAT_ONLY = {
 def bodies(fields: dict[str, Field]) -> list[tuple[tuple[str, ...], Body]]:
     """Each field alone, and each pair of fields."""
     names = list(fields)
-    combos = [(name,) for name in names] + list(itertools.combinations(names, 2))
+    combos: list[tuple[str, ...]] = [(name,) for name in names]
+    combos += itertools.combinations(names, 2)
     out = []
     for combo in combos:
         body: Body = {}

@@ -160,8 +160,10 @@ def test_a_decode_pod_scaled_down_under_load_drains_its_streams(served: ServedPo
 def test_the_network_policy_admits_the_pool_and_monitoring_only(served: ServedPool) -> None:
     cluster, namespace = served.cluster, served.namespace
     enforcer = cluster.network_policies
-    if enforcer is None or enforcer.unsupported:
-        pytest.skip(enforcer.unsupported if enforcer else "no NetworkPolicy implementation")
+    if enforcer is None:
+        pytest.skip("no NetworkPolicy implementation")
+    if enforcer.unsupported:
+        pytest.skip(enforcer.unsupported)
     (decode,) = node.pods(cluster, namespace, node.component(POOL, "decode"))
     worker = node.pod_url(decode)
     outsider_ns = make_namespace(cluster.control_plane, "outsider")

@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 import jsonschema
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 # Where OpenAI's API sends null but the openai client's models say otherwise (the
 # client builds streamed objects without validating them): a completion chunk's
@@ -56,7 +57,7 @@ class PublishedApi:
 
 def openai_misfits(
     model: type[BaseModel], body: Any, allowed: Iterable[str] = ()
-) -> list[dict[str, Any]]:
+) -> list[ErrorDetails]:
     """Where `body` fails `model` (an openai client model, validated strictly), beyond
     the nulls `allowed` names ("chunk", "echo")."""
     try:

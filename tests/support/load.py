@@ -66,7 +66,7 @@ class Load:
     def _one(self, client: openai.OpenAI) -> str | None:
         try:
             stream = client.completions.create(
-                model=self.model, prompt=self.prompt, max_tokens=self.max_tokens,  # type: ignore[arg-type]
+                model=self.model, prompt=self.prompt, max_tokens=self.max_tokens,
                 stream=True, extra_body={"ignore_eos": True},
             )  # fmt: skip
             finish = None

@@ -24,7 +24,7 @@ import yaml
 from pdserve.base.process import pdserve_command
 from render_deploy import NAMESPACE, RELEASE, template
 from support import prom
-from support.waiting import wait_until
+from support.waiting import wait_until as wait_until  # tests import it from here
 
 ROOT = Path(__file__).resolve().parents[2]
 IDENTITY_TEMPLATES = ("templates/serviceaccount.yaml", "templates/rbac.yaml")

@@ -115,7 +115,7 @@ def wait_ready(cluster: Cluster, namespace: str, name: str, generation: int = 1)
 
 
 def condition(pool: dict[str, Any], type_: str) -> dict[str, Any]:
-    found = [c for c in pool["status"]["conditions"] if c["type"] == type_]
+    found: list[dict[str, Any]] = [c for c in pool["status"]["conditions"] if c["type"] == type_]
     assert found, f"no {type_} condition in {pool['status']}"
     return found[0]
 
@@ -146,7 +146,7 @@ def writes(operator: OperatorProcess) -> list[float]:
 
 
 # A stand-in for the Prometheus Operator's CRD: ServiceMonitors served, schema open.
-SERVICE_MONITOR_CRD = {
+SERVICE_MONITOR_CRD: dict[str, Any] = {
     "apiVersion": "apiextensions.k8s.io/v1",
     "kind": "CustomResourceDefinition",
     "metadata": {"name": "servicemonitors.monitoring.coreos.com"},

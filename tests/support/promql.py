@@ -104,7 +104,7 @@ def metric_names(expr: str) -> set[str]:
 def exported_names(exposition: str) -> set[str]:
     """The sample names a /metrics page can carry, from its `# TYPE` lines (so that a
     labelled metric counts before its first sample)."""
-    names = set()
+    names: set[str] = set()
     for family, kind in TYPE_LINE.findall(exposition):
         base = family.removesuffix("_total") if kind == "counter" else family
         names.update(base + suffix for suffix in SUFFIXES.get(kind, ("",)))

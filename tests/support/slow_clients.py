@@ -181,8 +181,9 @@ def wait_all_closed(socks: Sequence[socket.socket], limit_s: float) -> list[floa
                     f"after {limit_s:g}s"
                 )
             for key, _ in selector.select(timeout=left):
-                sock = key.fileobj
-                assert isinstance(sock, socket.socket)
+                ready = key.fileobj
+                assert isinstance(ready, socket.socket)
+                sock = ready
                 try:
                     data = sock.recv(65536)
                 except ConnectionResetError:

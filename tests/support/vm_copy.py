@@ -31,8 +31,8 @@ def write_into(pid: int, pieces: Sequence[tuple[int, int, int]]) -> int:
     written = 0
     for start in range(0, len(pieces), IOV_MAX):
         batch = pieces[start : start + IOV_MAX]
-        local = (_IOVec * len(batch))(*[(src, length) for src, _, length in batch])
-        remote = (_IOVec * len(batch))(*[(dst, length) for _, dst, length in batch])
+        local = (_IOVec * len(batch))(*[_IOVec(src, length) for src, _, length in batch])
+        remote = (_IOVec * len(batch))(*[_IOVec(dst, length) for _, dst, length in batch])
         done = _libc.process_vm_writev(pid, local, len(batch), remote, len(batch), 0)
         if done < 0:
             error = ctypes.get_errno()

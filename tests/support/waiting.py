@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 T = TypeVar("T")
 
 
-def wait_until(check: Callable[[], T], timeout: float, what: str, interval: float = 0.1) -> T:
-    """Poll `check` until it returns something truthy; fail after `timeout` seconds."""
+def wait_until(
+    check: Callable[[], T | Literal[False] | None], timeout: float, what: str, interval: float = 0.1
+) -> T:
+    """Poll `check` until it returns something truthy (so neither None nor False); fail
+    after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         result = check()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -32,7 +32,10 @@ def wait_engine_emptied(worker: ServerProcess, timeout_s: float = 60) -> None:
 
 @contextmanager
 def running_worker(
-    model_dir: Path, log_dir: Path, *args: str, faults: dict[str, Fault | list[Fault]] | None = None
+    model_dir: Path,
+    log_dir: Path,
+    *args: str,
+    faults: Mapping[str, Fault | list[Fault]] | None = None,
 ) -> Iterator[ServerProcess]:
     """A ready worker (one torch thread, so tests can run beside each other), with
     `faults` injected (see `pdserve.workers.faults`)."""

@@ -3,6 +3,7 @@ environment a test gives a worker."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,10 @@ from pdserve.workers.faults import Fault
 
 
 @pytest.fixture
-def stalls(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+def stalls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[float]]:
     """The stalls points make (time.sleep recorded instead of slept)."""
     slept: list[float] = []
-    monkeypatch.setattr(faults.time, "sleep", slept.append)
+    monkeypatch.setattr("pdserve.workers.faults.time.sleep", slept.append)
     faults.configured.cache_clear()
     yield slept
     faults.configured.cache_clear()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
+from typing import TYPE_CHECKING
 
 import aiohttp
 import pytest
@@ -18,18 +19,21 @@ from pdserve.workers.kv_transfer.layout import KVLayout
 from support.fake_peer import scripted_peer
 from support.network import refusing_url
 
+if TYPE_CHECKING:  # imported for real below, where NIXL is installed
+    from pdserve.workers.kv_transfer.nixl import NixlAgent
+
 nixl = pytest.importorskip("pdserve.workers.kv_transfer.nixl")
 
 
 @pytest.fixture
-def agent() -> Iterator[nixl.NixlAgent]:
+def agent() -> Iterator[NixlAgent]:
     cache = torch.zeros((2, 8, 2, 4, 1, 2))
     agent = nixl.NixlAgent("decode-table", cache, KVLayout.of(cache, model="m", weights="w"))
     yield agent
     agent.close()
 
 
-async def test_the_least_recently_used_idle_peer_makes_room(agent: nixl.NixlAgent) -> None:
+async def test_the_least_recently_used_idle_peer_makes_room(agent: NixlAgent) -> None:
     calls = BlockingCalls()
     peers = PrefillPeers(agent, calls, max_peers=2)
     with ExitStack() as stack:
@@ -56,7 +60,7 @@ async def test_the_least_recently_used_idle_peer_makes_room(agent: nixl.NixlAgen
     calls.close()
 
 
-async def test_a_failed_meeting_is_remembered_for_a_while(agent: nixl.NixlAgent) -> None:
+async def test_a_failed_meeting_is_remembered_for_a_while(agent: NixlAgent) -> None:
     calls = BlockingCalls()
     peers = PrefillPeers(agent, calls, failure_memory_s=60)
     with refusing_url() as url:

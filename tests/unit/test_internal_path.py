@@ -103,8 +103,12 @@ def status_through(guard: Middleware, path: str, token: str | None = None) -> in
         return web.Response(status=200)
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    async def through() -> web.StreamResponse:
+        return await guard(make_mocked_request("POST", path, headers=headers), handler)
+
     try:
-        answer = asyncio.run(guard(make_mocked_request("POST", path, headers=headers), handler))
+        answer = asyncio.run(through())
     except APIError as refused:
         return refused.status
     return answer.status

@@ -4,7 +4,7 @@ the sampler computes in; a row that cannot be drawn fails alone."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -21,7 +21,9 @@ def tokens(request: Request) -> int:
     return 1
 
 
-def failing_for(poisoned: set[str], error: Exception) -> tuple[list[list[str]], object]:
+def failing_for(
+    poisoned: set[str], error: Exception
+) -> tuple[list[list[str]], Callable[[Sequence[Request]], list[str]]]:
     """A step function that raises `error` whenever its chunks include a poisoned
     request, and the list of the chunk sets it ran."""
     calls: list[list[str]] = []
@@ -38,7 +40,7 @@ def failing_for(poisoned: set[str], error: Exception) -> tuple[list[list[str]], 
 
 def test_bisection_fails_only_the_poisoned_requests() -> None:
     calls, run = failing_for({"r2", "r5"}, ValueError("bad row"))
-    ran = run_isolated(run, REQUESTS, lambda r: r, tokens)  # type: ignore[arg-type]
+    ran = run_isolated(run, REQUESTS, lambda r: r, tokens)
     assert sorted(f.request.request_id for f in ran.failures) == ["r2", "r5"]
     done = sorted(name for result in ran.results for name in result)
     assert done == ["r0", "r1", "r3", "r4", "r6", "r7"]
@@ -48,7 +50,7 @@ def test_bisection_fails_only_the_poisoned_requests() -> None:
 
 def test_a_step_that_runs_is_run_once() -> None:
     calls, run = failing_for(set(), ValueError("never"))
-    ran = run_isolated(run, REQUESTS, lambda r: r, tokens)  # type: ignore[arg-type]
+    ran = run_isolated(run, REQUESTS, lambda r: r, tokens)
     assert calls == [[r.request_id for r in REQUESTS]]
     assert not ran.failures and not ran.bisected
 
@@ -56,7 +58,7 @@ def test_a_step_that_runs_is_run_once() -> None:
 def test_a_lost_device_stops_the_engine() -> None:
     _, run = failing_for({"r3"}, RuntimeError("CUDA error: an illegal memory access"))
     with pytest.raises(RuntimeError, match="CUDA error"):
-        run_isolated(run, REQUESTS, lambda r: r, tokens)  # type: ignore[arg-type]
+        run_isolated(run, REQUESTS, lambda r: r, tokens)
 
 
 def test_out_of_memory_is_the_engines_only_at_the_smallest_step() -> None:
@@ -73,7 +75,7 @@ def test_out_of_memory_is_the_engines_only_at_the_smallest_step() -> None:
             raise oom
         return len(chunks)
 
-    ran = run_isolated(run, REQUESTS, lambda r: r, lambda r: 100)  # type: ignore[arg-type]
+    ran = run_isolated(run, REQUESTS, lambda r: r, lambda r: 100)
     assert not ran.failures
     assert sum(ran.results) == len(REQUESTS)
 

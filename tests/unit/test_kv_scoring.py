@@ -409,9 +409,10 @@ def sent(decode: WorkerSet, url: str, *prompts: int) -> None:
 def publish_order(decode: WorkerSet, url: str, order: object, at: float) -> None:
     worker = decode.get(url)
     assert worker is not None
-    body = {"step_costs": {"base_s": 0.01, "prefill_token_s": 1e-3, "prefill_key_s": 0.0,
-                           "decode_token_s": 2e-3, "decode_s": 0.0, "decodes": 0,
-                           "step_tokens": 256}}  # fmt: skip
+    body: dict[str, object] = {}
+    body["step_costs"] = {"base_s": 0.01, "prefill_token_s": 1e-3, "prefill_key_s": 0.0,
+                          "decode_token_s": 2e-3, "decode_s": 0.0, "decodes": 0,
+                          "step_tokens": 256}  # fmt: skip
     if order is not None:
         body["prefill_order"] = order
     worker.published = PublishedLoad.of(body, at, worker.in_flight, worker.prefill_tokens)

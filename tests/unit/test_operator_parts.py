@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import kopf
 import pytest
@@ -90,7 +91,11 @@ def test_named_namespaces_need_no_cluster_wide_observation(
 
 
 def test_cached_copies_drop_managed_fields() -> None:
-    body = {"kind": "Deployment", "metadata": {"name": "d", "managedFields": [{}]}, "spec": {}}
+    body: dict[str, Any] = {
+        "kind": "Deployment",
+        "metadata": {"name": "d", "managedFields": [{}]},
+        "spec": {},
+    }
     copied = cached_copy(body)
     assert copied["metadata"] == {"name": "d"}
     assert body["metadata"]["managedFields"] == [{}]

@@ -117,7 +117,7 @@ def test_a_machine_drifting_between_batches_is_not_fitted_as_their_cost() -> Non
 def test_a_reference_that_only_jitters_leaves_a_steady_machine_as_timed() -> None:
     # The machine keeps its pace; the reference step's own timing wobbles by a third.
     rng = np.random.default_rng(5)
-    jitter = {}
+    jitter: dict[tuple[int, int], float] = {}
     measured = []
     for point, sample in sweep(noise=0.02):
         batch = (point.context, point.decodes)

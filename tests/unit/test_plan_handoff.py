@@ -7,6 +7,7 @@ waiting the pool's figure where a profile has it."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,7 +20,10 @@ from pdserve.workers.plan.scenario import parse_scenario
 from support.plan import constant_profile, model_config_dir, scenario_line
 
 STEP_S = 0.01
-SPLIT = [{"maxInputTokens": 64, "mode": "colocated"}, {"mode": "disaggregated"}]
+SPLIT: list[dict[str, Any]] = [
+    {"maxInputTokens": 64, "mode": "colocated"},
+    {"mode": "disaggregated"},
+]
 KIB = 1024
 
 

@@ -63,16 +63,16 @@ def test_a_prompt_steps_sample_is_what_it_took_beyond_every_steps_overhead() -> 
     # Decode-only steps take 1 ms beyond the model (5 ms); the 128-token prompt's step
     # takes 21 ms against the model's 4 + 1 + 12.8 = 17.8 ms: 20 ms of compute.
     (sample,) = prompt_step_samples(read_steps(LOG), LINEAR, least_chunk=64)
-    assert sample == (128, pytest.approx(0.020 / 0.0178))
+    assert sample == pytest.approx((128, 0.020 / 0.0178))
     # With no decode-only step to tell the overhead, a step's whole time is compute.
     (alone,) = prompt_step_samples(read_steps(LOG)[1:3], LINEAR, least_chunk=64)
-    assert alone == (128, pytest.approx(0.021 / 0.0178))
+    assert alone == pytest.approx((128, 0.021 / 0.0178))
     # The streams' own shorter prompts are samples only if asked for.
     assert len(prompt_step_samples(read_steps(LOG), LINEAR, least_chunk=32)) == 2
     # A slice of a longer log is given the overhead all of it tells (a slice's few
     # decode-only steps would tell it less surely): here 3 ms, 18 ms of compute.
     (sliced,) = prompt_step_samples(read_steps(LOG)[1:3], LINEAR, 64, every_step_s=0.003)
-    assert sliced == (128, pytest.approx(0.018 / 0.0178))
+    assert sliced == pytest.approx((128, 0.018 / 0.0178))
 
 
 def test_the_step_logging_module_turns_on_only_the_step_loggers(tmp_path: Path) -> None:

@@ -22,7 +22,10 @@ from pdserve.workers.router.workers import Worker
 from support.plan import constant_profile, model_config_dir, profile_with, scenario_line
 
 STEP_S, HANDOFF_S = 0.01, 0.05
-SPLIT = [{"maxInputTokens": 64, "mode": "colocated"}, {"mode": "disaggregated"}]
+SPLIT: list[dict[str, Any]] = [
+    {"maxInputTokens": 64, "mode": "colocated"},
+    {"mode": "disaggregated"},
+]
 
 
 @pytest.fixture(scope="module")

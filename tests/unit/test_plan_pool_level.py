@@ -7,13 +7,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pdserve.workers.bench.plan import PlannedRequest
 from pdserve.workers.plan.costs import Contention, Profile, StepCost
 from pdserve.workers.plan.hosts import ROUTER_AND_CLIENT
 from pdserve.workers.plan.pool import PoolSimulation, Traffic
-from pdserve.workers.plan.pool_level import POOL_PROCESSES, pool_level, typical_ratio
+from pdserve.workers.plan.pool_level import (
+    POOL_PROCESSES,
+    PROMPT_STEP_TOKENS,
+    pool_level,
+    typical_ratio,
+)
 from pdserve.workers.plan.scenario import parse_scenario
 from pdserve.workers.plan.step_log import LoggedStep
 from support.plan import constant_profile, model_config_dir, scenario_line
@@ -31,28 +37,73 @@ def decodes(count: int, ratio: float) -> LoggedStep:
     return LoggedStep(spans, ratio * (0.004 + 0.001 * count))
 
 
+def prompt(tokens: int, ratio: float, count: int = 4) -> LoggedStep:
+    """A step of a prompt's chunk of `tokens` beside `count` decodes that took `ratio`
+    times the model's."""
+    spans = ((0, tokens), *((64 + i, 1) for i in range(count)))
+    return LoggedStep(spans, ratio * (0.004 + 0.001 * count + 0.0001 * tokens))
+
+
 def test_a_rounds_slowdown_is_its_pool_phases_typical_step_over_its_lone_phases() -> None:
     # The lone phases' decode-only steps run 1.1x the model, the pool phases' 1.43x,
     # 1.65x and 1.32x: slowdowns 1.3, 1.5, 1.2; the level kept is their median.
     alone = [decodes(4, 1.1), decodes(8, 1.1), decodes(2, 1.1)]
     rounds = [(alone, [decodes(n, 1.1 * s) for n in (4, 12, 6)]) for s in (1.3, 1.5, 1.2)]
-    levels, spread = pool_level(rounds, COST)
-    assert levels[0] == (1, 1.0)
-    assert levels[1][0] == POOL_PROCESSES
-    assert levels[1][1] == pytest.approx(1.3)
-    assert spread.rounds == pytest.approx((1.3, 1.5, 1.2))
+    levels = pool_level(rounds, COST)
+    assert levels.decode[0] == (1, 1.0)
+    assert levels.decode[1][0] == POOL_PROCESSES
+    assert levels.decode[1][1] == pytest.approx(1.3)
+    assert levels.spreads["contention.pool_slowdown"].rounds == pytest.approx((1.3, 1.5, 1.2))
+    lone = levels.spreads["contention.pool_phase.lone_decode_over_model"]
+    assert lone.rounds == pytest.approx((1.1, 1.1, 1.1))
 
 
 def test_steps_that_carry_a_prompt_do_not_move_the_typical_step() -> None:
-    prompt = LoggedStep(((0, 256), (70, 1)), 1.0)  # far beyond the model: not counted
-    assert typical_ratio([decodes(4, 1.2), prompt, decodes(4, 1.2)], COST) == pytest.approx(1.2)
+    step = LoggedStep(((0, 256), (70, 1)), 1.0)  # far beyond the model: not counted
+    assert typical_ratio([decodes(4, 1.2), step, decodes(4, 1.2)], COST) == pytest.approx(1.2)
 
 
 def test_a_round_without_decode_only_steps_in_a_phase_is_left_out() -> None:
-    prompt = LoggedStep(((0, 256),), 0.05)
-    levels, spread = pool_level([([decodes(4, 1.0)], [prompt])], COST)
-    assert levels == ((1, 1.0),)
-    assert spread.rounds == ()
+    levels = pool_level([([decodes(4, 1.0)], [prompt(256, 1.0, count=0)])], COST)
+    assert levels.decode == ((1, 1.0),)
+    assert levels.spreads["contention.pool_slowdown"].rounds == ()
+
+
+def test_steps_carrying_a_prompt_get_a_level_of_their_own() -> None:
+    # In each round the pool slows the decode-only steps 1.2x and the prompts' steps
+    # 1.5x, 1.6x, 1.4x (over 1.0x and 1.1x the model alone): each kind keeps its own.
+    rounds = [
+        (
+            [decodes(4, 1.0), prompt(128, 1.1), decodes(4, 1.0), prompt(128, 1.1)],
+            [decodes(4, 1.2), prompt(128, 1.1 * s), decodes(6, 1.2), prompt(128, 1.1 * s)],
+        )
+        for s in (1.5, 1.6, 1.4)
+    ]
+    levels = pool_level(rounds, COST)
+    assert [count for count, _ in levels.decode] == [1, POOL_PROCESSES]
+    assert [level for _, level in levels.decode] == pytest.approx([1.0, 1.2])
+    assert [count for count, _ in levels.prompt] == [1, POOL_PROCESSES]
+    assert [level for _, level in levels.prompt] == pytest.approx([1.0, 1.5])
+    slowdowns = levels.spreads["contention.pool_prompt_slowdown"].rounds
+    assert slowdowns == pytest.approx((1.5, 1.6, 1.4))
+    lone = levels.spreads["contention.pool_phase.lone_prompt_over_model"].rounds
+    assert lone == pytest.approx((1.1, 1.1, 1.1))
+
+
+def test_only_the_prompts_sent_count_as_prompt_steps() -> None:
+    # A load generator's short prompt (under PROMPT_STEP_TOKENS) is neither kind.
+    steps = [prompt(128, 1.3), prompt(PROMPT_STEP_TOKENS - 1, 3.0), decodes(4, 1.0)]
+    assert typical_ratio(steps, COST, prompt=True) == pytest.approx(1.3)
+    assert typical_ratio(steps, COST) == pytest.approx(1.0)
+
+
+def test_with_no_prompt_steps_measured_they_take_the_decode_steps_level() -> None:
+    contention = Contention(pool=((1, 1.0), (4, 1.3)))
+    assert contention.pool_slowdown(4, prompt=True) == pytest.approx(1.3)
+    both = contention.model_copy(update={"pool_prompt": ((1, 1.0), (4, 1.6))})
+    assert both.pool_slowdown(4, prompt=True) == pytest.approx(1.6)
+    assert both.pool_slowdown(3, prompt=True) == pytest.approx(1.4)
+    assert both.pool_slowdown(4) == pytest.approx(1.3)
 
 
 def test_a_pools_slowdown_grows_with_its_processes_through_the_measured_level() -> None:
@@ -99,3 +150,19 @@ def test_a_pools_workers_on_one_host_step_slower_by_its_processes(model_dir: Pat
 def test_workers_on_nodes_of_their_own_take_no_pool_slowdown(model_dir: Path) -> None:
     times = first_token_times(measured_profile(model_dir), "node-per-worker", 2)
     assert times == [STEP_S, STEP_S]
+
+
+def test_a_simulated_prompt_step_takes_its_kinds_level_and_a_decode_step_its_own(
+    model_dir: Path,
+) -> None:
+    # One worker (three processes: 1.2x decode-only, 1.4x with a prompt): a prompt of
+    # 16 tokens in one step, then its decode steps.
+    profile = measured_profile(model_dir)
+    contention = profile.contention.model_copy(update={"pool_prompt": ((1, 1.0), (4, 1.6))})
+    profile = profile.model_copy(update={"contention": contention})
+    line = scenario_line("pool-level", [], placement="one-host")
+    plan = [PlannedRequest(0, 0.0, 16, 4, "t")]
+    simulation = PoolSimulation(parse_scenario(line), profile, Traffic(plan, 0, 256, 60.0, None))
+    (record,) = simulation.run()
+    assert record.chunk_times[0] - (record.sent_at or 0.0) == pytest.approx(STEP_S * 1.4)
+    assert list(np.diff(record.chunk_times)) == pytest.approx([STEP_S * 1.2] * 3)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from pdserve.operator import api
-from pdserve.operator.planning.candidates import Bounds, Candidate, candidates
+from pdserve.operator.planning.candidates import Bounds, Candidate, Family, candidates
 from pdserve.operator.planning.recommend import (
     PLAN_ANNOTATION,
     recommended,
@@ -62,7 +62,7 @@ def figures(ttft: float, itl: float) -> dict[str, Any]:
 
 
 def trial(
-    family: str, prefill: int, decode: int, short: tuple[float, float], long: tuple[float, float]
+    family: Family, prefill: int, decode: int, short: tuple[float, float], long: tuple[float, float]
 ) -> Trial:
     """A made-up simulation: figures for short and long prompts, and over both."""
     worst = (max(short[0], long[0]), max(short[1], long[1]))
@@ -76,7 +76,7 @@ def trial(
         spec["prefill"] = {"replicas": prefill}
     candidate = Candidate(
         family, prefill, decode, "static 512", 1024 if prefill else None, api.parse_spec(spec)
-    )  # type: ignore[arg-type]
+    )
     result = {
         "failed": 0,
         "slo_attainment": 1.0,

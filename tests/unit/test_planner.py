@@ -76,7 +76,9 @@ def observe(
     )
 
 
-def replicas(prefill: int = 1, decode: int = 1, ready: Mapping[str, int] | None = None) -> Obj:
+def replicas(
+    prefill: int = 1, decode: int = 1, ready: Mapping[str, int] | None = None
+) -> dict[api.Role, Replicas]:
     ready = ready or {}
     return {
         "prefill": Replicas(prefill, ready.get("prefill", prefill)),
@@ -87,7 +89,7 @@ def replicas(prefill: int = 1, decode: int = 1, ready: Mapping[str, int] | None 
 def once(
     the_settings: Settings,
     observation: Observation,
-    current: Obj | None = None,
+    current: Mapping[api.Role, Replicas] | None = None,
     memory: Memory | None = None,
     now: float = 1000.0,
 ) -> dict[api.Role, Decision]:
@@ -100,7 +102,7 @@ class Run:
 
     def __init__(self, the_settings: Settings, prefill: int = 1, decode: int = 1) -> None:
         self.settings = the_settings
-        self.replicas = {"prefill": prefill, "decode": decode}
+        self.replicas: dict[api.Role, int] = {"prefill": prefill, "decode": decode}
         self.memory = Memory()
         self.changes: list[tuple[float, Decision]] = []
 
@@ -173,7 +175,7 @@ def test_latencies_of_too_few_requests_do_not_count() -> None:
 
 
 def test_disaggregated_traffic_brings_prefill_back_from_zero() -> None:
-    bounds = {"prefill": {"minReplicas": 0, "maxReplicas": 3}}
+    bounds: Obj = {"prefill": {"minReplicas": 0, "maxReplicas": 3}}
     the_settings = settings(**bounds)
     decisions = once(
         the_settings, observe(ttft={"colocated": 0.2}, disaggregated_rate=0.5), replicas(0)

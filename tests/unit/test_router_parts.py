@@ -371,7 +371,7 @@ def test_only_the_endpointslice_controllers_slices_name_workers() -> None:
 
 
 def test_kubeconfig_with_a_token_and_one_with_a_plugin(tmp_path: Path) -> None:
-    config = {
+    config: dict[str, Any] = {
         "apiVersion": "v1",
         "clusters": [{"name": "c", "cluster": {"server": "https://10.0.0.1:6443/"}}],
         "users": [{"name": "u", "user": {"token": "t0ken"}}],

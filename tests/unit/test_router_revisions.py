@@ -46,7 +46,7 @@ def test_no_revisions_in_the_table_split_nothing() -> None:
 
 def test_requests_split_by_the_weights() -> None:
     pool = workers(a="old", b="new")
-    served = Counter()
+    served: Counter[str] = Counter()
     for i in range(2000):
         split = RevisionSplit.of(table(75), prompt(i), None)
         assert split is not None

@@ -35,7 +35,7 @@ def test_the_parameters_cannot_be_changed() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         params.max_tokens = 5  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
-        del params.seed  # type: ignore[misc]
+        del params.seed
     assert params.max_tokens == 4
 
 

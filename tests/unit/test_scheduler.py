@@ -129,10 +129,10 @@ def test_each_step_takes_its_budget_from_the_policy() -> None:
     ]
     # What the policy saw before each step: the decodes, then the prompts in order
     # (waiting ones only while seats are free).
-    alone = {"first_tokens_alone": True}  # as the default order, shortest first, fills
-    assert policy.shapes[0] == BatchShape(0, 0, (PrefillWork(0, 6), PrefillWork(0, 40)), **alone)
-    assert policy.shapes[1] == BatchShape(1, 7, (PrefillWork(0, 40),), **alone)
-    assert policy.shapes[2] == BatchShape(1, 8, (PrefillWork(2, 38),), **alone)
+    alone = True  # as the default order, shortest first, fills
+    assert policy.shapes[0] == BatchShape(0, 0, (PrefillWork(0, 6), PrefillWork(0, 40)), alone)
+    assert policy.shapes[1] == BatchShape(1, 7, (PrefillWork(0, 40),), alone, (7,))
+    assert policy.shapes[2] == BatchShape(1, 8, (PrefillWork(2, 38),), alone, (8,))
 
 
 def make_ordered(

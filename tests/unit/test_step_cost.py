@@ -124,11 +124,13 @@ def test_features_of_a_step_count_what_attention_reads() -> None:
         ScheduledChunk(prompt, 128, 64, is_prefill=True),
     ]
     features = StepFeatures.of(chunks)
-    # Decodes are padded to the longest (100 keys each); the chunk's 64 queries read
-    # the 192 tokens up to its end.
+    # The decodes' contexts (11 and 100 tokens) are too far apart to share a padded
+    # call: each reads its own; the chunk's 64 queries read the 192 tokens up to its end.
     assert features == StepFeatures(
-        decode_tokens=2, prefill_tokens=64, decode_keys=200, prefill_keys=64 * 192
+        decode_tokens=2, prefill_tokens=64, decode_keys=111, prefill_keys=64 * 192
     )
+    # Contexts within half of each other are one call, padded to the longest.
+    assert StepFeatures.of_spans([(59, 1), (99, 1)]).decode_keys == 200
 
 
 def test_the_errors_of_a_model_still_learning_leave_the_margin_once_it_has_learned() -> None:

@@ -307,6 +307,38 @@ def test_the_floor_never_takes_a_step_the_decodes_keep_under_the_target_over_it(
     assert cost.predict(near.features(prefill)) <= TARGET_S
 
 
+def test_a_prompt_whose_join_would_take_the_decodes_over_the_target_waits_short_of_its_end() -> (
+    None
+):
+    # 20 streams over 20,100-token contexts decode in 70 ms, and the last 10 tokens of a
+    # 40,110-token prompt fit beside them; but once it decodes too, it joins their group
+    # (their contexts are over half its own) and every stream attends as far as it does:
+    # 115 ms alone, over the target in every step until streams end. Its chunk stops
+    # two tokens short (a last chunk of one token would take the decode path, as costly
+    # as joining).
+    cost = StepCostModel()  # taught decodes over contexts of several lengths
+    for decodes in (1, 4, 16, 32):
+        for longest in (200, 5000, 40_000):
+            for chunk in (0, 64, 256):
+                features = BatchShape(decodes, longest, PROMPT).features(chunk)
+                cost.update(features, seconds(features))
+    deep = (PrefillWork(start=40_100, remaining=10),)
+    busy = BatchShape(20, longest_decode=20_100, prefills=deep)
+    assert cost.predict(busy.features(10)) < TARGET_S
+    joined = StepFeatures(21, 0, 21 * 40_111, 0)
+    assert cost.predict(joined) > TARGET_S
+    assert adaptive(cost).budget(busy) - 20 == 8
+    # A short prompt joins the same streams at once (it decodes in a group of its own)...
+    short = BatchShape(20, longest_decode=20_100, prefills=(PrefillWork(start=0, remaining=10),))
+    assert adaptive(cost).budget(short) - 20 >= 10
+    # ...as the deep one joins streams over short contexts: they are attended apart...
+    apart = BatchShape(20, longest_decode=200, prefills=deep)
+    assert adaptive(cost).budget(apart) - 20 >= 10
+    # ...and it joins the long ones once fewer streams leave it room.
+    fewer = BatchShape(5, longest_decode=20_100, prefills=deep)
+    assert adaptive(cost).budget(fewer) - 5 >= 10
+
+
 class Steps:
     """An adaptive policy stepped on a fake clock: each step's gap is what the model
     predicts of it plus `overrun_s`."""

@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ def blocking_point(
             raise InjectedFault(fault.error)
 
 
-def environment(faults: dict[str, Fault | list[Fault]]) -> dict[str, str]:
+def environment(faults: Mapping[str, Fault | list[Fault]]) -> dict[str, str]:
     """The environment that configures `faults` in a child process."""
 
     def plain(fault: Fault) -> dict[str, object]:

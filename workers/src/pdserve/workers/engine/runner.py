@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 
 from pdserve.workers import faults
-from pdserve.workers.engine.attention import AttentionMetadata, PrefillSegment
+from pdserve.workers.engine.attention import AttentionMetadata, PrefillSegment, group_decodes
 from pdserve.workers.engine.config import DTYPES, ConfigError, EngineConfig, ModelConfig
 from pdserve.workers.engine.isolation import RequestFailure
 from pdserve.workers.engine.logprobs import TokenLogprob, token_logprobs
@@ -265,15 +265,11 @@ class _BatchBuilder:
     def build(self) -> Batch:
         """The batch's tensors."""
         long = self._long
-        width = max((len(t) for t in self.decode_tables), default=0)
-        # One flat list to one tensor: torch builds a nested list's tensor slowly.
-        padded = [block for t in self.decode_tables for block in (*t, *[0] * (width - len(t)))]
         meta = AttentionMetadata(
             slot_blocks=long(self.slot_blocks),
             slot_offsets=long(self.slot_offsets),
             num_decode_tokens=len(self.decode_tables),
-            decode_block_tables=long(padded).view(len(self.decode_tables), width),
-            decode_context_lens=long(self.decode_lens),
+            decode_groups=group_decodes(self.decode_tables, self.decode_lens, self.device),
             prefills=tuple(self.prefills),
         )
         return Batch(

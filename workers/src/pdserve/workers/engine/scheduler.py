@@ -268,7 +268,7 @@ class Scheduler:
             PrefillWork(p.start, p.remaining) for p in self._admissible(self._prefill_queue())
         )
         alone = self._first_tokens_alone
-        return BatchShape(len(decodes), max(decodes, default=0), prefills, alone)
+        return BatchShape(len(decodes), max(decodes, default=0), prefills, alone, tuple(decodes))
 
     def _prefill_queue(self, admit: bool = True) -> list[_Prompt]:
         """The prompts under way and (if `admit`) the first waiting ones (as many as

@@ -7,9 +7,10 @@ A step's time is modelled as linear in what its batch makes the model do:
               + per decode key * decode keys + per prefill key * prefill keys
 
 Tokens pay for the projections and the MLP; *keys* are the cached tokens attention
-reads, counted as the runner computes them (see `attention.py`): all decodes are
-attended in one padded batch, so each reads as many keys as the longest, and a prefill
-chunk of n tokens ending at position e runs n queries over e keys.
+reads, counted as the runner computes them (see `attention.py`): decodes are attended
+in groups of similar context length (`decode_groups`), each reading as many keys as the
+longest of its group, and a prefill chunk of n tokens ending at position e runs n
+queries over e keys.
 
 The coefficients are fit by least squares over all steps so far, each weighted down by
 a forgetting factor per step since, so the model follows a device whose speed drifts
@@ -33,6 +34,8 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+from pdserve.workers.engine.decode_groups import attended_keys
 
 
 class Span(Protocol):
@@ -72,16 +75,16 @@ class StepFeatures:
         """The features of a step whose chunks are (start, tokens) spans (as a step log
         tells them). A one-token chunk takes the runner's batched decode path, whatever
         it computes."""
-        decodes, longest, prefill_tokens, prefill_keys = 0, 0, 0, 0
+        decodes: list[int] = []  # each decode's context, its new token included
+        prefill_tokens, prefill_keys = 0, 0
         for start, tokens in spans:
             end = start + tokens
             if tokens == 1:
-                decodes += 1
-                longest = max(longest, end)
+                decodes.append(end)
             else:
                 prefill_tokens += tokens
                 prefill_keys += tokens * end
-        return cls(decodes, prefill_tokens, decodes * longest, prefill_keys)
+        return cls(len(decodes), prefill_tokens, attended_keys(decodes), prefill_keys)
 
     def vector(self) -> Vector:
         """The regression's input: a constant, then the four counts (scaled)."""

@@ -178,8 +178,9 @@ class ServingOverhead(_Model):
     """What a serving worker adds to each of its engine's steps beyond the compute the
     step-cost model measures alone: a fixed time per step and a time per token the
     step streams (the server turns each into an SSE event, in the same interpreter as
-    the engine's thread). Measured on a real worker as the gaps its streams see minus
-    the steps' predicted compute."""
+    the engine's thread). Measured on a real worker as its steps' cadence (the time
+    from one step's tokens to the next's, from its step log) minus the steps'
+    predicted compute."""
 
     fixed_s: float = Field(default=0.0, ge=0)
     per_token_s: float = Field(default=0.0, ge=0)
@@ -230,6 +231,10 @@ class Contention(_Model):
     # together barely slow each other (the slope above), yet a pool's steps ran 1.2 to
     # 1.9 times the profile's: the router, the client and the feeds take the rest.
     pool: tuple[tuple[int, float], ...] = ()
+    # The same for the steps that carry a prompt's chunk, measured in the same phases
+    # (the pool's processes slow a chunk's parallel compute more than a decode step's);
+    # empty: not measured, such steps take the levels above.
+    pool_prompt: tuple[tuple[int, float], ...] = ()
 
     def stretch(self, demand: float, own: float, cores: int) -> float:
         """A step's time over its time alone, with `demand` busy threads on `cores`
@@ -237,12 +242,14 @@ class Contention(_Model):
         shared = self.slope * max(0.0, demand - own) / cores
         return max(1.0 + shared, demand / max(cores, own))
 
-    def pool_slowdown(self, processes: int) -> float:
+    def pool_slowdown(self, processes: int, prompt: bool = False) -> float:
         """A worker's steps' time over its time busy alone, with `processes` busy on
         the machine (its workers, the router and the client): one plus a slowdown per
         process beyond the first, the one closest (least squares) to the measured
-        levels (`pool`), never below none; 1 where none was measured."""
-        beyond = [(count - 1, slowdown - 1.0) for count, slowdown in self.pool if count > 1]
+        levels, never below none; 1 where none was measured. The levels of steps that
+        carry a prompt's chunk (`prompt`) where those were measured, else `pool`'s."""
+        levels = self.pool_prompt if prompt and self.pool_prompt else self.pool
+        beyond = [(count - 1, slowdown - 1.0) for count, slowdown in levels if count > 1]
         if not beyond:
             return 1.0
         per_process = sum(n * s for n, s in beyond) / sum(n * n for n, _ in beyond)

@@ -28,8 +28,9 @@ ROUTER_AND_CLIENT = 2
 # The seed of the host's draws from the contention's step spread.
 SPREAD_SEED = "shared-host"
 
-# A step's time on its host, as foreseen at its start: (start, seconds alone) -> seconds.
-Pace = Callable[[float, float], float]
+# A step's time on its host, as foreseen at its start: (start, seconds alone, whether
+# it carries a prompt's chunk) -> seconds.
+Pace = Callable[[float, float, bool], float]
 # Tells a worker that its running step now ends at this time.
 Moved = Callable[[float], None]
 
@@ -52,8 +53,12 @@ class SharedHost:
         self.cores = cores
         self.contention = profile.contention
         # Every step's time alone, as the pool's processes slow it (its workers, the
-        # router and the client busy beside it: `Contention.pool_slowdown`).
-        self.pool_factor = profile.contention.pool_slowdown(workers + ROUTER_AND_CLIENT)
+        # router and the client busy beside it: `Contention.pool_slowdown`), by
+        # whether the step carries a prompt's chunk.
+        processes = workers + ROUTER_AND_CLIENT
+        self.pool_factors = {
+            prompt: profile.contention.pool_slowdown(processes, prompt) for prompt in (False, True)
+        }
         self.clients = profile.clients
         self._steps: dict[str, _Step] = {}  # by worker
         self._client_work: deque[tuple[float, float]] = deque()  # (when, CPU seconds)
@@ -64,10 +69,10 @@ class SharedHost:
         """The pace of `worker`'s steps on `threads` threads; `moved` is told when a
         running step's end moves."""
 
-        def started(start: float, alone_s: float) -> float:
+        def started(start: float, alone_s: float, prompt: bool) -> float:
             self._settle(start)
             spread = self.contention.spread(len(self._steps) + 1)
-            work_s = alone_s * self.pool_factor * spread.draw(self._rng)
+            work_s = alone_s * self.pool_factors[prompt] * spread.draw(self._rng)
             step = _Step(threads, work_s, 1.0, start, moved)
             self._steps[worker] = step
             self._rerate(start, started=worker)

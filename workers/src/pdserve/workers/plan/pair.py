@@ -7,10 +7,11 @@ credential, the decode worker naming its prefill peer). Each prompt length is as
 for one token colocated (the decode worker prefills it) and disaggregated (the
 prefill worker does, then hands the KV over); the difference of the medians is the
 hand-off's time for that many bytes, fitted as fixed plus per byte. Then a few
-batches of streams decode together on the decode worker: the gaps they see, beyond
-the compute the step-cost model gives such a step, are what serving adds to a step,
-fitted as fixed plus per token streamed, and each gap over its batch's median is the
-spread of a serving worker's steps. Then prompts sent one at a time while streams
+batches of streams decode together on the decode worker: its steps' cadence (the
+time between their tokens, as its step log tells it) beyond the compute the
+step-cost model gives such a step is what serving adds to a step, fitted as fixed
+plus per token streamed, and each gap the streams see over their batch's median is
+the spread of a serving worker's steps. Then prompts sent one at a time while streams
 decode: what the steps carrying them took, as the decode worker's step log tells it,
 over the step-cost model's compute, is the mixed factor (`step_log`). Last, through
 the router: the CPU it and the load generator spend per request and token, and a
@@ -59,9 +60,11 @@ from pdserve.workers.plan.costs import (
 from pdserve.workers.plan.fit import median_difference
 from pdserve.workers.plan.pool_level import HANDED_PROMPT_TOKENS, measure_pool_level
 from pdserve.workers.plan.step_log import (
+    cadence_beyond,
     decode_steps_beyond,
     prompt_step_samples,
     read_steps,
+    read_steps_from,
     step_logging_env,
 )
 from pdserve.workers.server.process import ServerProcess, start_worker
@@ -98,8 +101,10 @@ class PairFigures:
     serving: ServingOverhead
     clients: ClientCost
     busy_request_overhead_s: float | None = None
-    # The contention levels measured as a pool runs (`pool_level`).
+    # The contention levels measured as a pool runs (`pool_level`): of decode-only
+    # steps, and of steps that carry a prompt's chunk.
     pool: tuple[tuple[int, float], ...] = ()
+    pool_prompt: tuple[tuple[int, float], ...] = ()
     # Figures measured in rounds, by name, as each round gave them.
     spreads: dict[str, Spread] = field(default_factory=dict)
 
@@ -150,12 +155,15 @@ def measure_pair(
                 )
                 headers = {"Content-Type": "application/json", **bearer(credential)}
                 handed = {**headers, PREFILL_URL_HEADER: prefill.url}
-                pool, slowdowns, waits = measure_pool_level(
+                pool, waits = measure_pool_level(
                     router, decode.url, headers, handed, decode.log_path, cost
                 )
-                spreads["contention.pool_slowdown"] = slowdowns
+                spreads.update(pool.spreads)
                 spreads["handoff.pool_s"] = waits
-                progress(f"profile: a pool's steps over a lone worker's: {pool[-1][1]:.2f}")
+                progress(
+                    f"profile: a pool's steps over a lone worker's: decode-only "
+                    f"{pool.decode[-1][1]:.2f}, with a prompt {pool.prompt[-1][1]:.2f}"
+                )
             handoff = figures.handoff
             if waits.rounds:  # what a request waits for its hand-off as a pool runs
                 blocks = -(-HANDED_PROMPT_TOKENS // setup.block_size)
@@ -164,7 +172,8 @@ def measure_pair(
                 handoff = handoff.model_copy(update={"pool_s": pool_s})
             figures = replace(
                 figures, clients=clients, busy_request_overhead_s=overheads.busy_s,
-                pool=pool, spreads={**figures.spreads, **spreads}, handoff=handoff,
+                pool=pool.decode, pool_prompt=pool.prompt,
+                spreads={**figures.spreads, **spreads}, handoff=handoff,
             )  # fmt: skip
             if overheads.idle_s is None:  # no request answered through the router
                 return figures
@@ -242,20 +251,23 @@ class _Streamed:
 def _serving_overhead(
     worker: _Streamed, cost: StepCost
 ) -> tuple[ServingOverhead, dict[str, Spread]]:
-    """The median gap of streams decoding together, beyond the step's predicted
-    compute, per batch size: each batch measured in SERVING_ROUNDS rounds (the sizes
-    in one order, then the reverse, so a slow stretch falls on no size alone), its
-    median over the rounds; fitted as fixed plus per token streamed. With the fixed
-    and per-token times each round's batches alone give."""
-    medians: dict[int, list[float]] = {streams: [] for streams in STREAMS}
+    """What a serving worker's steps take beyond their predicted compute, per batch of
+    streams decoding together: each batch measured in SERVING_ROUNDS rounds (the sizes
+    in one order, then the reverse, so a slow stretch falls on no size alone), as the
+    worker's step log gives it (`step_log.cadence_beyond`; the streams' median gap
+    where no step logged its cadence), its median over the rounds; fitted as fixed
+    plus per token streamed. With the fixed and per-token times each round's batches
+    alone give, and each batch's rounds. The streams' gaps, each over its batch's
+    median gap, are the spread a serving worker's clients see."""
     ratios: list[float] = []  # each gap over its batch's median gap
     context = STREAM_PROMPT_TOKENS + STREAM_OUTPUT_TOKENS // 2  # a decode's keys, mid-run
     tokens = STREAM_OUTPUT_TOKENS
-    rounds: list[tuple[float, float]] = []
+    rounds: list[dict[int, float]] = []
     for round_ in range(SERVING_ROUNDS):
-        points: list[tuple[int, float]] = []
+        points: dict[int, float] = {}
         for streams in STREAMS if round_ % 2 == 0 else STREAMS[::-1]:
             prompts = [worker.prompt(STREAM_PROMPT_TOKENS) for _ in range(streams)]
+            begin = worker.log.stat().st_size
             with ThreadPoolExecutor(streams) as pool:
                 times = list(pool.map(
                     lambda p: stream_times(worker.url, p, worker.headers, tokens), prompts
@@ -263,20 +275,36 @@ def _serving_overhead(
             gaps = [float(gap) for t in times for gap in np.diff(t[STREAM_SKIP_GAPS:])]
             typical = statistics.median(gaps)
             ratios += [gap / typical for gap in gaps]
-            step = StepFeatures(decode_tokens=streams, decode_keys=streams * context)
-            medians[streams].append(typical - cost.seconds(step))
-            points.append((streams, medians[streams][-1]))
-        rounds.append(_non_negative_line(points))
-    points = [(streams, statistics.median(beyond)) for streams, beyond in medians.items()]
-    fixed, per_token = _non_negative_line(points)
+            beyond = cadence_beyond(read_steps_from(worker.log, begin), streams, cost)
+            if beyond is None:
+                step = StepFeatures(decode_tokens=streams, decode_keys=streams * context)
+                beyond = typical - cost.seconds(step)
+            points[streams] = beyond
+        rounds.append(points)
+    serving, spreads = fit_serving(rounds)
+    return serving.model_copy(update={"spread": StepSpread.of(ratios)}), spreads
+
+
+def fit_serving(
+    rounds: Sequence[dict[int, float]],
+) -> tuple[ServingOverhead, dict[str, Spread]]:
+    """Serving's fixed and per-token times from each round's (streams: seconds beyond
+    the model per step) batches: each batch's median over the rounds (one round's
+    stall moves no batch), fitted as fixed plus per token streamed; with the fit each
+    round alone gives, and each batch's rounds."""
+    by_streams: dict[int, list[float]] = {}
+    for points in rounds:
+        for streams, beyond in points.items():
+            by_streams.setdefault(streams, []).append(beyond)
+    medians = [(n, float(statistics.median(b))) for n, b in sorted(by_streams.items())]
+    fixed, per_token = _non_negative_line(medians)
+    fits = [_non_negative_line(sorted(points.items())) for points in rounds if points]
     spreads = {
-        "serving.fixed_s": Spread(rounds=tuple(fixed for fixed, _ in rounds)),
-        "serving.per_token_s": Spread(rounds=tuple(per_token for _, per_token in rounds)),
+        "serving.fixed_s": Spread(rounds=tuple(fixed for fixed, _ in fits)),
+        "serving.per_token_s": Spread(rounds=tuple(per_token for _, per_token in fits)),
+        **{f"serving.beyond_s.{n}": Spread(rounds=tuple(b)) for n, b in by_streams.items()},
     }
-    return ServingOverhead(
-        fixed_s=fixed, per_token_s=per_token, samples=tuple((n, float(s)) for n, s in points),
-        spread=StepSpread.of(ratios),
-    ), spreads  # fmt: skip
+    return ServingOverhead(fixed_s=fixed, per_token_s=per_token, samples=tuple(medians)), spreads
 
 
 def _with_mixed_factor(

@@ -11,7 +11,10 @@ the prefill worker, so both workers step and the router relays and follows both
 feeds). The decode-only steps of each phase, from the worker's step log, each over
 the step-cost model's compute of it, give a typical ratio; the pool phase's over the
 lone one's in the same round is that round's slowdown, and the median over rounds is
-the level kept (`costs.Contention.pool`), with the processes busy in it."""
+the level kept (`costs.Contention.pool`), with the processes busy in it. Steps that
+carry a prompt's chunk are measured alike, apart (`Contention.pool_prompt`): in both
+phases the decode worker is also sent prompts of its own to compute, one at a time
+(the pool need not slow a chunk's compute as it slows a decode step's)."""
 
 from __future__ import annotations
 
@@ -43,34 +46,63 @@ ALONE_S = 3.0  # about as long as the load generator's run
 SLACK_S = 0.2  # the last step's lines reach the log
 # Busy in the pool phase: the two workers, the router and the load generator.
 POOL_PROCESSES = 4
+# A step with a chunk of at least this many tokens is one of the prompts sent to the
+# decode worker (HANDED_PROMPT_TOKENS each); the load generator's are shorter
+# (`clients.PROMPT_TOKENS`).
+PROMPT_STEP_TOKENS = 96
+
+Levels = tuple[tuple[int, float], ...]
 
 
-def typical_ratio(steps: Sequence[LoggedStep], cost: StepCost) -> float | None:
-    """The median of the decode-only steps' time over the step-cost model's compute
-    (None: no decode-only step)."""
+def typical_ratio(
+    steps: Sequence[LoggedStep], cost: StepCost, prompt: bool = False
+) -> float | None:
+    """The median of the decode-only steps' time over the step-cost model's compute,
+    or of the steps' that carry a prompt's chunk of at least PROMPT_STEP_TOKENS
+    (`prompt`); None: no such step."""
     ratios = [
         step.took_s / cost.seconds(step.features)
         for step in steps
-        if step.longest_chunk == 1 and cost.seconds(step.features) > 0
+        if (step.longest_chunk >= PROMPT_STEP_TOKENS if prompt else step.longest_chunk == 1)
+        and cost.seconds(step.features) > 0
     ]
     return statistics.median(ratios) if ratios else None
 
 
+@dataclass(frozen=True)
+class PoolLevels:
+    """The levels kept for each kind of step (one process busy, none slowed; the
+    pool's, its median slowdown over the rounds; only the former where no round had
+    both phases' steps of the kind), and the rounds: each kind's slowdown, and its
+    steps' typical ratio to the model in each phase."""
+
+    decode: Levels
+    prompt: Levels
+    spreads: dict[str, Spread]
+
+
 def pool_level(
     rounds: Sequence[tuple[Sequence[LoggedStep], Sequence[LoggedStep]]], cost: StepCost
-) -> tuple[tuple[tuple[int, float], ...], Spread]:
-    """From each round's (lone, pool) phases' steps: the levels kept (one process
-    busy, none slowed; the pool's, its median slowdown over the rounds) and each
-    round's slowdown. No level but the lone one where no round had both phases' steps."""
-    slowdowns = []
-    for alone, pool in rounds:
-        lone, busy = typical_ratio(alone, cost), typical_ratio(pool, cost)
-        if lone and busy:
-            slowdowns.append(busy / lone)
-    spread = Spread(rounds=tuple(slowdowns))
-    if not slowdowns:
-        return ((1, 1.0),), spread
-    return ((1, 1.0), (POOL_PROCESSES, float(statistics.median(slowdowns)))), spread
+) -> PoolLevels:
+    """The levels from each round's (lone, pool) phases' steps, for each kind."""
+    levels: dict[bool, Levels] = {}
+    spreads: dict[str, Spread] = {}
+    for prompt, name in ((False, "pool_slowdown"), (True, "pool_prompt_slowdown")):
+        slowdowns, lone_ratios, pool_ratios = [], [], []
+        for alone, pool in rounds:
+            lone, busy = typical_ratio(alone, cost, prompt), typical_ratio(pool, cost, prompt)
+            lone_ratios += [lone] if lone else []
+            pool_ratios += [busy] if busy else []
+            if lone and busy:
+                slowdowns.append(busy / lone)
+        kind = "prompt" if prompt else "decode"
+        spreads[f"contention.{name}"] = Spread(rounds=tuple(slowdowns))
+        spreads[f"contention.pool_phase.lone_{kind}_over_model"] = Spread(rounds=tuple(lone_ratios))
+        spreads[f"contention.pool_phase.pool_{kind}_over_model"] = Spread(rounds=tuple(pool_ratios))
+        levels[prompt] = ((1, 1.0),)
+        if slowdowns:
+            levels[prompt] += ((POOL_PROCESSES, float(statistics.median(slowdowns))),)
+    return PoolLevels(levels[False], levels[True], spreads)
 
 
 def measure_pool_level(
@@ -80,7 +112,7 @@ def measure_pool_level(
     handed: dict[str, str],
     log: Path,
     cost: StepCost,
-) -> tuple[tuple[tuple[int, float], ...], Spread, Spread]:
+) -> tuple[PoolLevels, Spread]:
     """Measure the decode worker (`decode_url`, its step log at `log`) in ROUNDS rounds
     of both phases (lone first in even rounds, pool first in odd ones); `handed` are
     the headers that have the prefill worker compute a prompt and hand it over.
@@ -92,8 +124,7 @@ def measure_pool_level(
             phases[busy] = _phase(router, decode_url, headers, handed, log, busy, round_)
         rounds.append((phases[False][0], phases[True][0]))
         waits.append(phases[True][1])
-    levels, slowdowns = pool_level(rounds, cost)
-    return levels, slowdowns, handoff_wait(waits)
+    return pool_level(rounds, cost), handoff_wait(waits)
 
 
 @dataclass
@@ -135,10 +166,12 @@ def _phase(
 
     def hand_on(seed: int) -> None:
         # Each prompt handed over is followed by one the decode worker computes itself:
-        # their first tokens' times apart are what a hand-off adds as a pool runs.
+        # their first tokens' times apart are what a hand-off adds as a pool runs. The
+        # lone phase sends the latter only (its prompt steps, the reference).
         rng = np.random.default_rng(seed)
+        kinds = ((handed, waits.handed), (headers, waits.colocated))
         while not stop.is_set():
-            for kind, times in ((handed, waits.handed), (headers, waits.colocated)):
+            for kind, times in kinds if busy else kinds[1:]:
                 prompt = rng.integers(FIRST_PROMPT_TOKEN_ID, 256, HANDED_PROMPT_TOKENS).tolist()
                 started = time.perf_counter()
                 stream_times(decode_url, prompt, kind, 1)
@@ -152,8 +185,8 @@ def _phase(
         try:
             time.sleep(WARM_UP_S)
             begin = log.stat().st_size
+            running.append(pool.submit(hand_on, seed + STREAMS))
             if busy:
-                running.append(pool.submit(hand_on, seed + STREAMS))
                 route_run(router, ANSWER_TOKENS, seed)
             else:
                 time.sleep(ALONE_S)

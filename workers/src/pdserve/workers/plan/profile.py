@@ -98,7 +98,9 @@ def profile_model(run: ProfileRun, progress: Callable[[str], None] = lambda line
             "serving": figures.serving,
             "startup_s": figures.startup_s,
             "clients": figures.clients,
-            "contention": profile.contention.model_copy(update={"pool": figures.pool}),
+            "contention": profile.contention.model_copy(
+                update={"pool": figures.pool, "pool_prompt": figures.pool_prompt}
+            ),
             "spreads": {**spreads, **figures.spreads},
         }
     )

@@ -57,9 +57,12 @@ class SimulatedRunner:
             draws = (request.params.n if request.forks else 1) if request.samples else 0
             sampled.append((request, Sampled([DRAWN_TOKEN] * draws)))
         streamed = sum(len(drawn.tokens) for _, drawn in sampled)
-        compute = self.serving.compute(StepFeatures.of(output.chunks), self.cost)
+        features = StepFeatures.of(output.chunks)
+        compute = self.serving.compute(features, self.cost)
         alone_s = (compute + self.serving.seconds(streamed)) * self.serving.spread.draw(self.rng)
-        self.clock.advance(alone_s if self.pace is None else self.pace(self.clock.now, alone_s))
+        if self.pace is not None:
+            alone_s = self.pace(self.clock.now, alone_s, features.prefill_tokens > 0)
+        self.clock.advance(alone_s)
         return StepOutput(sampled, [])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -30,15 +30,19 @@ _SITECUSTOMIZE = (
 )
 _CHUNKS = re.compile(r"engine\.steps: step (?P<chunks>.*)$")
 _TIMING = re.compile(r"engine\.step_timing: .* took=(?P<took>[\d.]+)ms")
+_SINCE = re.compile(r" since_last_tokens=(?P<since>[\d.]+)ms")
 _CHUNK = re.compile(r"^(?P<request>.+)@(?P<start>\d+)\+(?P<tokens>\d+)$")
 
 
 @dataclass(frozen=True)
 class LoggedStep:
-    """One step a worker logged: its chunks as (start, tokens) spans, and what it took."""
+    """One step a worker logged: its chunks as (start, tokens) spans, what it took, and
+    the time from the previous step's tokens to its own (the worker's cadence: the step
+    and what serving did between the two; None where the line does not tell it)."""
 
     spans: tuple[tuple[int, int], ...]
     took_s: float
+    interval_s: float | None = None
 
     @property
     def features(self) -> StepFeatures:
@@ -95,7 +99,9 @@ def read_steps(text: str) -> list[LoggedStep]:
         elif (took_ms := took_ms_of(line)) is not None and chunks is not None:
             if chunks and not is_warm_up(chunks):
                 spans = tuple((start, tokens) for _, start, tokens in chunks)
-                steps.append(LoggedStep(spans, took_ms / 1e3))
+                since = _SINCE.search(line)
+                interval_s = None if since is None else float(since["since"]) / 1e3
+                steps.append(LoggedStep(spans, took_ms / 1e3, interval_s))
             chunks = None
     return steps
 
@@ -129,3 +135,28 @@ def decode_steps_beyond(steps: Sequence[LoggedStep], cost: StepCost) -> float:
         step.took_s - cost.seconds(step.features) for step in steps if step.longest_chunk == 1
     ]
     return statistics.median(beyond) if beyond else 0.0
+
+
+def cadence_beyond(steps: Sequence[LoggedStep], decodes: int, cost: StepCost) -> float | None:
+    """What a serving worker's steps of `decodes` streams took beyond the step-cost
+    model's compute, as its own clock tells it: the median, over its decode-only steps
+    of exactly that many decodes, of the time from the previous step's tokens to the
+    step's own (the cadence its streams see) less the model's compute of the step.
+    None: no such step logged its cadence.
+
+    The worker's clock, not the streams': a client's gaps also hold its own threads'
+    reading (one stream's late read is the next one's short gap), and a batch filling
+    up or running out is not the batch; here only the steps that ran it count."""
+    beyond = [
+        step.interval_s - cost.seconds(step.features)
+        for step in steps
+        if step.interval_s is not None and step.longest_chunk == 1 and len(step.spans) == decodes
+    ]
+    return statistics.median(beyond) if beyond else None
+
+
+def read_steps_from(log: Path, offset: int) -> list[LoggedStep]:
+    """The steps a worker's log at `log` tells from byte `offset` on."""
+    with log.open("rb") as file:
+        file.seek(offset)
+        return read_steps(file.read().decode(errors="replace"))

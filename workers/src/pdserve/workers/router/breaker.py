@@ -30,6 +30,9 @@ class CircuitBreaker:
         self._opened_at: float | None = None
         self._cooldown_s = cooldown_s
         self._trial = False
+        # Answers seen from the worker, ever: a probe that timed out while this moved
+        # met a slow worker, not a dead one.
+        self.answers = 0
 
     @property
     def state(self) -> State:
@@ -54,6 +57,7 @@ class CircuitBreaker:
 
     def succeeded(self) -> None:
         """A request (or a probe after the cooldown) succeeded: close."""
+        self.answers += 1
         if self._opened_at is None and not self._failures and not self._trial:
             return  # closed, nothing to forget
         if self.state == "open":

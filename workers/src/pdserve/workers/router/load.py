@@ -1,6 +1,7 @@
 """Polling the workers' /load: the router's view of each worker's load, and its
-liveness probe. A worker that does not answer, or answers 5xx, counts as a failure for
-its circuit breaker; an answer closes a breaker whose cooldown has run out."""
+liveness probe. A worker that cannot be reached, answers 5xx, or does not answer in
+time and answered nothing else meanwhile counts as a failure for its circuit breaker;
+an answer closes a breaker whose cooldown has run out."""
 
 from __future__ import annotations
 
@@ -28,10 +29,12 @@ class LoadPoller:
         session: aiohttp.ClientSession,
         sets: Iterable[WorkerSet],
         interval_s: float = POLL_INTERVAL_S,
+        timeout_s: float = POLL_TIMEOUT_S,
     ) -> None:
         self._session = session
         self._sets = list(sets)
         self._interval_s = interval_s
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     async def run(self) -> None:
         """Poll until cancelled."""
@@ -43,18 +46,23 @@ class LoadPoller:
 
     async def poll(self, worker: Worker) -> None:
         """Read one worker's load; record the outcome on its breaker."""
-        timeout = aiohttp.ClientTimeout(total=POLL_TIMEOUT_S)
+        answers = worker.breaker.answers
         try:
-            async with self._session.get(f"{worker.url}/load", timeout=timeout) as response:
+            async with self._session.get(f"{worker.url}/load", timeout=self._timeout) as response:
                 body = None
                 if response.status == 200:
                     with contextlib.suppress(ValueError, aiohttp.ContentTypeError):
                         body = await response.json()
                 status = response.status
-        except (aiohttp.ClientError, TimeoutError, OSError) as error:
-            if worker.breaker.state == "closed":
-                log.debug("load probe of %s failed: %s", worker.url, error)
-            worker.breaker.failed()
+        except TimeoutError as error:
+            # A worker busy enough to answer its probe late while it answers requests
+            # is slow, not down: opening its breaker would turn its load away to
+            # nobody (with one decode worker, every request refused).
+            if worker.breaker.answers == answers:
+                _probe_failed(worker, error)
+            return
+        except (aiohttp.ClientError, OSError) as error:
+            _probe_failed(worker, error)
             return
         if status >= 500:
             worker.breaker.failed()
@@ -62,3 +70,9 @@ class LoadPoller:
         # A server without /load (404) is alive; it just publishes no load.
         worker.read(body, time.monotonic())
         worker.breaker.succeeded()
+
+
+def _probe_failed(worker: Worker, error: BaseException) -> None:
+    if worker.breaker.state == "closed":
+        log.debug("load probe of %s failed: %r", worker.url, error)
+    worker.breaker.failed()
