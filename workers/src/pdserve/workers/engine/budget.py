@@ -95,6 +95,7 @@ from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from operator import attrgetter
 from typing import Any, Protocol, TypeVar
 
@@ -195,7 +196,7 @@ class BatchShape:
         lens = self.decode_lens or (self.longest_decode,) * self.num_decodes
         return [length + grown for length in lens]
 
-    @property
+    @cached_property  # read by every size the policy tries for the step
     def decode_keys(self) -> int:
         """The keys the decodes read (attended in groups of similar length)."""
         return attended_keys(self.decode_contexts())
