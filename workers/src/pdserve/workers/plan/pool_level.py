@@ -33,7 +33,7 @@ from pdserve.workers.bench.config import FIRST_PROMPT_TOKEN_ID
 from pdserve.workers.plan.clients import route_run, stream_times
 from pdserve.workers.plan.costs import Spread, StepCost
 from pdserve.workers.plan.fit import median_difference
-from pdserve.workers.plan.step_log import LoggedStep, read_steps
+from pdserve.workers.plan.step_log import LoggedStep, read_steps_from
 
 ROUNDS = 3
 STREAMS = 4  # streams decoding on the decode worker in both phases
@@ -191,9 +191,9 @@ def _phase(
             else:
                 time.sleep(ALONE_S)
             time.sleep(SLACK_S)
-            logged = log.read_bytes()[begin:]
+            steps = read_steps_from(log, begin)
         finally:
             stop.set()
         for future in running:
             future.result()
-    return read_steps(logged.decode(errors="replace")), waits
+    return steps, waits
