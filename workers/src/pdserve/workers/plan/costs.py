@@ -301,6 +301,10 @@ class Contention(_Model):
     # (the pool's processes slow a chunk's parallel compute more than a decode step's);
     # empty: not measured, such steps take the levels above.
     pool_prompt: tuple[tuple[int, float], ...] = ()
+    # The steps that carry a prompt's chunk in the pool phase, their time over the
+    # step-cost model's (the median over the rounds): what such a step takes among a
+    # pool's processes, measured as one figure. None: not measured.
+    pool_prompt_over_model: float | None = Field(default=None, gt=0)
 
     def stretch(self, demand: float, own: float, cores: int) -> float:
         """A step's time over its time alone, with `demand` busy threads on `cores`
@@ -320,6 +324,10 @@ class Contention(_Model):
             return 1.0
         per_process = sum(n * s for n, s in beyond) / sum(n * n for n, _ in beyond)
         return 1.0 + max(0.0, per_process) * max(0, processes - 1)
+
+    def pool_processes(self) -> int:
+        """The processes busy in the measured pool phase (1: none measured)."""
+        return max((count for count, _ in (*self.pool, *self.pool_prompt)), default=1)
 
     def spread(self, workers: int) -> StepSpread:
         """The spread of steps with `workers` stepping together: the highest level
@@ -377,6 +385,10 @@ class Spread(_Model):
         return (max(self.rounds) - min(self.rounds)) / abs(value)
 
 
+# Where a profile's spreads keep each round's pool-phase prompt steps over the model.
+POOL_PROMPT_ROUNDS = "contention.pool_phase.pool_prompt_over_model"
+
+
 class Profile(_Model):
     """A profile file."""
 
@@ -406,6 +418,33 @@ class Profile(_Model):
     # Each figure measured in rounds, by its name in the file ("step_cost.base_s",
     # "contention.slope", "request_overhead_s", ...): the value each round gave.
     spreads: dict[str, Spread] = {}
+
+    def prompt_over_model(self) -> float | None:
+        """A pool's steps that carry a prompt's chunk over the step-cost model, as the
+        pool phase measured them (`Contention.pool_prompt_over_model`; a profile from
+        before that field has each round's in its spreads, the median of those);
+        None: not measured."""
+        if self.contention.pool_prompt_over_model is not None:
+            return self.contention.pool_prompt_over_model
+        rounds = self.spreads.get(POOL_PROMPT_ROUNDS, Spread()).rounds
+        return float(np.median(rounds)) if rounds else None
+
+    def pool_prompt_factor(self, processes: int) -> float:
+        """How much longer than a serving worker's compute of it (`ServingOverhead.
+        compute`) a step carrying a prompt's chunk runs with `processes` busy on the
+        machine. Where the pool phase measured such steps against the model, they run
+        at that ratio (over the mixed factor the compute already holds), growing with
+        the processes beyond the measured pool's as the prompt levels do: the mixed
+        factor is measured with one prompt at a time on a lone worker, apart from the
+        pool phase, and the two apart moved 0.83-1.06 between profiles while a pool's
+        prompt steps ran 1.1-1.5x the model. Else the prompt levels alone
+        (`Contention.pool_slowdown`)."""
+        level = self.contention.pool_slowdown(processes, prompt=True)
+        ratio = self.prompt_over_model()
+        if ratio is None:
+            return level
+        measured = self.contention.pool_slowdown(self.contention.pool_processes(), prompt=True)
+        return ratio / self.serving.mixed_factor * level / measured
 
     def request_overhead(self, busy: bool) -> float:
         """What a request pays on its way in and its first token on its way out,

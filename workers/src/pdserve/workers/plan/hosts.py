@@ -55,11 +55,13 @@ class SharedHost:
         self.contention = profile.contention
         self.cost = profile.step_cost
         # Every step's time alone, as the pool's processes slow it (its workers, the
-        # router and the client busy beside it: `Contention.pool_slowdown`), by
-        # whether the step carries a prompt's chunk.
+        # router and the client busy beside it: `Contention.pool_slowdown`, and for
+        # a step carrying a prompt's chunk `Profile.pool_prompt_factor`), by whether
+        # the step carries one.
         processes = workers + ROUTER_AND_CLIENT
         self.pool_factors = {
-            prompt: profile.contention.pool_slowdown(processes, prompt) for prompt in (False, True)
+            False: profile.contention.pool_slowdown(processes),
+            True: profile.pool_prompt_factor(processes),
         }
         self.clients = profile.clients
         self._steps: dict[str, _Step] = {}  # by worker

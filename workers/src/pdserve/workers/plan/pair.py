@@ -105,6 +105,7 @@ class PairFigures:
     # steps, and of steps that carry a prompt's chunk.
     pool: tuple[tuple[int, float], ...] = ()
     pool_prompt: tuple[tuple[int, float], ...] = ()
+    pool_prompt_over_model: float | None = None
     # Figures measured in rounds, by name, as each round gave them.
     spreads: dict[str, Spread] = field(default_factory=dict)
 
@@ -173,6 +174,7 @@ def measure_pair(
             figures = replace(
                 figures, clients=clients, busy_request_overhead_s=overheads.busy_s,
                 pool=pool.decode, pool_prompt=pool.prompt,
+                pool_prompt_over_model=pool.prompt_over_model,
                 spreads={**figures.spreads, **spreads}, handoff=handoff,
             )  # fmt: skip
             if overheads.idle_s is None:  # no request answered through the router
