@@ -100,9 +100,10 @@ def profile_model(run: ProfileRun, progress: Callable[[str], None] = lambda line
             "clients": figures.clients,
             "contention": profile.contention.model_copy(
                 update={
-                    "pool": figures.pool, "pool_prompt": figures.pool_prompt,
+                    "pool": figures.pool,
+                    "pool_prompt": figures.pool_prompt,
                     "pool_prompt_over_model": figures.pool_prompt_over_model,
-                }  # fmt: skip
+                }
             ),
             "spreads": {**spreads, **figures.spreads},
         }
