@@ -159,16 +159,16 @@ class ByteLevelWords:
         # Looked up in C; a miss is None, and no part's ids are empty (`all` tests
         # each for truth, no comparison).
         found = list(map(after.get, rest))
-        if not all(found):
+        # Counted in C: a text with a few new parts (a prompt's new tail) makes no list.
+        if not all(found) and found.count(None) >= BATCH_NEW_PARTS:
+            if inline_only:
+                return None
             missing = [part for part, ids in zip(rest, found, strict=True) if ids is None]
-            if len(missing) >= BATCH_NEW_PARTS:
-                if inline_only:
-                    return None
-                new = self._new_parts(missing)
-                found = [ids or new[part] for ids, part in zip(found, rest, strict=True)]
-            while not all(found):  # a few new parts, each found by a search in C
-                at = found.index(None)
-                found[at] = self._part(rest[at], " ", after)
+            new = self._new_parts(missing)
+            found = [ids or new[part] for ids, part in zip(found, rest, strict=True)]
+        while not all(found):  # a few new parts, each found by a search in C
+            at = found.index(None)
+            found[at] = self._part(rest[at], " ", after)
         head = self._first.get(first)
         if head is None:
             head = self._part(first, "", self._first)
