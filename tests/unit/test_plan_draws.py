@@ -6,7 +6,6 @@ own, and reports every figure as the mean of the draws' with its spread across t
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
 
 import pytest
 

@@ -101,7 +101,7 @@ def mean_of_draws(draws: Sequence[dict[str, Any]]) -> dict[str, Any]:
     draws' (a count stays whole where every draw agrees on it; a figure none of them
     has stays None), and under "spread" the latency and goodput figures' standard
     deviation across the draws, so a reader sees how far one draw could fall."""
-    mean = _mean(list(draws))
+    mean: dict[str, Any] = _mean(list(draws))
     if len(draws) > 1:
         mean["spread"] = {name: _deviation([d[name] for d in draws]) for name in SPREAD_FIGURES}
     return mean
