@@ -160,6 +160,21 @@ def predicted(result: dict[str, Any]) -> dict[str, float | None]:
     }
 
 
+def predicted_spread(result: dict[str, Any]) -> dict[str, float | None]:
+    """The latency figures' standard deviation across the simulator's draws, in percent
+    of their mean."""
+    spread = result.get("spread", {}).get("overall", {})
+    figures = {"ttft_p50_ms": ("ttft_s", "p50"), "ttft_p99_ms": ("ttft_s", "p99"),
+               "itl_p99_ms": ("itl_s", "p99")}  # fmt: skip
+    found: dict[str, float | None] = {}
+    for key, (metric, label) in figures.items():
+        mean, deviation = (result["overall"].get(metric) or {}).get(label), None
+        if mean and spread.get(metric):
+            deviation = spread[metric].get(label)
+        found[key] = None if deviation is None or not mean else 100.0 * deviation / mean
+    return found
+
+
 def error(measured: float | None, guess: float | None) -> float | None:
     if measured is None or guess is None or measured == 0:
         return None
@@ -320,12 +335,15 @@ def test_predicted_against_measured(tiny_model_dir: Path, tmp_path: Path) -> Non
         noise.update(repeat_noise(runs))
         for run in (run for run in runs if not run.get("repeat")):
             result = simulated(profile, pool, run, tmp_path, vocab)
-            speeds.append(result["simulated_s"] / result["wall_s"])
+            speeds.append(result["simulated_s"] * result["draws"] / result["wall_s"])
             real, guess = run["measured"], predicted(result)
+            spread = predicted_spread(result)
             row: dict[str, Any] = {k: run[k] for k in ("workload", "rate", "routing")}
             for key in real:
                 row[f"{key} measured"] = real[key]
                 row[f"{key} predicted"] = guess[key]
+                if key in spread:  # how far the simulator's draws fell from their mean
+                    row[f"{key} predicted spread %"] = spread[key]
                 row[f"{key} error %"] = error(real[key], guess[key])
             row["load average"] = run["load_average"][1][0]
             rows.append(row)

@@ -86,8 +86,9 @@ def _run(args: argparse.Namespace) -> int:
 
 def _progress(trial: Trial) -> None:
     result = trial.result
-    speed = result["simulated_s"] / max(result["wall_s"], 1e-9)
+    draws = result.get("draws", 1)
+    speed = result["simulated_s"] * draws / max(result["wall_s"], 1e-9)
     mark = "meets" if trial.meets else "misses"
-    print(f"  {trial.candidate.name}: {mark} the SLO "
-          f"({result['simulated_s']:.0f}s simulated in {result['wall_s']:.1f}s, {speed:.0f}x)",
+    print(f"  {trial.candidate.name}: {mark} the SLO ({draws} x {result['simulated_s']:.0f}s "
+          f"simulated in {result['wall_s']:.1f}s, {speed:.0f}x)",
           file=sys.stderr, flush=True)  # fmt: skip

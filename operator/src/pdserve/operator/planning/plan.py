@@ -47,7 +47,8 @@ def run_plan(
     print(table(trials))
     print()
     print(verdict(trials))
-    simulated = sum(t.result["simulated_s"] for t in trials)
+    # Each trial simulated its traffic once a draw.
+    simulated = sum(t.result["simulated_s"] * t.result.get("draws", 1) for t in trials)
     busy = sum(t.result["wall_s"] for t in trials)
     speed = simulated / max(busy, 1e-9)
     print(f"{len(trials)} pools simulated in {elapsed:.1f}s "

@@ -125,7 +125,9 @@ def table(trials: Sequence[Trial]) -> str:
 def _ms(figure: Figure | None) -> str:
     if figure is None:
         return "-"
-    return f"{figure.target.label} {figure.seconds * 1000:.0f}ms"
+    # The mean over the simulation's draws, and how far the draws fell from it.
+    spread = "" if figure.spread_s is None else f"±{figure.spread_s * 1000:.0f}"
+    return f"{figure.target.label} {figure.seconds * 1000:.0f}{spread}ms"
 
 
 def _share(value: float | None) -> str:

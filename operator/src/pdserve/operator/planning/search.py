@@ -51,7 +51,8 @@ class Figure:
 
     target: Target
     bucket: str
-    seconds: float
+    seconds: float  # the mean over the simulation's draws
+    spread_s: float | None = None  # its standard deviation across them
 
     @property
     def ratio(self) -> float:
@@ -88,21 +89,30 @@ class Trial:
 
 def judge(candidate: Candidate, result: dict[str, Any], targets: Sequence[Target]) -> Trial:
     """A simulation's figures against the targets, overall and per bucket."""
-    overall = tuple(_figures(result["overall"], ALL, targets))
+    spread = result.get("spread") or {}
+    overall = tuple(_figures(result["overall"], spread.get("overall"), ALL, targets))
+    buckets = spread.get("buckets") or {}
     per_bucket = tuple(
         figure
         for label, figures in result["buckets"].items()
-        for figure in _figures(figures, label, targets)
+        for figure in _figures(figures, buckets.get(label), label, targets)
     )
     return Trial(candidate, result, overall, per_bucket)
 
 
-def _figures(figures: dict[str, Any], bucket: str, targets: Sequence[Target]) -> list[Figure]:
+def _figures(
+    figures: dict[str, Any],
+    spreads: dict[str, Any] | None,
+    bucket: str,
+    targets: Sequence[Target],
+) -> list[Figure]:
     found = []
     for target in targets:
         values = figures.get(target.key)
         if values is not None and target.label in values:
-            found.append(Figure(target, bucket, float(values[target.label])))
+            spread = ((spreads or {}).get(target.key) or {}).get(target.label)
+            seconds = float(values[target.label])
+            found.append(Figure(target, bucket, seconds, None if spread is None else float(spread)))
     return found
 
 

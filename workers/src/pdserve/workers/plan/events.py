@@ -48,3 +48,9 @@ class EventQueue:
             _, _, callback = heapq.heappop(self._heap)
             self.now = when
             callback(when)
+
+
+def draw_seed(base: str, draw: int) -> str:
+    """The seed of one of a simulation's draws (`simulate.DRAWS`): draw 0 keeps `base`,
+    so a single simulation draws as it always did."""
+    return base if draw == 0 else f"{base}#{draw}"

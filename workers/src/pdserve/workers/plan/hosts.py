@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pdserve.workers.plan.costs import Profile
+from pdserve.workers.plan.events import draw_seed
 
 Placement = Literal["node-per-worker", "one-host"]
 PLACEMENTS: tuple[Placement, ...] = ("node-per-worker", "one-host")
@@ -50,7 +51,7 @@ class _Step:
 class SharedHost:
     """One machine's cores shared by several workers, the router and the clients."""
 
-    def __init__(self, profile: Profile, cores: int, workers: int = 1) -> None:
+    def __init__(self, profile: Profile, cores: int, workers: int = 1, draw: int = 0) -> None:
         self.cores = cores
         self.contention = profile.contention
         self.cost = profile.step_cost
@@ -67,7 +68,7 @@ class SharedHost:
         self._steps: dict[str, _Step] = {}  # by worker
         self._client_work: deque[tuple[float, float]] = deque()  # (when, CPU seconds)
         self._client_cpu_s = 0.0  # of the work in the window
-        self._rng = random.Random(SPREAD_SEED)
+        self._rng = random.Random(draw_seed(SPREAD_SEED, draw))
 
     def pace(self, worker: str, threads: float, moved: Moved) -> Pace:
         """The pace of `worker`'s steps on `threads` threads; `moved` is told when a
@@ -129,9 +130,12 @@ class SharedHost:
             self._client_cpu_s += cpu_s
 
 
-def shared_host(placement: Placement, profile: Profile, workers: int = 1) -> SharedHost | None:
+def shared_host(
+    placement: Placement, profile: Profile, workers: int = 1, draw: int = 0
+) -> SharedHost | None:
     """The machine every one of the pool's `workers` shares, or None where none shares
-    cores (a node per worker, or a profile that did not record the machine's cores)."""
+    cores (a node per worker, or a profile that did not record the machine's cores);
+    its spread drawn as the simulation's `draw` draws it."""
     if placement == "one-host" and profile.cores is not None:
-        return SharedHost(profile, profile.cores, workers)
+        return SharedHost(profile, profile.cores, workers, draw)
     return None

@@ -40,7 +40,7 @@ from pdserve.workers.engine.stats import RequestOutput
 from pdserve.workers.handoff.decode import release_margin
 from pdserve.workers.model.tokenizer import Tokenizer
 from pdserve.workers.plan.costs import Profile
-from pdserve.workers.plan.events import EventQueue
+from pdserve.workers.plan.events import EventQueue, draw_seed
 from pdserve.workers.plan.hosts import shared_host
 from pdserve.workers.plan.routing import Route, SimRouter
 from pdserve.workers.plan.scenario import Scenario
@@ -91,8 +91,13 @@ class Traffic:
 class PoolSimulation:
     """Runs one scenario over one traffic; `run` returns the clients' records."""
 
-    def __init__(self, scenario: Scenario, profile: Profile, traffic: Traffic) -> None:
+    def __init__(
+        self, scenario: Scenario, profile: Profile, traffic: Traffic, draw: int = 0
+    ) -> None:
         self.scenario = scenario
+        # Which of the simulation's draws this run is: its steps' spread and the
+        # router's ties are drawn with seeds of their own (`events.draw_seed`).
+        self.draw = draw
         self.profile = profile
         self.traffic = traffic
         self.events = EventQueue()
@@ -100,7 +105,7 @@ class PoolSimulation:
         self.sets = {role: WorkerSet(role, clock=self._now) for role in ROLES}
         self.router = SimRouter(scenario.table, self.sets, self._now)
         workers = sum(len(scenario.urls(role)) for role in scenario.roles)
-        self.host = shared_host(scenario.placement, profile, workers)
+        self.host = shared_host(scenario.placement, profile, workers, draw)
         self.workers: dict[str, SimWorker] = {}
         for role, setup in scenario.roles.items():
             urls = scenario.urls(role)
@@ -129,14 +134,16 @@ class PoolSimulation:
             url, worker_role, setup.engine, self.model,
             (self.profile.step_cost, self.profile.serving), self.events,
             setup.options.queue_timeout, self._stepped,
-            None if self.host is None else (self.host, threads),
+            None if self.host is None else (self.host, threads), self.draw,
         )  # fmt: skip
 
     # -- the run -------------------------------------------------------------------
 
     def run(self) -> list[RequestRecord]:
         """Replay the traffic to its end (or the drain deadline, as the bench's)."""
-        random.seed(self.traffic.seed)  # the router breaks ties at random
+        # The router breaks ties at random.
+        seed = self.traffic.seed
+        random.seed(seed if self.draw == 0 else draw_seed(str(seed), self.draw))
         for planned in self.traffic.plan:
             self.events.at(planned.offset_s, functools.partial(self._arrive, planned))
         self.events.at(0.0, self._poll)

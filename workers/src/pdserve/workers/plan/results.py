@@ -4,6 +4,7 @@ input-length bucket at the percentiles a pool's SLO names."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +22,8 @@ from pdserve.workers.bench.metrics import (
 from pdserve.workers.bench.records import RequestRecord
 
 Percentiles = dict[str, float]
+# The figures of a run whose spread across draws a prediction reports beside their mean.
+SPREAD_FIGURES = ("goodput", "slo_attainment", "overall", "buckets")
 
 
 def slo_of(slo: Slo) -> SLO:
@@ -91,3 +94,39 @@ def _percentiles(
         return None
     figures = np.percentile(array, list(percentiles))
     return {f"p{q:g}": float(v) for q, v in zip(percentiles, figures, strict=True)}
+
+
+def mean_of_draws(draws: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One prediction from several draws of the same run: every figure the mean of the
+    draws' (a count stays whole where every draw agrees on it; a figure none of them
+    has stays None), and under "spread" the latency and goodput figures' standard
+    deviation across the draws, so a reader sees how far one draw could fall."""
+    mean: dict[str, Any] = _mean(list(draws))
+    if len(draws) > 1:
+        mean["spread"] = {name: _deviation([d[name] for d in draws]) for name in SPREAD_FIGURES}
+    return mean
+
+
+def _mean(values: list[Any]) -> Any:
+    first = next((value for value in values if value is not None), None)
+    if isinstance(first, dict):
+        keys = {key: None for value in values if value is not None for key in value}
+        known = [value for value in values if value is not None]
+        return {key: _mean([value.get(key) for value in known]) for key in keys}
+    numbers = [value for value in values if isinstance(value, (int, float))]
+    if not numbers or any(isinstance(value, bool) for value in numbers):
+        return first  # a name, a flag, or a figure no draw has
+    if all(isinstance(value, int) for value in numbers) and len(set(numbers)) == 1:
+        return numbers[0]
+    return statistics.fmean(numbers)
+
+
+def _deviation(values: list[Any]) -> Any:
+    known = [value for value in values if value is not None]
+    if not known:
+        return None
+    if isinstance(known[0], dict):
+        keys = {key: None for value in known for key in value}
+        return {key: _deviation([value.get(key) for value in known]) for key in keys}
+    numbers = [float(value) for value in known if isinstance(value, (int, float))]
+    return statistics.pstdev(numbers) if numbers else None

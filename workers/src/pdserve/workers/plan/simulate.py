@@ -1,4 +1,5 @@
-"""One simulation: a scenario over a traffic on a profile, timed, with its figures."""
+"""A scenario's simulation over a traffic on a profile: its figures, the mean of
+several draws, timed."""
 
 from __future__ import annotations
 
@@ -12,8 +13,14 @@ from pdserve.workers.bench.prefix_workloads import prefix_figures
 from pdserve.workers.model.tokenizer import Tokenizer
 from pdserve.workers.plan.costs import Profile
 from pdserve.workers.plan.pool import PoolSimulation, Traffic
-from pdserve.workers.plan.results import summarize_run
+from pdserve.workers.plan.results import mean_of_draws, summarize_run
 from pdserve.workers.plan.scenario import Scenario
+
+# The simulations a prediction is the mean of. One draw of the steps' spread moves a
+# tail percentile by several percent (a P99 rests on a handful of steps); the mean of
+# five is steadier, at five times the simulation's cost (a small trace's plan stays
+# well under its minute).
+DRAWS = 5
 
 
 def traffic_of(config: BenchConfig, model_dir: Path | str | None = None) -> Traffic:
@@ -28,11 +35,26 @@ def traffic_of(config: BenchConfig, model_dir: Path | str | None = None) -> Traf
     )  # fmt: skip
 
 
-def simulate(scenario: Scenario, profile: Profile, traffic: Traffic) -> dict[str, Any]:
-    """The scenario's figures, with the simulation's own cost: wall-clock seconds,
-    simulated seconds and engine steps."""
+def simulate(
+    scenario: Scenario, profile: Profile, traffic: Traffic, draws: int = DRAWS
+) -> dict[str, Any]:
+    """The scenario's figures, each the mean over `draws` simulations that draw the
+    steps' spread (and the router's ties) with seeds of their own, with their spread
+    across the draws (`results.mean_of_draws`); and the simulation's own cost:
+    wall-clock seconds of all the draws, simulated seconds and engine steps of one."""
+    runs = [simulate_draw(scenario, profile, traffic, draw) for draw in range(draws)]
+    result = mean_of_draws(runs)
+    result["draws"] = draws
+    result["wall_s"] = sum(run["wall_s"] for run in runs)
+    return result
+
+
+def simulate_draw(
+    scenario: Scenario, profile: Profile, traffic: Traffic, draw: int = 0
+) -> dict[str, Any]:
+    """The figures of one simulation, its spread drawn as draw `draw` draws it."""
     started = time.perf_counter()
-    simulation = PoolSimulation(scenario, profile, traffic)
+    simulation = PoolSimulation(scenario, profile, traffic, draw)
     records = simulation.run()
     wall_s = time.perf_counter() - started
     summary = summarize_run(records, scenario.table.slo, scenario.percentiles, scenario.buckets)

@@ -19,7 +19,7 @@ from pdserve.workers.engine.isolation import RequestFailedError
 from pdserve.workers.engine.runner import resolve_kv_dtype
 from pdserve.workers.engine.stats import RequestOutput
 from pdserve.workers.plan.costs import ServingOverhead, StepCost
-from pdserve.workers.plan.events import EventQueue, SimClock
+from pdserve.workers.plan.events import EventQueue, SimClock, draw_seed
 from pdserve.workers.plan.hosts import SharedHost
 from pdserve.workers.plan.routing import KVFeed
 from pdserve.workers.plan.runner import runner_factory
@@ -44,6 +44,7 @@ class SimWorker:
         queue_timeout_s: float | None,
         on_step: Callable[[SimWorker, StepResult, float], None],
         host: tuple[SharedHost, int] | None = None,
+        draw: int = 0,
     ) -> None:
         self.url = url
         self.role = role
@@ -51,7 +52,7 @@ class SimWorker:
         # On a shared host (with the worker's torch threads) its steps take its pace.
         self.host = None if host is None else host[0]
         pace = None if host is None else host[0].pace(url, host[1], self._end_at)
-        runner = runner_factory(self.clock, *cost, pace, seed=url)
+        runner = runner_factory(self.clock, *cost, pace, seed=draw_seed(url, draw))
         self.engine = LLMEngine(config, model, runner, self.clock)
         self.load = LoadTracker(self.engine, role)
         self.events = events
