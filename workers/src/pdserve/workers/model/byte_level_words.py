@@ -98,6 +98,10 @@ class ByteLevelWords:
         # part, and a part after a space (the space's ids with it).
         self._first: dict[str, list[int]] = {}
         self._after: dict[str, list[int]] = {}
+        # The one token of a line break alone, which parts encoded together are
+        # joined by (None: it is not one token, and they are encoded apart).
+        line_break = backend.encode("\n", add_special_tokens=False).ids
+        self._separator: int | None = line_break[0] if len(line_break) == 1 else None
 
     @classmethod
     def of(cls, backend: tokenizers.Tokenizer) -> ByteLevelWords | None:
@@ -181,16 +185,43 @@ class ByteLevelWords:
         pre-tokenizer cuts the same words as the pattern, its BPE model gives them
         their ids; no special tokens). Remembered as `_part` remembers them."""
         unique = list(dict.fromkeys(parts))
-        encoded = self._backend.encode_batch_fast(
-            [" " + part for part in unique], add_special_tokens=False
-        )
-        found = {part: encoding.ids for part, encoding in zip(unique, encoded, strict=True)}
+        found = self._joined(unique)
+        if found is None:
+            encoded = self._backend.encode_batch_fast(
+                [" " + part for part in unique], add_special_tokens=False
+            )
+            found = {part: encoding.ids for part, encoding in zip(unique, encoded, strict=True)}
         after = self._after
         for part, ids in found.items():
             if len(part) <= MAX_WORD_CHARS:
                 if len(after) >= MAX_WORDS:
                     after.clear()
                 after[part] = ids
+        return found
+
+    def _joined(self, unique: list[str]) -> dict[str, list[int]] | None:
+        """The ids of distinct new parts (each after its space) from one text of them
+        all, a line break between each two: half the library's work of a batch of a
+        text per part, which builds an encoding for each. A line break is a word of
+        its own (one token) before a part's space, and no part holds one, so the
+        text's ids split at that token are the parts' ids. None (the batch's to
+        encode) when a part is empty or the break is not one token where expected."""
+        separator = self._separator
+        if separator is None or "" in unique:
+            return None
+        (encoding,) = self._backend.encode_batch_fast(
+            ["\n".join([" " + part for part in unique])], add_special_tokens=False
+        )
+        ids: list[int] = encoding.ids
+        if ids.count(separator) != len(unique) - 1:
+            return None
+        found = {}
+        start = 0
+        for part in unique[:-1]:
+            end = ids.index(separator, start)
+            found[part] = ids[start:end]
+            start = end + 1
+        found[unique[-1]] = ids[start:]
         return found
 
     def _part(self, part: str, space: str, table: dict[str, list[int]]) -> list[int]:
