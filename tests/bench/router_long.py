@@ -20,7 +20,6 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 sys.path[:0] = [str(Path(__file__).parents[1]), str(Path(__file__).parent)]
 
@@ -137,7 +136,7 @@ def main() -> int:
     NEW = options.new
     pieces = harness.worker_answer(32)
     answer = pieces if options.each else [b"".join(pieces)]
-    harness.request_bytes = lambda: request_bytes(options.blocks)  # type: ignore[assignment]
+    harness.request_bytes = lambda: request_bytes(options.blocks)
     sample = request_bytes(options.blocks)
     print(f"request of {len(sample)} bytes")
 
@@ -145,7 +144,7 @@ def main() -> int:
         """CPU seconds of the requests alone (the bodies made beforehand)."""
         bodies = [request_bytes(options.blocks) for _ in range(requests)]
         feed = iter(bodies)
-        harness.request_bytes = lambda: next(feed)  # type: ignore[assignment]
+        harness.request_bytes = lambda: next(feed)
         start = time.process_time()
         written = await harness.drive(server, requests)
         spent = time.process_time() - start
@@ -153,6 +152,7 @@ def main() -> int:
         return spent
 
     with asyncio.Runner(loop_factory=lambda: harness.fake_worker_loop(answer)) as runner:
+
         async def built() -> Http1Server:
             return build(model_dir)
 
@@ -172,7 +172,7 @@ def main() -> int:
 
             bodies = [request_bytes(options.blocks) for _ in range(options.requests)]
             feed = iter(bodies)
-            harness.request_bytes = lambda: next(feed)  # type: ignore[assignment]
+            harness.request_bytes = lambda: next(feed)
             profiler = cProfile.Profile()
             profiler.runcall(runner.run, harness.drive(server, options.requests))
             stats = pstats.Stats(profiler)
