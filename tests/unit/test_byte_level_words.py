@@ -151,6 +151,27 @@ def test_texts_of_many_new_parts_get_the_librarys_ids(backend: tokenizers.Tokeni
     assert pool[-1] not in words._after
 
 
+def test_new_parts_joined_or_apart_get_the_same_ids(backend: tokenizers.Tokenizer) -> None:
+    """New parts are encoded as one text joined by line breaks and split at the line
+    break's token, or (no single line-break token, or an empty part: a space at the
+    text's end) each as a text of its own: the library's ids either way, the same
+    parts remembered."""
+    printable = [piece for piece in PIECES if piece.isprintable() and " " not in piece]
+    draw = random.Random(3)
+    texts = []
+    for _ in range(100):
+        parts = ["".join(draw.choices(printable, k=draw.randint(1, 6))) for _ in range(60)]
+        texts.append(draw.choice(["", " "]) + " ".join(parts) + draw.choice(["", " "]))
+    joined, apart = ByteLevelWords.of(backend), ByteLevelWords.of(backend)
+    assert joined is not None and apart is not None
+    assert joined._separator is not None
+    apart._separator = None
+    for text in texts:
+        expected = backend.encode(text, add_special_tokens=False).ids
+        assert joined.encode(text, False) == expected == apart.encode(text, False), text[:80]
+    assert joined._after == apart._after
+
+
 def test_inline_only_defers_texts_of_many_new_parts(backend: tokenizers.Tokenizer) -> None:
     """With `inline_only`, a text with BATCH_NEW_PARTS new parts or more answers None
     (its caller takes it to a thread) and leaves nothing remembered; with fewer new

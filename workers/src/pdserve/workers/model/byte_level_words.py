@@ -46,6 +46,10 @@ _WORDS = re.compile(
 # Texts longer than this are the library's (which leaves Python's lock to other
 # threads while it works: long prompts are tokenized on a thread).
 MAX_TEXT_CHARS = 16 * 1024
+# A word's or part's ids as remembered: a tuple of ints, which the garbage collector
+# stops tracking once it has seen it (a list it would walk in every older-generation
+# collection: a third of the CPU of a long prompt's request, its words all known).
+Ids = tuple[int, ...]
 # Words remembered (the table is emptied when full) and the longest remembered.
 MAX_WORDS = 1 << 15
 MAX_WORD_CHARS = 64
@@ -93,11 +97,15 @@ class ByteLevelWords:
         self._model = backend.model  # the library's BPE model: a word's tokens
         self._added = added  # any added token's text
         self._prefix, self._suffix = specials  # what add_special_tokens adds
-        self._words: dict[str, list[int]] = {}
+        self._words: dict[str, Ids] = {}
         # The ids of the space-separated parts of single-spaced texts: a text's first
         # part, and a part after a space (the space's ids with it).
-        self._first: dict[str, list[int]] = {}
-        self._after: dict[str, list[int]] = {}
+        self._first: dict[str, Ids] = {}
+        self._after: dict[str, Ids] = {}
+        # The one token of a line break alone, which parts encoded together are
+        # joined by (None: it is not one token, and they are encoded apart).
+        line_break = backend.encode("\n", add_special_tokens=False).ids
+        self._separator: int | None = line_break[0] if len(line_break) == 1 else None
 
     @classmethod
     def of(cls, backend: tokenizers.Tokenizer) -> ByteLevelWords | None:
@@ -147,7 +155,7 @@ class ByteLevelWords:
             return [*self._prefix, *tokens, *self._suffix]
         return list(tokens)
 
-    def _single_spaced(self, text: str, inline_only: bool) -> list[list[int]] | None:
+    def _single_spaced(self, text: str, inline_only: bool) -> list[Ids] | None:
         """The ids of a text whose only white space is single spaces, by its parts
         between the spaces (None: `inline_only` and BATCH_NEW_PARTS new). No word of
         the pattern spans a space there but as its first character (a space, then
@@ -175,16 +183,20 @@ class ByteLevelWords:
         found.insert(0, head)
         return found  # type: ignore[return-value]  # no miss is left
 
-    def _new_parts(self, parts: list[str]) -> dict[str, list[int]]:
+    def _new_parts(self, parts: list[str]) -> dict[str, Ids]:
         """The ids of new parts that follow a space (`parts`), the space's with them:
         each part with its space encoded by the library, all in one call (its
         pre-tokenizer cuts the same words as the pattern, its BPE model gives them
         their ids; no special tokens). Remembered as `_part` remembers them."""
         unique = list(dict.fromkeys(parts))
-        encoded = self._backend.encode_batch_fast(
-            [" " + part for part in unique], add_special_tokens=False
-        )
-        found = {part: encoding.ids for part, encoding in zip(unique, encoded, strict=True)}
+        found = self._joined(unique)
+        if found is None:
+            encoded = self._backend.encode_batch_fast(
+                [" " + part for part in unique], add_special_tokens=False
+            )
+            found = {
+                part: tuple(encoding.ids) for part, encoding in zip(unique, encoded, strict=True)
+            }
         after = self._after
         for part, ids in found.items():
             if len(part) <= MAX_WORD_CHARS:
@@ -193,15 +205,40 @@ class ByteLevelWords:
                 after[part] = ids
         return found
 
-    def _part(self, part: str, space: str, table: dict[str, list[int]]) -> list[int]:
-        ids = list(chain.from_iterable(self._ids(_WORDS.findall(space + part))))
+    def _joined(self, unique: list[str]) -> dict[str, Ids] | None:
+        """The ids of distinct new parts (each after its space) from one text of them
+        all, a line break between each two: half the library's work of a batch of a
+        text per part, which builds an encoding for each. A line break is a word of
+        its own (one token) before a part's space, and no part holds one, so the
+        text's ids split at that token are the parts' ids. None (the batch's to
+        encode) when a part is empty or the break is not one token where expected."""
+        separator = self._separator
+        if separator is None or "" in unique:
+            return None
+        (encoding,) = self._backend.encode_batch_fast(
+            ["\n".join([" " + part for part in unique])], add_special_tokens=False
+        )
+        ids: list[int] = encoding.ids
+        if ids.count(separator) != len(unique) - 1:
+            return None
+        found: dict[str, Ids] = {}
+        start = 0
+        for part in unique[:-1]:
+            end = ids.index(separator, start)
+            found[part] = tuple(ids[start:end])
+            start = end + 1
+        found[unique[-1]] = tuple(ids[start:])
+        return found
+
+    def _part(self, part: str, space: str, table: dict[str, Ids]) -> Ids:
+        ids = tuple(chain.from_iterable(self._ids(_WORDS.findall(space + part))))
         if len(part) <= MAX_WORD_CHARS:
             if len(table) >= MAX_WORDS:
                 table.clear()
             table[part] = ids
         return ids
 
-    def _ids(self, words: list[str]) -> list[list[int]]:
+    def _ids(self, words: list[str]) -> list[Ids]:
         """Each word's ids: looked up (a miss is None, no word's ids are empty); a new
         word's from the library's BPE model."""
         found = list(map(self._words.get, words))
@@ -209,8 +246,8 @@ class ByteLevelWords:
             found = [ids or self._word(word) for ids, word in zip(found, words, strict=True)]
         return found  # type: ignore[return-value]  # no miss is left
 
-    def _word(self, word: str) -> list[int]:
-        ids = [token.id for token in self._model.tokenize(word.translate(_ASCII_TO_ALPHABET))]
+    def _word(self, word: str) -> Ids:
+        ids = tuple(token.id for token in self._model.tokenize(word.translate(_ASCII_TO_ALPHABET)))
         if len(word) <= MAX_WORD_CHARS:
             if len(self._words) >= MAX_WORDS:
                 self._words.clear()
