@@ -109,7 +109,12 @@ def test_a_change_runs_as_a_canary_and_an_abort_restores_the_stable_revision(
     header, row = cluster.kubectl("get", "sp", POOL, "-n", namespace).stdout.splitlines()
     start = header.index("ROLLOUT")
     assert row[start:].split()[0] == "Progressing"
-    assert "Started" in [reason for reason, _ in events(cluster, namespace, POOL)]
+    # Events are posted apart from the status: one may show before the other.
+    wait_until(
+        lambda: "Started" in [reason for reason, _ in events(cluster, namespace, POOL)],
+        WAIT,
+        "a Started Event",
+    )
     assert operator.total("pdserve_rollout_weight", revision=canary, role="decode") == 25
     assert operator.total("pdserve_rollout_step", pool=POOL, role="decode") == 1
     # No figures: the step waits for evidence, past any number of rounds.
