@@ -61,3 +61,19 @@ def test_the_python_modules_run_where_asked_and_the_compiled_ones_otherwise() ->
     assert pure and all(file.endswith(".py") for file in pure.values()), pure
     compiled = _files({key: value for key, value in os.environ.items() if key != PURE_PYTHON})
     assert all(file.endswith(SUFFIX) for file in compiled.values()), compiled
+
+
+def _build_named(env: dict[str, str]) -> str:
+    code = "from pdserve.workers.compiled import build_in_use; print(build_in_use())"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    return done.stdout.strip()
+
+
+def test_the_build_in_use_is_named_with_the_reason_for_python() -> None:
+    native = pytest.importorskip("pdserve.native")
+    assert _build_named({**os.environ, PURE_PYTHON: "1"}) == f"Python ({PURE_PYTHON} is set)"
+    others = {key: value for key, value in os.environ.items() if key != PURE_PYTHON}
+    expected = f"compiled ({len(native.built())} modules)" if native.built() else "Python ("
+    assert _build_named(others).startswith(expected)

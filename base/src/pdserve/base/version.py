@@ -16,6 +16,9 @@ PARTS: dict[str, str] = {
     "pdserve-protocol": "pdserve.protocol",
     "pdserve-operator": "pdserve.operator",
     "pdserve-workers": "pdserve.workers",
+    # The router's hot modules compiled (where a C compiler was); the router's start-up
+    # log says whether they run or why the Python does.
+    "pdserve-native": "pdserve.native",
 }
 
 

@@ -42,23 +42,35 @@ def unusable(sources: Mapping[str, str], compiled: Path, source_root: Path) -> s
 
 
 @cache
-def compiled_root() -> Path | None:
-    """The directory of the compiled modules, when they are to be used."""
+def _choice() -> tuple[Path | None, str]:
+    """The directory of the compiled modules when they are to be used, and in words
+    which build runs (and why, when it is the Python)."""
     if os.environ.get(PURE_PYTHON):
-        return None
+        return None, f"Python ({PURE_PYTHON} is set)"
     try:
         from pdserve import native
     except ImportError:
-        return None
+        return None, "Python (pdserve-native is not installed)"
     sources = native.built()
     if not sources:  # built where nothing could be compiled
-        return None
+        return None, "Python (pdserve-native was built without a C compiler)"
     root = Path(native.__file__).parent
     why = unusable(sources, root, HERE)
     if why is not None:
         log.warning("the router's modules run as Python: %s", why)
-        return None
-    return root
+        return None, f"Python ({why})"
+    return root, f"compiled ({len(sources)} modules)"
+
+
+def compiled_root() -> Path | None:
+    """The directory of the compiled modules, when they are to be used."""
+    return _choice()[0]
+
+
+def build_in_use() -> str:
+    """Which build of the router's hot modules runs, for logs and `pdserve version`:
+    `compiled (N modules)`, or `Python (why)`."""
+    return _choice()[1]
 
 
 def search_compiled(package: str, path: list[str]) -> None:

@@ -22,6 +22,7 @@ from pdserve.protocol.routing import (
     RoutingTable,
     read_table,
 )
+from pdserve.workers.compiled import build_in_use
 from pdserve.workers.engine.kv_events import seed_fingerprint
 from pdserve.workers.model.tokenizer import Tokenizer
 from pdserve.workers.network.guard import NetworkGuard
@@ -143,7 +144,13 @@ async def _serve(
     synced.cancel()
     if not stop.is_set():
         server.ready = True
-        log.info("router ready on http://%s:%d (pool %s)", options.host, port, server.table.pool)
+        log.info(
+            "router ready on http://%s:%d (pool %s; its hot modules: %s)",
+            options.host,
+            port,
+            server.table.pool,
+            build_in_use(),
+        )
         await stopping
     server.ready = False
     await http.shutdown(SHUTDOWN_GRACE_S)
