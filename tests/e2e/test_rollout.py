@@ -141,8 +141,17 @@ def test_a_change_runs_as_a_canary_and_an_abort_restores_the_stable_revision(
     annotations = get_pool(cluster, namespace, POOL)["metadata"]["annotations"]
     assert annotations["pdserve.dev/rollout-acted"] == "abort"
     wait_ready(cluster, namespace, POOL, generation=2)
-    # The refused revision does not start again while the spec still asks for it.
+    # The refused revision does not start again while the spec still asks for it, once
+    # the restarted operator has taken the pool up again (and not before: a check made
+    # earlier would see the old operator's work only).
     operator.restart()
+    wait_until(
+        lambda: operator.total(
+            "pdserve_operator_reconcile_duration_seconds_count", trigger="resume"
+        ),
+        WAIT,
+        "the restarted operator to resume the pool",
+    )
     wait_ready(cluster, namespace, POOL, generation=2)
     assert set(worker_deployments(cluster, namespace)) == {f"{POOL}-{stable}"}
     assert rollout_of(cluster, namespace)["decode"]["phase"] == "Aborted"
