@@ -165,8 +165,14 @@ def write_burst_trace(path: Path) -> tuple[Path, float]:
 # The load step: the mixed shape at LOAD_BEFORE of the best static budget's capacity,
 # then LOAD_AFTER of it from LOAD_STEP_AT_S on: past what that budget sustains, where a
 # budget that computes more per step under the same target is worth the most. The
-# capacity is measured first: CAPACITY_REQUESTS mixed requests all at once, served
-# requests per second of the static budget's worker.
+# capacity is measured first (`measure_capacity`): CAPACITY_REQUESTS mixed requests all
+# at once, and the tokens (prompt and output) the static budget's worker serves per
+# second flat out, in the mixed workload's average requests per second. Counting the
+# probe's requests instead read about 1.4x what the worker sustains (simulator, exact
+# costs, static 256: 9.2 req/s, where a Poisson stream's queue stays bounded up to
+# 6.25-6.5 req/s and grows from 6.75): its 40 requests are lighter than the workload's
+# average (5 long prompts, a mean prompt of 316 tokens against 443), so "1.25x" was a
+# step to about 1.8x. Counted in tokens the same probe reads 6.8 req/s.
 LOAD_BEFORE, LOAD_AFTER = 0.5, 1.25
 CAPACITY_REQUESTS = 40
 LOAD_STEP_AT_S = 30.0
@@ -425,16 +431,18 @@ def load_step(model_dir: Path, logs: Path, statics: Sequence[str]) -> None:
     capacity halfway, on the same arrivals: each static budget, the adaptive one after
     each (its runs after the first are labelled `adaptive 2`, ...)."""
     vocab = ModelConfig.from_dir(model_dir).vocab_size
-    rows, recovery, capacity = [], {}, 0.0
+    rows: list[dict[str, Any]] = []
+    recovery: dict[str, int | None] = {}
+    probe: Capacity | None = None
     windows: dict[str, list[float | None]] = {}
     # Each adaptive run's label, and the static run before it.
     pairs = {(ADAPTIVE if i == 0 else f"{ADAPTIVE} {i + 1}"): s for i, s in enumerate(statics)}
     runs = [run for label, s in pairs.items() for run in ((s, s), (ADAPTIVE, label))]
     for budget, label in runs:  # (the worker's budget, the run's label)
         with running_worker(model_dir, logs / "step" / label, *budget_args(budget)) as worker:
-            if not capacity:  # the first static: its capacity sets the rates
-                capacity = measure_capacity(worker.url, vocab)
-                trace = write_step_trace(logs / "load-step.csv", capacity)
+            if probe is None:  # the first static: its capacity sets the rates
+                probe = measure_capacity(worker.url, vocab)
+                trace = write_step_trace(logs / "load-step.csv", probe.sustained_rps)
             config = bench_config(worker.url, vocab, trace=trace)
             with polled_steps(worker) as samples:
                 result = run_benchmark(config)
@@ -446,6 +454,8 @@ def load_step(model_dir: Path, logs: Path, statics: Sequence[str]) -> None:
         print(row, flush=True)
         rows.append(row)
     static = statics[0]
+    assert probe is not None
+    capacity = probe.sustained_rps
     rates = (LOAD_BEFORE * capacity, LOAD_AFTER * capacity)
     table = [
         {
@@ -462,6 +472,7 @@ def load_step(model_dir: Path, logs: Path, statics: Sequence[str]) -> None:
         {
             "runs": rows,
             "static_capacity_rps": capacity,
+            "capacity_probe": probe.row(),
             "rates_rps": rates,
             "goodput_adaptive_over_static": goodputs[ADAPTIVE] / goodputs[static]
             if goodputs[static]
@@ -482,16 +493,40 @@ def load_step(model_dir: Path, logs: Path, statics: Sequence[str]) -> None:
     )
 
 
-def measure_capacity(url: str, vocab: int) -> float:
-    """Requests per second a worker serves flat out: CAPACITY_REQUESTS mixed requests
-    sent at once, over the time until the last one ends."""
+@dataclass(frozen=True)
+class Capacity:
+    """What the capacity probe read (see the load step's constants)."""
+
+    requests_per_s: float  # the probe's requests over its span
+    tokens_per_s: float  # their prompt and output tokens over its span
+    sustained_rps: float  # tokens_per_s in the mixed workload's average requests
+
+    def row(self) -> dict[str, float]:
+        return {
+            "probe_requests_per_s": self.requests_per_s,
+            "probe_tokens_per_s": self.tokens_per_s,
+            "sustained_rps": self.sustained_rps,
+        }
+
+
+def measure_capacity(url: str, vocab: int) -> Capacity:
+    """What a worker serves flat out: CAPACITY_REQUESTS mixed requests sent at once,
+    over the time until the last one ends; the rate the load step is set against counts
+    their tokens, not the requests (a few dozen requests are not the workload's
+    average)."""
     config = bench_config(
         url, vocab, workload="mixed", rate=math.inf, num_requests=CAPACITY_REQUESTS
     )
     result = run_benchmark(config)
-    ends = [record.ended_at for record in result.records if record.ok and record.ended_at]
-    assert ends, "no request of the capacity probe was served"
-    return len(ends) / (max(ends) - result.started_at)
+    served = [record for record in result.records if record.ok and record.ended_at]
+    assert served, "no request of the capacity probe was served"
+    span = max(record.ended_at or 0.0 for record in served) - result.started_at
+    tokens = sum(record.input_tokens + sum(record.chunk_tokens) for record in served)
+    return Capacity(
+        len(served) / span,
+        tokens / span,
+        tokens / span / workload_named("mixed").mean_tokens(),
+    )
 
 
 def write_step_trace(path: Path, capacity: float) -> Path:

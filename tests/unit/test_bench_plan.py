@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from pdserve.workers.bench import cli
@@ -31,6 +32,16 @@ def test_mixed_is_mostly_chat_with_some_rag() -> None:
     kinds = Counter(p.kind for p in plan)
     assert kinds["rag"] / len(plan) == pytest.approx(0.15, abs=0.03)
     assert kinds["chat"] + kinds["rag"] == len(plan)
+
+
+def test_a_workloads_mean_tokens_are_those_of_its_drawn_requests() -> None:
+    # The load step's capacity is counted in the mixed workload's average requests.
+    assert WORKLOADS["mixed"].mean_tokens() == pytest.approx(0.85 * (160 + 80) + 0.15 * (2048 + 40))
+    rng = np.random.default_rng(3)
+    for workload in WORKLOADS.values():
+        draws = [workload.sample(rng, None, None) for _ in range(4000)]
+        drawn = sum(prompt + output for _, prompt, output in draws) / len(draws)
+        assert drawn == pytest.approx(workload.mean_tokens(), rel=0.05)
 
 
 def test_long_share_sets_the_mix_of_mixed() -> None:

@@ -4,13 +4,16 @@ whatever that would not reproduce."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+import threading
 from pathlib import Path
 
 import pytest
 import tokenizers
 
+from pdserve.protocol import prompts
 from pdserve.workers.model import byte_level_words
 from pdserve.workers.model.byte_level_words import ByteLevelWords
 from pdserve.workers.model.checkpoint import TinyModelSpec, write_tiny_checkpoint
@@ -123,3 +126,80 @@ def test_words_remembered_are_bounded(
         assert words.encode(text, True) == backend.encode(text).ids
         assert len(words._words) <= 50
     assert all(len(word) <= byte_level_words.MAX_WORD_CHARS for word in words._words)
+
+
+def test_texts_of_many_new_parts_get_the_librarys_ids(backend: tokenizers.Tokenizer) -> None:
+    """A long single-spaced text of parts never seen (a new prompt), then texts that
+    repeat some of them with new ones among them, parts repeated within a text, a
+    space at either end, parts longer than MAX_WORD_CHARS: their new parts go to the
+    library in one call, and the ids are the library's, with and without special
+    tokens; those parts are remembered."""
+    printable = [piece for piece in PIECES if piece.isprintable() and " " not in piece]
+    draw = random.Random(2)
+    pool = ["".join(draw.choices(printable, k=draw.randint(1, 5))) for _ in range(3000)]
+    pool.append("z" * (byte_level_words.MAX_WORD_CHARS + 7))
+    words = ByteLevelWords.of(backend)
+    assert words is not None
+    texts = [" ".join(pool[:1500]), " ".join(pool[1000:2500]) + " ", " " + " ".join(pool)]
+    texts += [" ".join(draw.choices(pool, k=draw.randint(1, 40))) for _ in range(200)]
+    for text in texts:
+        for special in (True, False):
+            expected = backend.encode(text, add_special_tokens=special).ids
+            assert words.encode(text, special) == expected, (text[:80], special)
+    remembered = [part for part in pool if len(part) <= byte_level_words.MAX_WORD_CHARS]
+    assert set(remembered) <= set(words._after)
+    assert pool[-1] not in words._after
+
+
+def test_inline_only_defers_texts_of_many_new_parts(backend: tokenizers.Tokenizer) -> None:
+    """With `inline_only`, a text with BATCH_NEW_PARTS new parts or more answers None
+    (its caller takes it to a thread) and leaves nothing remembered; with fewer new
+    parts, or once encoded, the library's ids."""
+    words = ByteLevelWords.of(backend)
+    assert words is not None
+    new = [f"part{n}x" for n in range(byte_level_words.BATCH_NEW_PARTS)]
+    text = "lead " + " ".join(new)
+    assert words.encode(text, True, inline_only=True) is None
+    assert not words._after
+    few = "lead " + " ".join(new[:-1])
+    assert words.encode(few, True, inline_only=True) == backend.encode(few).ids
+    assert words.encode(text, True) == backend.encode(text).ids
+    plain = backend.encode(text, add_special_tokens=False).ids
+    assert words.encode(text, False, inline_only=True) == plain
+
+
+def test_the_tokenizer_encodes_inline_where_it_is_cheap(model_dir: Path) -> None:
+    """`Tokenizer.encode_inline` gives `encode`'s ids, but None for a text of many new
+    words; a text not for the word path (not ASCII) is encoded as by `encode`."""
+    tokenizer = Tokenizer.from_dir(model_dir)
+    text = " ".join(f"w{n}q" for n in range(50))
+    assert tokenizer.encode_inline(text) is None
+    assert tokenizer.encode(text) == tokenizer._backend.encode(text).ids
+    assert tokenizer.encode_inline(text) == tokenizer.encode(text)
+    other = "café " + text
+    assert tokenizer.encode_inline(other) == tokenizer._backend.encode(other).ids
+
+
+def test_prompts_of_many_new_words_are_tokenized_off_the_event_loop(model_dir: Path) -> None:
+    """The router's and worker's `encode`: a prompt of many new words is tokenized on a
+    thread, then the same prompt (remembered) and a short one on the loop's own
+    thread; the library's ids every time."""
+    tokenizer = Tokenizer.from_dir(model_dir)
+    threads: list[int] = []
+    plain_encode = tokenizer.encode
+
+    def encode(text: str, add_special_tokens: bool = True) -> list[int]:
+        threads.append(threading.get_ident())
+        return plain_encode(text, add_special_tokens)
+
+    tokenizer.encode = encode  # type: ignore[method-assign]
+    text = " ".join(f"n{n}ew" for n in range(400))
+
+    async def three() -> list[list[int]]:
+        return [await prompts.encode(tokenizer, t, True) for t in (text, text, "short one")]
+
+    loop_thread = threading.get_ident()  # asyncio.run runs the loop on this thread
+    found = asyncio.run(three())
+    backend = tokenizer._backend
+    assert found == [backend.encode(t).ids for t in (text, text, "short one")]
+    assert len(threads) == 1 and threads[0] != loop_thread  # only the first, on a thread

@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 from pdserve.workers.bench.plan import PlannedRequest
-from pdserve.workers.plan.costs import Contention, Profile, StepCost
+from pdserve.workers.plan.costs import (
+    POOL_PROMPT_ROUNDS,
+    Contention,
+    Profile,
+    ServingOverhead,
+    Spread,
+    StepCost,
+)
 from pdserve.workers.plan.hosts import ROUTER_AND_CLIENT
 from pdserve.workers.plan.pool import PoolSimulation, Traffic
 from pdserve.workers.plan.pool_level import (
@@ -88,6 +95,9 @@ def test_steps_carrying_a_prompt_get_a_level_of_their_own() -> None:
     assert slowdowns == pytest.approx((1.5, 1.6, 1.4))
     lone = levels.spreads["contention.pool_phase.lone_prompt_over_model"].rounds
     assert lone == pytest.approx((1.1, 1.1, 1.1))
+    # The pool phase's prompt steps over the model, as one figure: the rounds' median.
+    assert levels.spreads[POOL_PROMPT_ROUNDS].rounds == pytest.approx((1.65, 1.76, 1.54))
+    assert levels.prompt_over_model == pytest.approx(1.65)
 
 
 def test_only_the_prompts_sent_count_as_prompt_steps() -> None:
@@ -166,3 +176,49 @@ def test_a_simulated_prompt_step_takes_its_kinds_level_and_a_decode_step_its_own
     (record,) = simulation.run()
     assert record.chunk_times[0] - (record.sent_at or 0.0) == pytest.approx(STEP_S * 1.4)
     assert list(np.diff(record.chunk_times)) == pytest.approx([STEP_S * 1.2] * 3)
+
+
+def test_the_pool_phases_prompt_ratio_is_read_from_older_profiles_spreads(
+    model_dir: Path,
+) -> None:
+    profile = constant_profile(model_dir, STEP_S)
+    assert profile.prompt_over_model() is None
+    older = profile.model_copy(
+        update={"spreads": {POOL_PROMPT_ROUNDS: Spread(rounds=(1.2, 1.5, 1.3))}}
+    )
+    assert older.prompt_over_model() == pytest.approx(1.3)
+    recorded = older.model_copy(update={"contention": Contention(pool_prompt_over_model=1.1)})
+    assert recorded.prompt_over_model() == pytest.approx(1.1)
+
+
+def prompt_then_decodes(profile: Profile, placement: str) -> tuple[float, list[float]]:
+    """One worker: a prompt of 16 tokens in one step, then its decode steps; its
+    TTFT and gaps."""
+    line = scenario_line("pool-level", [], placement=placement)
+    plan = [PlannedRequest(0, 0.0, 16, 4, "t")]
+    simulation = PoolSimulation(parse_scenario(line), profile, Traffic(plan, 0, 256, 60.0, None))
+    (record,) = simulation.run()
+    return record.chunk_times[0] - (record.sent_at or 0.0), list(np.diff(record.chunk_times))
+
+
+def test_a_simulated_prompt_step_runs_at_the_pool_phases_ratio_to_the_model(
+    model_dir: Path,
+) -> None:
+    # The lone worker's prompt steps measured 0.8x the model, the pool's levels 1.6x
+    # over that at four processes: the pool phase itself measured its prompt steps at
+    # 1.5x the model. One worker is three processes: 1.5x by the levels' growth from
+    # four processes to three (1.4 / 1.6). Decode steps keep their own level (1.2x).
+    profile = measured_profile(model_dir)
+    contention = profile.contention.model_copy(
+        update={"pool_prompt": ((1, 1.0), (4, 1.6)), "pool_prompt_over_model": 1.5}
+    )
+    serving = ServingOverhead(mixed_factor=0.8)
+    profile = profile.model_copy(update={"contention": contention, "serving": serving})
+    assert profile.pool_prompt_factor(4) == pytest.approx(1.5 / 0.8)
+    ttft, gaps = prompt_then_decodes(profile, "one-host")
+    assert ttft == pytest.approx(STEP_S * 1.5 * 1.4 / 1.6)
+    assert gaps == pytest.approx([STEP_S * 1.2] * 3)
+    # On a node of its own, no pool: the lone worker's prompt step.
+    ttft, gaps = prompt_then_decodes(profile, "node-per-worker")
+    assert ttft == pytest.approx(STEP_S * 0.8)
+    assert gaps == pytest.approx([STEP_S] * 3)

@@ -12,8 +12,13 @@ import numpy as np
 import pytest
 
 from pdserve.workers.bench.plan import PlannedRequest
-from pdserve.workers.plan.contention import level_spread, pair_median
+from pdserve.workers.engine.step_cost import StepFeatures
+from pdserve.workers.plan import pair
+from pdserve.workers.plan.contention import POINT, level_spread, pair_median
 from pdserve.workers.plan.costs import (
+    CONTENTION_STEPS,
+    MAX_SPREAD_PIECES,
+    SERVING_CONTEXT,
     SPREAD_POINTS,
     Contention,
     Profile,
@@ -22,7 +27,7 @@ from pdserve.workers.plan.costs import (
 )
 from pdserve.workers.plan.pool import PoolSimulation, Traffic
 from pdserve.workers.plan.scenario import parse_scenario
-from support.plan import constant_profile, model_config_dir, scenario_line
+from support.plan import CPU_LIKE, constant_profile, model_config_dir, scenario_line
 
 STEP_S = 0.01
 # One step in twenty waits out a time slice and takes three times as long.
@@ -70,9 +75,12 @@ def run(profile: Profile, outputs: int = 400, requests: int = 1) -> list[list[fl
     return [record.chunk_times for record in records]
 
 
-def serving_spread(model_dir: Path, ratios: list[float]) -> Profile:
-    serving = ServingOverhead(spread=StepSpread.of(ratios))
-    profile: Profile = constant_profile(model_dir, STEP_S).model_copy(update={"serving": serving})
+def serving_spread(
+    model_dir: Path, ratios: list[float], step_s: float = STEP_S, typical_s: float | None = None
+) -> Profile:
+    """Every step `step_s`, drawn from `ratios` measured on steps of `typical_s`."""
+    serving = ServingOverhead(spread=StepSpread.of(ratios, typical_s))
+    profile: Profile = constant_profile(model_dir, step_s).model_copy(update={"serving": serving})
     return profile
 
 
@@ -122,6 +130,76 @@ def test_a_contention_levels_spread_is_each_kind_of_step_over_its_own_median() -
     two = [(0.022, 0.006), (0.022, 0.018), (0.022, 0.006)]
     spread = level_spread([one, two])
     assert spread.samples == 12
+    # Measured on steps of the mean of the medians of each worker's kinds of step.
+    assert spread.typical_s == pytest.approx((0.020 + 0.005 + 0.022 + 0.006) / 4)
     assert spread.quantiles[0] == pytest.approx(1.0)
     assert spread.quantiles[-1] == pytest.approx(3.0)
     assert pair_median(one) == pytest.approx(0.025)
+
+
+def test_a_step_as_long_as_the_measured_ones_draws_as_one_did_before() -> None:
+    measured = StepSpread.of(SLICED, typical_s=STEP_S)
+    one, per_length = random.Random(3), random.Random(3)
+    for seconds in (None, STEP_S / 4, STEP_S, 1.4 * STEP_S):
+        assert measured.pieces(seconds) == 1
+        assert measured.draw(per_length, seconds) == measured.draw(one)
+    # Without the measured steps' length, a step of any length draws once.
+    assert StepSpread.of(SLICED).pieces(100 * STEP_S) == 1
+
+
+def test_a_long_step_draws_as_many_pieces_of_the_measured_length() -> None:
+    spread = StepSpread.of(SLICED, typical_s=STEP_S)
+    assert spread.pieces(2.4 * STEP_S) == 2
+    assert spread.pieces(10 * STEP_S) == 10
+    assert spread.pieces(10_000 * STEP_S) == MAX_SPREAD_PIECES
+
+
+def test_a_long_step_runs_slow_as_often_on_average_but_by_less_of_its_time() -> None:
+    # One step in twenty of the measured length waits out a slice (3x): a step ten
+    # times as long meets about one slice in two, each costing a tenth of its time.
+    spread = StepSpread.of(SLICED, typical_s=STEP_S)
+    rng = random.Random(0)
+    short = np.array([spread.draw(rng, STEP_S) for _ in range(20_000)])
+    long = np.array([spread.draw(rng, 10 * STEP_S) for _ in range(20_000)])
+    assert np.mean(short) == pytest.approx(1.1, abs=0.01)
+    assert np.mean(long) == pytest.approx(1.1, abs=0.01)  # as much slower on average
+    assert np.percentile(short, 99) == pytest.approx(3.0, rel=0.01)
+    assert np.percentile(long, 99) <= 1.6  # two or three slices at most, of ten pieces
+    assert np.mean(long > 1.5) < 0.02
+
+
+def test_the_simulated_gaps_of_long_steps_have_a_shorter_tail(model_dir: Path) -> None:
+    long_s = 10 * STEP_S
+    (measured_on_long,) = run(serving_spread(model_dir, SLICED, long_s, typical_s=long_s))
+    (measured_on_short,) = run(serving_spread(model_dir, SLICED, long_s, typical_s=STEP_S))
+    assert np.percentile(np.diff(measured_on_long), 99) > 2.5 * long_s
+    tail = np.percentile(np.diff(measured_on_short), 99)
+    assert 1.1 * long_s < tail < 1.7 * long_s
+
+
+def test_a_profile_without_the_serving_steps_length_takes_its_batches_by_the_model() -> None:
+    # The serving measurement's streams are the context the fallback assumes.
+    assert pair.STREAM_PROMPT_TOKENS + pair.STREAM_OUTPUT_TOKENS // 2 == SERVING_CONTEXT
+    per_token = 1e-4
+    serving = ServingOverhead(
+        per_token_s=per_token, samples=((1, 0.0), (4, 0.0), (16, 0.0)),
+        spread=StepSpread.of(SLICED),
+    )  # fmt: skip
+    # The 16-stream batch saw 16 of the 21 streams' gaps: its step is the median.
+    step = StepFeatures(decode_tokens=16, decode_keys=16 * SERVING_CONTEXT)
+    drawn = serving.drawn_spread(CPU_LIKE)
+    assert drawn.typical_s == pytest.approx(CPU_LIKE.seconds(step) + 16 * per_token)
+    assert drawn.quantiles == serving.spread.quantiles
+    # Recorded, it is kept; no spread, nothing to draw.
+    recorded = serving.model_copy(update={"spread": StepSpread.of(SLICED, 0.02)})
+    assert recorded.drawn_spread(CPU_LIKE).typical_s == 0.02
+    assert ServingOverhead().drawn_spread(CPU_LIKE) == StepSpread()
+
+
+def test_a_profile_without_the_contention_steps_length_takes_them_by_the_model() -> None:
+    decodes = ((POINT.context, 1),) * POINT.decodes
+    assert ((*decodes, (POINT.start, POINT.prefill)), decodes) == CONTENTION_STEPS
+    contention = Contention(spreads=((2, StepSpread.of(SLICED)),))
+    expected = sum(CPU_LIKE.seconds(StepFeatures.of_spans(s)) for s in CONTENTION_STEPS) / 2
+    assert contention.drawn_spread(2, CPU_LIKE).typical_s == pytest.approx(expected)
+    assert contention.drawn_spread(1, CPU_LIKE) == StepSpread()

@@ -10,7 +10,10 @@ from pdserve.protocol.api_errors import APIError
 from pdserve.protocol.requests import ChatCompletionRequest, ChatMessage, CompletionRequest
 from pdserve.protocol.text import TextTokenizer
 
-# Text longer than this is tokenized on a thread, so the event loop stays free.
+# Text longer than this is tokenized on a thread, so the event loop stays free; so is
+# shorter text whose tokenizer says its ids need more than lookups (a prompt of new
+# words: tens to hundreds of milliseconds in which the loop would relay no answer and
+# route no other request).
 _TOKENIZE_INLINE_CHARS = 16 * 1024
 
 
@@ -40,7 +43,9 @@ def chat_text(
 
 
 async def encode(tokenizer: TextTokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    """Token ids of `text` (on a thread when it is long)."""
-    if len(text) > _TOKENIZE_INLINE_CHARS:
-        return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
-    return tokenizer.encode(text, add_special_tokens)
+    """Token ids of `text` (on a thread when it is long or costly)."""
+    if len(text) <= _TOKENIZE_INLINE_CHARS:
+        ids = tokenizer.encode_inline(text, add_special_tokens)
+        if ids is not None:
+            return ids
+    return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)

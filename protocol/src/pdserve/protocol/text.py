@@ -19,6 +19,11 @@ class TextTokenizer(Protocol):
         """Token ids of `text`."""
         ...
 
+    def encode_inline(self, text: str, add_special_tokens: bool = True) -> list[int] | None:
+        """`encode`'s ids where they come cheaply; None where computing them is
+        better done on a thread."""
+        ...
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`."""
         ...

@@ -28,6 +28,11 @@ class LengthRange:
         """One length drawn from the range."""
         return int(rng.integers(self.low, self.high, endpoint=True))
 
+    @property
+    def mean(self) -> float:
+        """The mean of a draw."""
+        return (self.low + self.high) / 2
+
 
 @dataclass(frozen=True)
 class RequestClass:
@@ -55,6 +60,15 @@ class Workload:
         input_tokens = clip_length(request_class.input.sample(rng), max_input)
         output_tokens = clip_length(request_class.output.sample(rng), max_output)
         return request_class.name, input_tokens, output_tokens
+
+    def mean_tokens(self) -> float:
+        """The mean prompt plus output tokens of a request drawn from the mix (no
+        limits): the work of the workload's average request."""
+        weighted = sum(
+            weight * (request_class.input.mean + request_class.output.mean)
+            for request_class, weight in self.mix
+        )
+        return weighted / sum(weight for _, weight in self.mix)
 
 
 def clip_length(tokens: int, limit: int | None) -> int:

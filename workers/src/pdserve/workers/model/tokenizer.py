@@ -92,6 +92,15 @@ class Tokenizer:
         ids: list[int] = encoding[0].ids
         return ids
 
+    def encode_inline(self, text: str, add_special_tokens: bool = True) -> list[int] | None:
+        """`encode`'s ids, or None where they need the library's work on many new words
+        (which leaves Python's lock while it works: worth a thread, so that an event
+        loop serves others meanwhile). Ids already remembered cost microseconds."""
+        words = self._words
+        if words is not None and words.handles(text):
+            return words.encode(text, add_special_tokens, inline_only=True)
+        return self.encode(text, add_special_tokens)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; bytes that do not form a whole character come out as U+FFFD."""
         text: str = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -137,15 +137,18 @@ def pair_median(pairs: Sequence[tuple[float, float]]) -> float:
 
 def level_spread(steps: Sequence[Sequence[tuple[float, float]]]) -> StepSpread:
     """The spread of one level's steps: each worker's mixed and decode-only steps, each
-    over the median of its kind on that worker."""
+    over the median of its kind on that worker; measured on steps of the mean of those
+    medians."""
     ratios: list[float] = []
+    typicals: list[float] = []
     for pairs in steps:
         for kind in range(2):
             times = [pair[kind] for pair in pairs]
             if times:
                 typical = statistics.median(times)
                 ratios += [seconds / typical for seconds in times]
-    return StepSpread.of(ratios)
+                typicals.append(typical)
+    return StepSpread.of(ratios, statistics.mean(typicals) if typicals else None)
 
 
 def fit_slope(samples: Sequence[tuple[int, float]], cores: int, threads: int) -> float:

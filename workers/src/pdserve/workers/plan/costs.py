@@ -121,32 +121,61 @@ class StepSample(_Model):
 
 # The points of a spread kept in a profile: its quantiles at these probabilities.
 SPREAD_POINTS = 101
+# A step drawn as at most this many pieces of the measured steps' length (see
+# `StepSpread.draw`): beyond it the mean of the draws barely moves.
+MAX_SPREAD_PIECES = 32
 
 
 class StepSpread(_Model):
     """How far steps run from their typical time: quantiles (at evenly spaced
     probabilities from 0 to 1) of measured step time over the median of steps that
     compute the same, so the typical step keeps its predicted time and the slow ones
-    come out slow. Empty: every step takes its predicted time."""
+    come out slow. Empty: every step takes its predicted time.
+
+    What makes a step slow is the machine's other work taking a core for a time slice
+    while it runs: a slice costs a short step as much time as a long one, so a long
+    step is not the measured short ones scaled up. With the typical length of the
+    steps it was measured on (`typical_s`), a step that many times longer is drawn as
+    that many pieces, each meeting the other work on its own (the mean of as many
+    draws): it runs slow about as often, by less of its time."""
 
     quantiles: tuple[float, ...] = ()
     samples: int = Field(default=0, ge=0)  # steps it was measured on
+    # The typical time of the steps it was measured on; None: not recorded, every
+    # step draws one ratio whatever its length.
+    typical_s: float | None = Field(default=None, gt=0)
 
     @classmethod
-    def of(cls, ratios: Sequence[float]) -> StepSpread:
-        """The spread of measured ratios (step time over its typical time)."""
+    def of(cls, ratios: Sequence[float], typical_s: float | None = None) -> StepSpread:
+        """The spread of measured ratios (step time over its typical time), of steps
+        that typically took `typical_s`."""
         kept = [ratio for ratio in ratios if ratio > 0]
         if not kept:
             return cls()
         points = np.quantile(np.asarray(kept), np.linspace(0.0, 1.0, SPREAD_POINTS))
-        return cls(quantiles=tuple(float(point) for point in points), samples=len(kept))
+        return cls(
+            quantiles=tuple(float(point) for point in points), samples=len(kept),
+            typical_s=typical_s,
+        )  # fmt: skip
 
-    def draw(self, rng: random.Random) -> float:
-        """One step's time over its typical time, drawn from the spread (1: none)."""
+    def pieces(self, seconds: float | None) -> int:
+        """How many of the measured steps' lengths a step of `seconds` is drawn as (1:
+        no longer than they are, no length given, or none recorded)."""
+        if seconds is None or self.typical_s is None or seconds <= self.typical_s:
+            return 1
+        return min(MAX_SPREAD_PIECES, round(seconds / self.typical_s))
+
+    def draw(self, rng: random.Random, seconds: float | None = None) -> float:
+        """A step's time over its typical time, drawn from the spread (1: none): for a
+        step of `seconds`, the mean of one draw per piece (`pieces`)."""
         if not self.quantiles:
             return 1.0
         if len(self.quantiles) == 1:
             return self.quantiles[0]
+        pieces = self.pieces(seconds)
+        return sum(self._one(rng) for _ in range(pieces)) / pieces
+
+    def _one(self, rng: random.Random) -> float:
         position = rng.random() * (len(self.quantiles) - 1)
         below = int(position)
         low, high = self.quantiles[below], self.quantiles[min(below + 1, len(self.quantiles) - 1)]
@@ -172,6 +201,11 @@ class HandoffCost(_Model):
         """The time to hand `nbytes` of KV cache over, as a request in a pool waits it."""
         fixed = self.fixed_s if self.pool_s is None else self.pool_s
         return fixed + self.per_byte_s * nbytes
+
+
+# The context of each stream, mid-answer, in the serving measurement (the pair's
+# STREAM_PROMPT_TOKENS plus half its STREAM_OUTPUT_TOKENS).
+SERVING_CONTEXT = 56
 
 
 class ServingOverhead(_Model):
@@ -204,11 +238,43 @@ class ServingOverhead(_Model):
         """What a step that streams `tokens` tokens takes beyond its compute."""
         return self.fixed_s + self.per_token_s * tokens
 
+    def drawn_spread(self, cost: StepCost) -> StepSpread:
+        """The spread a serving worker's steps draw from: `spread`, with the typical
+        length of the steps it was measured on. A profile that did not record that
+        length gets the one its batches' steps had by the model (decode-only steps of
+        SERVING_CONTEXT tokens a stream, with what serving adds), each batch counted
+        as often as its streams saw a gap: the median of those."""
+        spread = self.spread
+        if spread.typical_s is not None or not spread.quantiles or not self.samples:
+            return spread
+        steps = sorted(
+            (cost.seconds(StepFeatures(decode_tokens=n, decode_keys=n * SERVING_CONTEXT))
+             + self.seconds(n), n)
+            for n, _ in self.samples if n > 0
+        )  # fmt: skip
+        if not steps:
+            return spread
+        half, seen = sum(n for _, n in steps) / 2, 0
+        typical_s = steps[-1][0]
+        for seconds, n in steps:
+            seen += n
+            if seen >= half:
+                typical_s = seconds
+                break
+        return spread.model_copy(update={"typical_s": typical_s}) if typical_s > 0 else spread
+
     def compute(self, features: StepFeatures, cost: StepCost) -> float:
         """A serving worker's compute of a step: the step-cost model's, by the mixed
         factor where the step carries a prompt's chunk."""
         seconds = cost.seconds(features)
         return seconds * self.mixed_factor if features.prefill_tokens else seconds
+
+
+# The two steps the contention's workers repeat (`contention.POINT`), as (start,
+# tokens) spans: four decodes at 128 tokens of context with a chunk of 128 prompt
+# tokens, and the four decodes alone.
+_DECODES = ((128, 1),) * 4
+CONTENTION_STEPS: tuple[tuple[tuple[int, int], ...], ...] = ((*_DECODES, (0, 128)), _DECODES)
 
 
 class Contention(_Model):
@@ -235,6 +301,10 @@ class Contention(_Model):
     # (the pool's processes slow a chunk's parallel compute more than a decode step's);
     # empty: not measured, such steps take the levels above.
     pool_prompt: tuple[tuple[int, float], ...] = ()
+    # The steps that carry a prompt's chunk in the pool phase, their time over the
+    # step-cost model's (the median over the rounds): what such a step takes among a
+    # pool's processes, measured as one figure. None: not measured.
+    pool_prompt_over_model: float | None = Field(default=None, gt=0)
 
     def stretch(self, demand: float, own: float, cores: int) -> float:
         """A step's time over its time alone, with `demand` busy threads on `cores`
@@ -255,12 +325,26 @@ class Contention(_Model):
         per_process = sum(n * s for n, s in beyond) / sum(n * n for n, _ in beyond)
         return 1.0 + max(0.0, per_process) * max(0, processes - 1)
 
+    def pool_processes(self) -> int:
+        """The processes busy in the measured pool phase (1: none measured)."""
+        return max((count for count, _ in (*self.pool, *self.pool_prompt)), default=1)
+
     def spread(self, workers: int) -> StepSpread:
         """The spread of steps with `workers` stepping together: the highest level
         measured up to it. None under two workers: a lone worker's own spread is the
         one its serving measured (`ServingOverhead.spread`)."""
         measured = [spread for level, spread in self.spreads if 2 <= level <= workers]
         return measured[-1] if measured else StepSpread()
+
+    def drawn_spread(self, workers: int, cost: StepCost) -> StepSpread:
+        """`spread(workers)` with the typical length of the steps it was measured on;
+        where the profile did not record it, the model's mean of the two steps the
+        contention's workers repeat (CONTENTION_STEPS)."""
+        spread = self.spread(workers)
+        if spread.typical_s is not None or not spread.quantiles:
+            return spread
+        typical_s = sum(cost.seconds(StepFeatures.of_spans(s)) for s in CONTENTION_STEPS) / 2
+        return spread.model_copy(update={"typical_s": typical_s}) if typical_s > 0 else spread
 
 
 class ClientCost(_Model):
@@ -301,6 +385,10 @@ class Spread(_Model):
         return (max(self.rounds) - min(self.rounds)) / abs(value)
 
 
+# Where a profile's spreads keep each round's pool-phase prompt steps over the model.
+POOL_PROMPT_ROUNDS = "contention.pool_phase.pool_prompt_over_model"
+
+
 class Profile(_Model):
     """A profile file."""
 
@@ -330,6 +418,33 @@ class Profile(_Model):
     # Each figure measured in rounds, by its name in the file ("step_cost.base_s",
     # "contention.slope", "request_overhead_s", ...): the value each round gave.
     spreads: dict[str, Spread] = {}
+
+    def prompt_over_model(self) -> float | None:
+        """A pool's steps that carry a prompt's chunk over the step-cost model, as the
+        pool phase measured them (`Contention.pool_prompt_over_model`; a profile from
+        before that field has each round's in its spreads, the median of those);
+        None: not measured."""
+        if self.contention.pool_prompt_over_model is not None:
+            return self.contention.pool_prompt_over_model
+        rounds = self.spreads.get(POOL_PROMPT_ROUNDS, Spread()).rounds
+        return float(np.median(rounds)) if rounds else None
+
+    def pool_prompt_factor(self, processes: int) -> float:
+        """How much longer than a serving worker's compute of it (`ServingOverhead.
+        compute`) a step carrying a prompt's chunk runs with `processes` busy on the
+        machine. Where the pool phase measured such steps against the model, they run
+        at that ratio (over the mixed factor the compute already holds), growing with
+        the processes beyond the measured pool's as the prompt levels do: the mixed
+        factor is measured with one prompt at a time on a lone worker, apart from the
+        pool phase, and the two apart moved 0.83-1.06 between profiles while a pool's
+        prompt steps ran 1.1-1.5x the model. Else the prompt levels alone
+        (`Contention.pool_slowdown`)."""
+        level = self.contention.pool_slowdown(processes, prompt=True)
+        ratio = self.prompt_over_model()
+        if ratio is None:
+            return level
+        measured = self.contention.pool_slowdown(self.contention.pool_processes(), prompt=True)
+        return ratio / self.serving.mixed_factor * level / measured
 
     def request_overhead(self, busy: bool) -> float:
         """What a request pays on its way in and its first token on its way out,

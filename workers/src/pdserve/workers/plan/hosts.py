@@ -6,7 +6,8 @@ the contention of the moment allows (`costs.Contention`: the threads of every wo
 stepping, and the CPU the router and the clients spent over the last moment), and
 whenever a step starts or ends on the host the others' ends move accordingly. A step
 that starts with others running draws its time from the spread measured with as many
-workers stepping together (`Contention.spread`), with the host's own fixed seed."""
+workers stepping together (`Contention.drawn_spread`: a step longer than those it was
+measured on draws as several), with the host's own fixed seed."""
 
 from __future__ import annotations
 
@@ -52,12 +53,15 @@ class SharedHost:
     def __init__(self, profile: Profile, cores: int, workers: int = 1) -> None:
         self.cores = cores
         self.contention = profile.contention
+        self.cost = profile.step_cost
         # Every step's time alone, as the pool's processes slow it (its workers, the
-        # router and the client busy beside it: `Contention.pool_slowdown`), by
-        # whether the step carries a prompt's chunk.
+        # router and the client busy beside it: `Contention.pool_slowdown`, and for
+        # a step carrying a prompt's chunk `Profile.pool_prompt_factor`), by whether
+        # the step carries one.
         processes = workers + ROUTER_AND_CLIENT
         self.pool_factors = {
-            prompt: profile.contention.pool_slowdown(processes, prompt) for prompt in (False, True)
+            False: profile.contention.pool_slowdown(processes),
+            True: profile.pool_prompt_factor(processes),
         }
         self.clients = profile.clients
         self._steps: dict[str, _Step] = {}  # by worker
@@ -71,8 +75,8 @@ class SharedHost:
 
         def started(start: float, alone_s: float, prompt: bool) -> float:
             self._settle(start)
-            spread = self.contention.spread(len(self._steps) + 1)
-            work_s = alone_s * self.pool_factors[prompt] * spread.draw(self._rng)
+            spread = self.contention.drawn_spread(len(self._steps) + 1, self.cost)
+            work_s = alone_s * self.pool_factors[prompt] * spread.draw(self._rng, alone_s)
             step = _Step(threads, work_s, 1.0, start, moved)
             self._steps[worker] = step
             self._rerate(start, started=worker)

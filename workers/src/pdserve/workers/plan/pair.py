@@ -105,6 +105,7 @@ class PairFigures:
     # steps, and of steps that carry a prompt's chunk.
     pool: tuple[tuple[int, float], ...] = ()
     pool_prompt: tuple[tuple[int, float], ...] = ()
+    pool_prompt_over_model: float | None = None
     # Figures measured in rounds, by name, as each round gave them.
     spreads: dict[str, Spread] = field(default_factory=dict)
 
@@ -173,6 +174,7 @@ def measure_pair(
             figures = replace(
                 figures, clients=clients, busy_request_overhead_s=overheads.busy_s,
                 pool=pool.decode, pool_prompt=pool.prompt,
+                pool_prompt_over_model=pool.prompt_over_model,
                 spreads={**figures.spreads, **spreads}, handoff=handoff,
             )  # fmt: skip
             if overheads.idle_s is None:  # no request answered through the router
@@ -258,8 +260,10 @@ def _serving_overhead(
     where no step logged its cadence), its median over the rounds; fitted as fixed
     plus per token streamed. With the fixed and per-token times each round's batches
     alone give, and each batch's rounds. The streams' gaps, each over its batch's
-    median gap, are the spread a serving worker's clients see."""
+    median gap, are the spread a serving worker's clients see (with the median gap: the
+    length of the steps it was measured on)."""
     ratios: list[float] = []  # each gap over its batch's median gap
+    every_gap: list[float] = []
     context = STREAM_PROMPT_TOKENS + STREAM_OUTPUT_TOKENS // 2  # a decode's keys, mid-run
     tokens = STREAM_OUTPUT_TOKENS
     rounds: list[dict[int, float]] = []
@@ -275,6 +279,7 @@ def _serving_overhead(
             gaps = [float(gap) for t in times for gap in np.diff(t[STREAM_SKIP_GAPS:])]
             typical = statistics.median(gaps)
             ratios += [gap / typical for gap in gaps]
+            every_gap += gaps
             beyond = cadence_beyond(read_steps_from(worker.log, begin), streams, cost)
             if beyond is None:
                 step = StepFeatures(decode_tokens=streams, decode_keys=streams * context)
@@ -282,7 +287,8 @@ def _serving_overhead(
             points[streams] = beyond
         rounds.append(points)
     serving, spreads = fit_serving(rounds)
-    return serving.model_copy(update={"spread": StepSpread.of(ratios)}), spreads
+    typical_s = statistics.median(every_gap) if every_gap else None
+    return serving.model_copy(update={"spread": StepSpread.of(ratios, typical_s)}), spreads
 
 
 def fit_serving(

@@ -74,11 +74,15 @@ class PoolLevels:
     """The levels kept for each kind of step (one process busy, none slowed; the
     pool's, its median slowdown over the rounds; only the former where no round had
     both phases' steps of the kind), and the rounds: each kind's slowdown, and its
-    steps' typical ratio to the model in each phase."""
+    steps' typical ratio to the model in each phase; and the pool phase's prompt
+    steps' ratio to the model (`costs.Contention.pool_prompt_over_model`)."""
 
     decode: Levels
     prompt: Levels
     spreads: dict[str, Spread]
+    # The pool phase's prompt steps over the model, the median over the rounds (None:
+    # no round had such steps).
+    prompt_over_model: float | None = None
 
 
 def pool_level(
@@ -87,6 +91,7 @@ def pool_level(
     """The levels from each round's (lone, pool) phases' steps, for each kind."""
     levels: dict[bool, Levels] = {}
     spreads: dict[str, Spread] = {}
+    prompt_over_model = None
     for prompt, name in ((False, "pool_slowdown"), (True, "pool_prompt_slowdown")):
         slowdowns, lone_ratios, pool_ratios = [], [], []
         for alone, pool in rounds:
@@ -102,7 +107,9 @@ def pool_level(
         levels[prompt] = ((1, 1.0),)
         if slowdowns:
             levels[prompt] += ((POOL_PROCESSES, float(statistics.median(slowdowns))),)
-    return PoolLevels(levels[False], levels[True], spreads)
+        if prompt and pool_ratios:
+            prompt_over_model = float(statistics.median(pool_ratios))
+    return PoolLevels(levels[False], levels[True], spreads, prompt_over_model)
 
 
 def measure_pool_level(

@@ -99,7 +99,11 @@ def profile_model(run: ProfileRun, progress: Callable[[str], None] = lambda line
             "startup_s": figures.startup_s,
             "clients": figures.clients,
             "contention": profile.contention.model_copy(
-                update={"pool": figures.pool, "pool_prompt": figures.pool_prompt}
+                update={
+                    "pool": figures.pool,
+                    "pool_prompt": figures.pool_prompt,
+                    "pool_prompt_over_model": figures.pool_prompt_over_model,
+                }
             ),
             "spreads": {**spreads, **figures.spreads},
         }

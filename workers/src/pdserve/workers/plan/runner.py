@@ -2,7 +2,8 @@
 it (its compute, slower where it carries a prompt's chunk, and what serving adds per
 step and per token streamed), on the worker's simulated clock (stretched by its host's
 contention where it shares cores: `hosts`) and drawn from the spread a serving
-worker's steps showed (`ServingOverhead.spread`, with the worker's own fixed seed),
+worker's steps showed (`ServingOverhead.drawn_spread`, with the worker's own fixed
+seed; a step longer than those it was measured on draws as several of them),
 and every request that reaches the end of its tokens draws one token. The engine
 around it (scheduler, budget, KV cache, leases, fork and finish) is the real one."""
 
@@ -43,6 +44,7 @@ class SimulatedRunner:
         self.serving = serving
         self.pace = pace  # None: the worker has its cores to itself
         self.rng = random.Random(seed)
+        self.spread = serving.drawn_spread(cost)
         self.kv_cache = torch.empty(0)  # no KV is computed, so none is held
 
     def execute(self, output: SchedulerOutput, block_tables: BlockTables) -> StepOutput:
@@ -59,7 +61,8 @@ class SimulatedRunner:
         streamed = sum(len(drawn.tokens) for _, drawn in sampled)
         features = StepFeatures.of(output.chunks)
         compute = self.serving.compute(features, self.cost)
-        alone_s = (compute + self.serving.seconds(streamed)) * self.serving.spread.draw(self.rng)
+        predicted_s = compute + self.serving.seconds(streamed)
+        alone_s = predicted_s * self.spread.draw(self.rng, predicted_s)
         if self.pace is not None:
             alone_s = self.pace(self.clock.now, alone_s, features.prefill_tokens > 0)
         self.clock.advance(alone_s)
