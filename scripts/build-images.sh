@@ -12,7 +12,10 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/pdserve
-TOOLS=$("$ROOT/scripts/ensure-container-tools.sh")
+# A caller that has the tools' directory already (what ensure-container-tools.sh
+# prints) passes it in PDSERVE_CONTAINER_TOOLS: finding it asks apt about every
+# package, seconds of CPU.
+TOOLS=${PDSERVE_CONTAINER_TOOLS:-$("$ROOT/scripts/ensure-container-tools.sh")}
 POLICY=(--signature-policy "$TOOLS/policy.json")
 LOG=$CACHE/containers/build-times.txt
 # This machine's CA bundle, for the steps that download (see the Containerfiles).

@@ -15,7 +15,8 @@ import json
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,22 @@ def can(cluster: Cluster, account: str, verb: str, resource: str, *where: str) -
         check=False,
     )  # fmt: skip
     return result.stdout.strip() == "yes"
+
+
+Question = tuple[str, ...]  # verb, resource, then where (`-n NS`, `--all-namespaces`)
+
+
+def check_access(
+    cluster: Cluster, account: str, allowed: Sequence[Question], refused: Sequence[Question]
+) -> None:
+    """`account` may do each of `allowed` and none of `refused`. The questions are asked
+    at once: each is a kubectl process, and they do not depend on each other."""
+    questions = [*allowed, *refused]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        found = pool.map(lambda q: can(cluster, account, *q), questions)
+        answers = dict(zip(questions, found, strict=True))
+    assert [q for q in allowed if not answers[q]] == [], "refused, should be allowed"
+    assert [q for q in refused if answers[q]] == [], "allowed, should be refused"
 
 
 def operator_of(deployment: dict[str, Any], kubeconfig: Path, log: Path) -> OperatorProcess:
@@ -235,27 +252,33 @@ def check_the_charts_identity(
         operator.stop()
         print(f"--- operator log ---\n{operator.tail(60)}")
     # Enough, and no more: what the operator does is allowed, the rest refused.
-    for verb, resource in [
+    allowed = [
         ("patch", "deployments"), ("delete", "services"), ("patch", "servingpools/status"),
         ("create", "roles"), ("watch", "endpointslices.discovery.k8s.io"),
         ("create", "networkpolicies.networking.k8s.io"),
         ("create", "secrets"),  # the pool's credential, made once
-    ]:  # fmt: skip
-        assert can(cluster, account, verb, resource, "-n", pools_ns), (verb, resource)
-    for verb, resource in [
+    ]  # fmt: skip
+    refused = [
         ("get", "secrets"), ("list", "secrets"), ("watch", "secrets"), ("patch", "secrets"),
         ("update", "secrets"), ("delete", "secrets"),
         ("create", "pods"), ("create", "servingpools"), ("delete", "servingpools"),
         ("update", "deployments"), ("escalate", "roles"),
         ("bind", "clusterroles"), ("create", "clusterroles"), ("list", "nodes"),
         ("delete", "customresourcedefinitions"), ("impersonate", "serviceaccounts"),
-    ]:  # fmt: skip
-        assert not can(cluster, account, verb, resource, "-n", pools_ns), (verb, resource)
+    ]  # fmt: skip
+    check_access(
+        cluster,
+        account,
+        [(verb, resource, "-n", pools_ns) for verb, resource in allowed],
+        [(verb, resource, "-n", pools_ns) for verb, resource in refused]
+        + [
+            ("list", "deployments", "-n", other_ns),
+            ("list", "servingpools", "--all-namespaces"),
+            ("list", "namespaces"),
+            ("watch", "customresourcedefinitions"),
+        ],
+    )
     check_no_secret_is_readable(cluster, account, pools_ns, "chat-internal")
-    assert not can(cluster, account, "list", "deployments", "-n", other_ns)
-    assert not can(cluster, account, "list", "servingpools", "--all-namespaces")
-    assert not can(cluster, account, "list", "namespaces")
-    assert not can(cluster, account, "watch", "customresourcedefinitions")
 
 
 def check_no_secret_is_readable(cluster: Cluster, account: str, namespace: str, own: str) -> None:
@@ -264,9 +287,12 @@ def check_no_secret_is_readable(cluster: Cluster, account: str, namespace: str, 
     foreign = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "foreign"},
                "stringData": {"password": "hunter2"}}  # fmt: skip
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(foreign))
-    for name in ("foreign", own):
-        for verb in ("get", "patch", "delete"):
-            assert not can(cluster, account, verb, f"secret/{name}", "-n", namespace), (verb, name)
+    refused_verbs = [
+        (verb, f"secret/{name}", "-n", namespace)
+        for name in ("foreign", own)
+        for verb in ("get", "patch", "delete")
+    ]
+    check_access(cluster, account, [], refused_verbs)
     refused = cluster.kubectl(
         "get", "secret", "foreign", "-n", namespace, f"--as=system:serviceaccount:{account}",
         check=False,
@@ -303,13 +329,25 @@ def test_the_cluster_wide_mode_reaches_every_namespace_and_still_no_secret(
             operator.stop()
         # kopf watches pools and children cluster-wide and follows the CRD (installed
         # before or after it).
-        for resource in ("servingpools", "deployments", "configmaps"):
-            assert can(cluster, account, "watch", resource, "--all-namespaces"), resource
-        assert can(cluster, account, "watch", "customresourcedefinitions")
-        assert not can(cluster, account, "list", "namespaces")
-        assert can(cluster, account, "create", "secrets", "-n", pools_ns)
-        for verb in ("get", "list", "watch", "patch", "delete"):
-            assert not can(cluster, account, verb, "secrets", "--all-namespaces"), verb
+        check_access(
+            cluster,
+            account,
+            [
+                *[
+                    ("watch", resource, "--all-namespaces")
+                    for resource in ("servingpools", "deployments", "configmaps")
+                ],
+                ("watch", "customresourcedefinitions"),
+                ("create", "secrets", "-n", pools_ns),
+            ],
+            [
+                ("list", "namespaces"),
+                *[
+                    (verb, "secrets", "--all-namespaces")
+                    for verb in ("get", "list", "watch", "patch", "delete")
+                ],
+            ],
+        )
         check_no_secret_is_readable(cluster, account, pools_ns, "rag-internal")
     finally:  # the ClusterRole and its binding are cluster-wide: never left behind
         helm(cluster, "uninstall", release, "--namespace", release_ns, "--wait")

@@ -247,7 +247,10 @@ def test_hand_edits_are_put_back_and_deleted_children_recreated(
 
     wait_until(recreated, WAIT, "the deleted children to be recreated")
     wait_ready(cluster, namespace, "fixed")
-    assert "Repaired" in event_reasons(cluster, namespace, "fixed")
+    # Events are posted apart from the status: one may show before the other.
+    wait_until(
+        lambda: "Repaired" in event_reasons(cluster, namespace, "fixed"), WAIT, "a Repaired Event"
+    )
 
 
 def test_scaling_a_component_to_zero_prunes_its_objects(
@@ -379,7 +382,11 @@ def test_an_object_in_the_way_degrades_the_pool_until_it_goes(
     pool = wait_until(degraded, WAIT, "phase Degraded")
     assert condition(pool, "Degraded")["reason"] == "ApplyFailed"
     assert "selector" in condition(pool, "Degraded")["message"]
-    assert "ApplyFailed" in event_reasons(cluster, namespace, "blocked")
+    wait_until(
+        lambda: "ApplyFailed" in event_reasons(cluster, namespace, "blocked"),
+        WAIT,
+        "an ApplyFailed Event",
+    )
 
     cluster.kubectl("delete", "deployment", "blocked-decode", "-n", namespace, "--wait=true")
     pool = wait_ready(cluster, namespace, "blocked")

@@ -109,7 +109,12 @@ def test_a_change_runs_as_a_canary_and_an_abort_restores_the_stable_revision(
     header, row = cluster.kubectl("get", "sp", POOL, "-n", namespace).stdout.splitlines()
     start = header.index("ROLLOUT")
     assert row[start:].split()[0] == "Progressing"
-    assert "Started" in [reason for reason, _ in events(cluster, namespace, POOL)]
+    # Events are posted apart from the status: one may show before the other.
+    wait_until(
+        lambda: "Started" in [reason for reason, _ in events(cluster, namespace, POOL)],
+        WAIT,
+        "a Started Event",
+    )
     assert operator.total("pdserve_rollout_weight", revision=canary, role="decode") == 25
     assert operator.total("pdserve_rollout_step", pool=POOL, role="decode") == 1
     # No figures: the step waits for evidence, past any number of rounds.
@@ -136,8 +141,17 @@ def test_a_change_runs_as_a_canary_and_an_abort_restores_the_stable_revision(
     annotations = get_pool(cluster, namespace, POOL)["metadata"]["annotations"]
     assert annotations["pdserve.dev/rollout-acted"] == "abort"
     wait_ready(cluster, namespace, POOL, generation=2)
-    # The refused revision does not start again while the spec still asks for it.
+    # The refused revision does not start again while the spec still asks for it, once
+    # the restarted operator has taken the pool up again (and not before: a check made
+    # earlier would see the old operator's work only).
     operator.restart()
+    wait_until(
+        lambda: operator.total(
+            "pdserve_operator_reconcile_duration_seconds_count", trigger="resume"
+        ),
+        WAIT,
+        "the restarted operator to resume the pool",
+    )
     wait_ready(cluster, namespace, POOL, generation=2)
     assert set(worker_deployments(cluster, namespace)) == {f"{POOL}-{stable}"}
     assert rollout_of(cluster, namespace)["decode"]["phase"] == "Aborted"

@@ -179,8 +179,8 @@ def test_the_pool_gets_a_credential_secret_and_a_network_policy(
     # The status records it; the operator never writes it again, nor shows its value,
     # and after a restart knows it as the pool's own (from the status: it cannot read it).
     recorded = {"name": f"{POOL}-internal", "uid": secret["metadata"]["uid"]}
-    wait_until(
-        lambda: get_json(cluster, "servingpool", POOL, "-n", namespace)["status"].get(
+    wait_until(  # (the Secret may come before the pool's first status)
+        lambda: get_json(cluster, "servingpool", POOL, "-n", namespace).get("status", {}).get(
             "credentialSecret") == recorded,
         WAIT, "the status to record the Secret",
     )  # fmt: skip

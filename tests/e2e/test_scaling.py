@@ -139,10 +139,14 @@ def test_planner_decisions_from_prometheus_reach_the_deployment_and_the_status(
                 lambda: ready_replicas(cluster, namespace, "chat", "decode") >= 2, WAIT,
                 "the new decode worker ready",
             )  # fmt: skip
-            scaled = [m for reason, m in events(cluster, namespace, "chat") if reason == "ScaledUp"]
-            assert any(m.startswith("decode 1 -> 2: ITLAboveTarget: ITL p50") for m in scaled), (
-                scaled
-            )
+
+            # Events are posted apart from the status: one may show after it.
+            def scaled_up() -> list[str] | None:
+                scaled = [m for r, m in events(cluster, namespace, "chat") if r == "ScaledUp"]
+                wanted = "decode 1 -> 2: ITLAboveTarget: ITL p50"
+                return scaled if any(m.startswith(wanted) for m in scaled) else None
+
+            wait_until(scaled_up, WAIT, "a ScaledUp Event for decode 1 -> 2 on ITL p50")
             up = operator.total(
                 "pdserve_operator_scaling_decisions_total", role="decode", direction="up"
             )

@@ -28,10 +28,11 @@ def podman() -> Path:
 
 def built_image(name: str) -> str:
     """The reference of image `name` (operator, worker), built if not cached."""
-    podman()
+    tools = podman().parent
     result = subprocess.run(
         [str(ROOT / "scripts" / "build-images.sh"), name],
         capture_output=True, text=True, check=False,
+        env={**os.environ, "PDSERVE_CONTAINER_TOOLS": str(tools)},
     )  # fmt: skip
     assert result.returncode == 0, f"building the {name} image failed:\n{result.stderr[-4000:]}"
     return result.stdout.strip().splitlines()[-1]

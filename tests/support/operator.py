@@ -23,7 +23,7 @@ import yaml
 
 from pdserve.base.process import pdserve_command
 from render_deploy import NAMESPACE, RELEASE, template
-from support import prom
+from support import apiserver, prom
 from support.waiting import wait_until as wait_until  # tests import it from here
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -232,7 +232,16 @@ def running(process: OperatorProcess) -> Iterator[OperatorProcess]:
 
 
 def get_json(cluster: Cluster, *args: str) -> Any:
-    """`kubectl get ... -o json`, decoded (None when the object does not exist)."""
+    """`kubectl get ... -o json`, decoded (None when the object does not exist). The
+    forms the tests poll with are read in-process (support.apiserver), the rest by
+    kubectl."""
+    get = apiserver.parse(args)
+    client = apiserver.client(cluster.kubeconfig) if get is not None else None
+    if get is not None and client is not None:
+        try:
+            return client.read(get)
+        except apiserver.NotServed:
+            pass  # kubectl says why
     result = cluster.kubectl("get", *args, "-o", "json", check=False)
     if result.returncode != 0:
         if "NotFound" in result.stderr:
