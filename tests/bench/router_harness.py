@@ -148,22 +148,28 @@ def routing_table_bytes(model_dir: Path) -> bytes:
 
 def build(model_dir: Path, answer: list[bytes]) -> Http1Server:
     """The router as `main.run_router` assembles it, its worker known, its upstream fake."""
+    server, _ = assemble(routing_table_bytes(model_dir), credential=None)
+    return server
+
+
+def assemble(table_bytes: bytes, credential: str | None) -> tuple[Http1Server, KVFeeds]:
+    """The router as `main.run_router` assembles it from `table_bytes`, holding
+    `credential` (the ids then go to the worker in the body), its decode worker known;
+    and its KV feeds."""
+    from pdserve.workers.engine.kv_events import seed_fingerprint
     from pdserve.workers.model.tokenizer import Tokenizer
 
-    table_bytes = routing_table_bytes(model_dir)
     table = parse_table(table_bytes, "routing.json")
     tokenizer = Tokenizer.from_dir(table.model.path)
     metrics = RouterMetrics(table.pool)
     guard = NetworkGuard(NetworkLimits(), NetworkMetrics(metrics.registry, metrics.pool, ROLE))
     policy = table.routing_policy
-    from pdserve.workers.engine.kv_events import seed_fingerprint
-
     expected = Expected(
         policy.block_size, table.model.name, hash_seed=seed_fingerprint(policy.hash_seed)
     )
     feeds = KVFeeds(None, {}, expected, KVRoutingMetrics(metrics.pool, metrics.registry))  # type: ignore[arg-type]
     forwarder = Forwarder(
-        Upstreams(3.0), WorkerSet("prefill"), WorkerSet("decode"), None, metrics, 3,
+        Upstreams(3.0), WorkerSet("prefill"), WorkerSet("decode"), credential, metrics, 3,
         KVScorer(feeds, feeds.metrics),
     )  # fmt: skip
     limits = RequestLimits()
@@ -173,8 +179,7 @@ def build(model_dir: Path, answer: list[bytes]) -> Http1Server:
     )
     server.sets["decode"].update([UPSTREAM])
     server.ready = True
-
-    return Http1Server(server.routes(), guard, limits.max_body_size)
+    return Http1Server(server.routes(), guard, limits.max_body_size), feeds
 
 
 def fake_worker_loop(answer: list[bytes]) -> asyncio.AbstractEventLoop:

@@ -26,28 +26,12 @@ sys.path[:0] = [str(Path(__file__).parents[1]), str(Path(__file__).parent)]
 import orjson  # noqa: E402
 import router_harness as harness  # noqa: E402
 
-from pdserve.protocol.limits import Admission, RequestLimits  # noqa: E402
-from pdserve.protocol.routing import parse_table  # noqa: E402
 from pdserve.workers.bench.prefix_workloads import (  # noqa: E402
     TOKENS_PER_WORD,
     TRACE_BLOCK_TOKENS,
     _block,
 )
-from pdserve.workers.engine.kv_events import seed_fingerprint  # noqa: E402
-from pdserve.workers.model.tokenizer import Tokenizer  # noqa: E402
-from pdserve.workers.network.guard import NetworkGuard  # noqa: E402
 from pdserve.workers.network.http1 import Http1Server  # noqa: E402
-from pdserve.workers.network.limits import NetworkLimits  # noqa: E402
-from pdserve.workers.network.metrics import NetworkMetrics  # noqa: E402
-from pdserve.workers.router.app import RouterServer  # noqa: E402
-from pdserve.workers.router.auth import ApiKeys  # noqa: E402
-from pdserve.workers.router.kv_metrics import KVRoutingMetrics  # noqa: E402
-from pdserve.workers.router.kv_scoring import KVScorer  # noqa: E402
-from pdserve.workers.router.kv_subscriber import Expected, KVFeeds  # noqa: E402
-from pdserve.workers.router.metrics import ROLE, RouterMetrics  # noqa: E402
-from pdserve.workers.router.proxy import Forwarder  # noqa: E402
-from pdserve.workers.router.upstream import Upstreams  # noqa: E402
-from pdserve.workers.router.workers import WorkerSet  # noqa: E402
 
 LENGTH_SCALE = 1 / 8  # the Mooncake replay's (test_kv_routing.MOONCAKE_LENGTH_SCALE)
 WORDS = max(1, round(TRACE_BLOCK_TOKENS * LENGTH_SCALE / TOKENS_PER_WORD))
@@ -67,29 +51,10 @@ def table_bytes(model_dir: Path) -> bytes:
 
 def build(model_dir: Path) -> Http1Server:
     """The router as `main.run_router` assembles it, KV-aware, holding a credential."""
-    data = table_bytes(model_dir)
-    table = parse_table(data, "routing.json")
-    tokenizer = Tokenizer.from_dir(table.model.path)
-    metrics = RouterMetrics(table.pool)
-    guard = NetworkGuard(NetworkLimits(), NetworkMetrics(metrics.registry, metrics.pool, ROLE))
-    policy = table.routing_policy
-    expected = Expected(
-        policy.block_size, table.model.name, hash_seed=seed_fingerprint(policy.hash_seed)
-    )
-    feeds = KVFeeds(None, {}, expected, KVRoutingMetrics(metrics.pool, metrics.registry))  # type: ignore[arg-type]
-    forwarder = Forwarder(
-        Upstreams(3.0), WorkerSet("prefill"), WorkerSet("decode"), "credential", metrics, 3,
-        KVScorer(feeds, feeds.metrics),
-    )  # fmt: skip
-    limits = RequestLimits()
-    admission = Admission(4096, lambda: forwarder.awaiting_first_token)
-    server = RouterServer(
-        table, data, tokenizer, forwarder, limits, admission, ApiKeys(None), None, feeds
-    )
-    server.sets["decode"].update([harness.UPSTREAM])
+    server: Http1Server
+    server, feeds = harness.assemble(table_bytes(model_dir), credential="credential")
     feeds.track("decode", [harness.UPSTREAM])
-    server.ready = True
-    return Http1Server(server.routes(), guard, limits.max_body_size)
+    return server
 
 
 NEW = 1  # blocks of its own per request (the rest shared by all)
