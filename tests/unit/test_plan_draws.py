@@ -91,3 +91,16 @@ def test_a_figure_no_draw_has_stays_none_and_one_some_lack_is_their_mean() -> No
     assert mean["buckets"][">256"]["ttft_s"]["p99"] == 1.0
     assert mean["spread"]["goodput"] == pytest.approx(0.5)
     assert mean["spread"]["slo_attainment"] == 0.0
+
+
+def test_a_mode_a_draw_did_not_serve_counts_as_none_of_its_requests() -> None:
+    figures = {"goodput": 1.0, "slo_attainment": 1.0, "overall": None, "buckets": None}
+    draws = [
+        {**figures, "modes": {">512": {"disaggregated": 4, "colocated": 6}}},
+        {**figures, "modes": {">512": {"colocated": 10}}},
+        {**figures, "modes": {"<=512": {"colocated": 10}}},
+    ]
+    modes = mean_of_draws(draws)["modes"]
+    assert modes[">512"]["disaggregated"] == pytest.approx(4 / 3)  # not 4: two draws had 0
+    assert modes[">512"]["colocated"] == pytest.approx(16 / 3)
+    assert modes["<=512"]["colocated"] == pytest.approx(10 / 3)

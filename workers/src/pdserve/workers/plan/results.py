@@ -100,11 +100,30 @@ def mean_of_draws(draws: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One prediction from several draws of the same run: every figure the mean of the
     draws' (a count stays whole where every draw agrees on it; a figure none of them
     has stays None), and under "spread" the latency and goodput figures' standard
-    deviation across the draws, so a reader sees how far one draw could fall."""
-    mean: dict[str, Any] = _mean(list(draws))
+    deviation across the draws, so a reader sees how far one draw could fall.
+
+    A mode a draw served no request of is missing from its "modes": that draw's count
+    of it is 0, not unknown, so each count is the mean over every draw."""
+    mean: dict[str, Any] = _mean([_with_every_mode(draw, draws) for draw in draws])
     if len(draws) > 1:
         mean["spread"] = {name: _deviation([d[name] for d in draws]) for name in SPREAD_FIGURES}
     return mean
+
+
+def _with_every_mode(draw: dict[str, Any], draws: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """`draw` with a count of 0 for every bucket's mode another draw has and it lacks."""
+    if "modes" not in draw:
+        return draw
+    buckets = {bucket for other in draws for bucket in other.get("modes", {})}
+    modes = {
+        bucket: {
+            mode: draw["modes"].get(bucket, {}).get(mode, 0)
+            for other in draws
+            for mode in other.get("modes", {}).get(bucket, {})
+        }
+        for bucket in buckets
+    }
+    return {**draw, "modes": modes}
 
 
 def _mean(values: list[Any]) -> Any:
