@@ -114,7 +114,8 @@ def _with_every_mode(draw: dict[str, Any], draws: Sequence[dict[str, Any]]) -> d
     """`draw` with a count of 0 for every bucket's mode another draw has and it lacks."""
     if "modes" not in draw:
         return draw
-    buckets = {bucket for other in draws for bucket in other.get("modes", {})}
+    # In the order the draws name them (a set's order would move between runs).
+    buckets = dict.fromkeys(bucket for other in draws for bucket in other.get("modes", {}))
     modes = {
         bucket: {
             mode: draw["modes"].get(bucket, {}).get(mode, 0)
