@@ -163,8 +163,9 @@ TRACE_PREFIX_SHARE = 0.02
 # Lower is a higher rate (`PDSERVE_BENCH_KV_TIME_SCALE`), to see how the routers part as
 # load grows. Disaggregated (twice the scale, `PD_SLOWER`), load-only routing sends about
 # 58 of the 90 prompts through the one prefill worker against KV-aware's 31, so that
-# worker's queue is what sets them apart: measured load-only over KV-aware TTFT P50 at
-# 0.12 (0.38 req/s) 1.07-1.87x, at 0.08 (0.57) 1.54-2.74x, at 0.06 (0.76) 2.19-5.53x.
+# worker's queue is what sets them apart. Load-only over KV-aware TTFT P50, three runs
+# each: at 0.12 (0.38 req/s) 1.07-2.05x, median 1.87x; at 0.08 (0.57) 1.54-2.74x, median
+# 2.74x; at 0.06 (0.76) 1.39-5.53x, median 2.19x. One run of 90 requests varies 2x.
 TRACE_TIME_SCALE = float(os.environ.get("PDSERVE_BENCH_KV_TIME_SCALE", "0.12"))
 # Disaggregated, one prefill worker (one thread) prefills every long prompt: half the
 # rate keeps hand-offs inside their lease on this machine (no failure), though at the
