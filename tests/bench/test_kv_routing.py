@@ -540,10 +540,12 @@ def cpu_figures(cpu: dict[str, float | None], result: BenchResult) -> dict[str, 
 
 def goals(rows: list[dict[str, Any]], slower: float) -> dict[str, Any]:
     """The closing note's goals for the workloads in `rows`, as measured (met or
-    missed), and the rate they were measured at (the Mooncake replay's time scale:
-    TTFT's ratio grows with the rate)."""
+    missed), and on the Mooncake replay the rate they were measured at (its time scale,
+    `slower` times TRACE_TIME_SCALE: TTFT's ratio grows with the rate)."""
     by = {(r["workload"], r["router"]): r for r in rows}
-    found: dict[str, Any] = {"mooncake trace time scale": TRACE_TIME_SCALE * slower}
+    found: dict[str, Any] = {}
+    if any(r["workload"] == "mooncake" for r in rows):
+        found["mooncake: trace time scale"] = TRACE_TIME_SCALE * slower
     for workload in {r["workload"] for r in rows} - {"no-sharing"}:
         kv = by.get((workload, "kv-aware"), {})
         load = by.get((workload, "load"), {})
