@@ -86,6 +86,7 @@ from pdserve.workers.bench.prefix_workloads import (
     prompt_text,
     reusable_tokens,
 )
+from pdserve.workers.bench.records import RequestRecord
 from pdserve.workers.bench.runner import BenchResult, run_benchmark
 from pdserve.workers.engine.kv_events import prefix_hashes
 from pdserve.workers.kv_wire import KVSnapshotBody
@@ -94,6 +95,7 @@ from pdserve.workers.router.kv_index import KVIndex, block_key
 from support.cpu import cpu_seconds
 from support.kv_pool import kv_router, metric, routing_file
 from support.pd import PDPair, pd_workers
+from support.ratios import paired_median_ratio
 from support.results import RESULTS_DIR, publish
 from support.step_log import decode_step_figures, read_steps
 from support.ttft_parts import ttft_parts
@@ -121,6 +123,11 @@ OTHER_LENGTH_SCALE = 1 / 16  # the multi-turn chat's blocks (its prompts grow tu
 # A worker's cache holds a fifth of the Mooncake replay's distinct prompt tokens at the
 # scale of 1/16 (8,192 of 45k); it grows with the length scale, so that the share stays.
 CACHE_BLOCKS_AT_1_16 = 512
+# Blocks of every worker's cache whatever the replay (the reference's twice as many):
+# with one that holds a whole replay (8,192 at the Mooncake replay's 1/8, 131k tokens
+# against its 92.6k distinct ones) what is found is measured against the bound the
+# issue names, every token some earlier prompt began with. Unset: sized as above.
+CACHE_BLOCKS_OVERRIDE = int(os.environ.get("PDSERVE_BENCH_KV_CACHE_BLOCKS", "0"))
 # At DEBUG the workers log every step's chunks and duration (a line or two a step):
 # what the requests decoding beside a prompt's chunk waited (`support.step_log`).
 ENGINE = ["--max-num-batched-tokens", "512", "--max-num-seqs", "16", "--log-level", "debug"]
@@ -158,8 +165,11 @@ REQUESTS = int(os.environ.get("PDSERVE_BENCH_KV_REQUESTS", "90"))
 # The trace's first requests share 4-5% of their blocks (its reuse is between requests
 # far apart): a share of its prefix groups over the whole trace keeps its reuse (the
 # first 90 requests of 93 drawn: 74% of their blocks reusable, 48% of them with half
-# their prompt or more), at 0.8 requests per second once time is scaled.
-TRACE_PREFIX_SHARE = 0.02
+# their prompt or more), at 0.8 requests per second once time is scaled. A larger
+# share (`PDSERVE_BENCH_KV_PREFIX_SHARE`) draws more groups over the same trace (the
+# smaller share's among them): 0.04 draws 168 requests, so a longer replay at the same
+# rate takes `PDSERVE_BENCH_KV_REQUESTS=168` and a time scale 168/93 times as long.
+TRACE_PREFIX_SHARE = float(os.environ.get("PDSERVE_BENCH_KV_PREFIX_SHARE", "0.02"))
 # Lower is a higher rate (`PDSERVE_BENCH_KV_TIME_SCALE`), to see how the routers part as
 # load grows. Disaggregated (twice the scale, `PD_SLOWER`), load-only routing sends about
 # 58 of the 90 prompts through the one prefill worker against KV-aware's 31, so that
@@ -371,7 +381,7 @@ def cache_blocks(workload: str, router: str = "") -> int:
     """Blocks of each worker's KV cache on `workload`: the reference's decode worker
     holds both decode workers' blocks."""
     scale = MOONCAKE_LENGTH_SCALE if workload == "mooncake" else OTHER_LENGTH_SCALE
-    return (2 if router == REFERENCE else 1) * cache_blocks_at(scale)
+    return (2 if router == REFERENCE else 1) * (CACHE_BLOCKS_OVERRIDE or cache_blocks_at(scale))
 
 
 def against_reference(rows: list[dict[str, Any]]) -> None:
@@ -429,9 +439,9 @@ def test_kv_aware_routing_against_load_only_and_vllm_router(
     workload: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """One workload a run (each run within a measurement slot)."""
-    rows = compare(tiny_model_dir, tmp_path, BOUNDARY, [workload], slower=PD_SLOWER)
-    publish(f"kv_routing_{workload}", rows, goals(rows, PD_SLOWER))
-    assert all(r["failed"] == 0 for r in rows)
+    compared = compare(tiny_model_dir, tmp_path, BOUNDARY, [workload], slower=PD_SLOWER)
+    publish(f"kv_routing_{workload}", compared.rows, goals(compared, PD_SLOWER))
+    assert all(r["failed"] == 0 for r in compared.rows)
 
 
 @pytest.mark.parametrize("workload", WORKLOADS)
@@ -439,8 +449,17 @@ def test_kv_aware_routing_colocated_only(
     workload: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """The same comparison with every request colocated, as vllm-router serves them."""
-    rows = compare(tiny_model_dir, tmp_path, None, [workload])
-    publish(f"kv_routing_colocated_{workload}", rows, goals(rows, 1.0))
+    compared = compare(tiny_model_dir, tmp_path, None, [workload])
+    publish(f"kv_routing_colocated_{workload}", compared.rows, goals(compared, 1.0))
+
+
+@dataclass
+class Comparison:
+    """A comparison's rows (one per workload and router), and each run's TTFT (ms) by
+    request index, by (workload, router)."""
+
+    rows: list[dict[str, Any]]
+    ttfts: dict[tuple[str, str], dict[int, float]]
 
 
 def compare(
@@ -449,12 +468,13 @@ def compare(
     boundary: int | None,
     names: list[str],
     slower: float = 1.0,
-) -> list[dict[str, Any]]:
+) -> Comparison:
     """One run per workload and router, each on fresh workers."""
     if not TRACE.is_file():
         pytest.skip(f"no trace at {TRACE}")
     tokenizer = Tokenizer.from_dir(model_dir)
-    rows: list[dict[str, Any]] = []
+    compared = Comparison([], {})
+    rows = compared.rows
     for workload in names:
         for router in (r for r in ROUTERS if r in RUN_ROUTERS):
             if workload == "no-sharing" and router in (REFERENCE, "vllm-router cache_aware"):
@@ -479,6 +499,9 @@ def compare(
                 }
                 before = {name: cpu_seconds(pid) for name, pid in processes.items()}
                 result = run_benchmark(config)
+                compared.ttfts[workload, router] = {
+                    r.index: ttft for r in result.records if (ttft := ttft_ms(r)) is not None
+                }
                 cpu = {name: _spent(before[name], pid) for name, pid in processes.items()}
                 found = row(workload, router, result, workers, seen_before(config, tokenizer))
                 found |= cpu_figures(cpu, result) | decode_step_figures(
@@ -488,7 +511,14 @@ def compare(
                 logs = [w.log_path for w in workers.decode]
                 publish_records(f"kv_routing_requests_{folder.name}", result, logs)
     against_reference(rows)
-    return rows
+    return compared
+
+
+def ttft_ms(record: RequestRecord) -> float | None:
+    """A request's TTFT in milliseconds as its client saw it; None if it failed."""
+    if not record.ok or record.sent_at is None:
+        return None
+    return (record.chunk_times[0] - record.sent_at) * 1000
 
 
 def publish_records(name: str, result: BenchResult, logs: list[Path] | None = None) -> None:
@@ -506,9 +536,7 @@ def publish_records(name: str, result: BenchResult, logs: list[Path] | None = No
             "sent_s": None if r.sent_at is None else r.sent_at - started,
             "prompt_tokens": r.usage_prompt_tokens,
             "cached_tokens": r.usage_cached_tokens,
-            "ttft_ms": (r.chunk_times[0] - r.sent_at) * 1000
-            if r.ok and r.sent_at is not None
-            else None,
+            "ttft_ms": ttft_ms(r),
             "mode": r.mode,
         }
         for r in result.records
@@ -538,20 +566,31 @@ def cpu_figures(cpu: dict[str, float | None], result: BenchResult) -> dict[str, 
     }
 
 
-def goals(rows: list[dict[str, Any]], slower: float) -> dict[str, Any]:
-    """The closing note's goals for the workloads in `rows`, as measured (met or
+def goals(compared: Comparison, slower: float) -> dict[str, Any]:
+    """The closing note's goals for the workloads compared, as measured (met or
     missed), and on the Mooncake replay the rate they were measured at (its time scale,
-    `slower` times TRACE_TIME_SCALE: TTFT's ratio grows with the rate)."""
+    `slower` times TRACE_TIME_SCALE: TTFT's ratio grows with the rate) and its length.
+    The TTFT P50 ratio comes with the spread of its resamplings (`support.ratios`):
+    one run's ratio moves with the few requests near the median."""
+    rows = compared.rows
     by = {(r["workload"], r["router"]): r for r in rows}
     found: dict[str, Any] = {}
     if any(r["workload"] == "mooncake" for r in rows):
         found["mooncake: trace time scale"] = TRACE_TIME_SCALE * slower
+        found["mooncake: prefix share, requests"] = f"{TRACE_PREFIX_SHARE}, {REQUESTS}"
     for workload in {r["workload"] for r in rows} - {"no-sharing"}:
         kv = by.get((workload, "kv-aware"), {})
         load = by.get((workload, "load"), {})
         peer = by.get((workload, "vllm-router cache_aware"), {})
         found[f"{workload}: ttft_p50 load / kv-aware"] = _ratio(
             load.get("ttft_p50_ms"), kv.get("ttft_p50_ms")
+        )
+        resampled = paired_median_ratio(
+            compared.ttfts.get((workload, "load"), {}),
+            compared.ttfts.get((workload, "kv-aware"), {}),
+        )
+        found[f"{workload}: ttft_p50 load / kv-aware, resampled"] = (
+            resampled and resampled.describe()
         )
         # Of what one worker holding the pool's whole cache found on the same replay.
         found[f"{workload}: kv-aware found of reusable"] = kv.get("found_of_reusable")
