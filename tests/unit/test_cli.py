@@ -64,6 +64,18 @@ def test_a_hand_off_timeout_must_be_a_finite_positive_number(value: str) -> None
     )
 
 
+@pytest.mark.parametrize("flag", ["--handoff-room-wait", "--drain-timeout"])
+@pytest.mark.parametrize("value", ["-1", "-0.5", "nan", "inf", "1e400", "soon"])
+def test_a_wait_must_be_a_finite_number_of_seconds_zero_or_more(flag: str, value: str) -> None:
+    parser = argparse.ArgumentParser(prog="worker")
+    add_options(parser, WorkerOptions)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", flag, value])
+    for fine in ("0", "2.5e-3"):
+        chosen = options_from(parser.parse_args(["--model", "m", flag, fine]), WorkerOptions)
+        assert getattr(chosen, flag.removeprefix("--").replace("-", "_")) == float(fine)
+
+
 def test_help_shows_each_default(capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser(prog="worker")
     add_options(parser, WorkerOptions)

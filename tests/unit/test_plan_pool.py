@@ -82,8 +82,9 @@ def test_a_hand_off_without_free_blocks_follows_the_failure_policy(
     model_dir: Path, policy: str
 ) -> None:
     # The decode worker holds one long prompt at a time: the second one's reservation
-    # finds no blocks.
+    # finds no blocks, and does not wait for them.
     decode = ["--num-kv-blocks", "16", "--transfer-failure-policy", policy]
+    decode += ["--handoff-room-wait", "0"]
     line = scenario_line("small", decode, num_prefill=1, buckets=SPLIT)
     simulation = run(model_dir, line, [(0.0, 200, 20), (0.0, 200, 20)])
 
@@ -94,6 +95,23 @@ def test_a_hand_off_without_free_blocks_follows_the_failure_policy(
         assert second.finished and second.mode == "colocated"
     else:
         assert second.error is not None and "no_blocks" in second.error
+
+
+def test_a_hand_off_without_free_blocks_waits_for_the_running_answer_to_free_them(
+    model_dir: Path,
+) -> None:
+    # As above, with the default wait: the second prompt's blocks come free when the
+    # first answer ends (20 tokens, a step each), and it is handed off then.
+    decode = ["--num-kv-blocks", "16"]
+    line = scenario_line("small", decode, num_prefill=1, buckets=SPLIT)
+    simulation = run(model_dir, line, [(0.0, 200, 20), (0.0, 200, 20)])
+
+    first, second = simulation.records
+    assert simulation.handoff_failures == {}
+    assert first.finished and second.finished
+    assert (first.mode, second.mode) == ("disaggregated", "disaggregated")
+    assert first.ended_at is not None
+    assert ttft(simulation, 1) >= first.ended_at + HANDOFF_S
 
 
 def test_the_router_spreads_requests_over_the_least_loaded_workers(model_dir: Path) -> None:

@@ -80,10 +80,10 @@ def positive_float(text: str) -> float:
 
 
 def non_negative_float(text: str) -> float:
-    """A number >= 0."""
+    """A finite number >= 0 (a wait of inf would never end)."""
     value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number, 0 or more, got {text}")
     return value
 
 

@@ -1,7 +1,8 @@
 """The decode worker's side of the hand-off: it drives the whole exchange.
 
 For a request that names a prefill worker, the decode worker reserves blocks for the
-prompt under a lease, asks the prefill worker to compute the prompt into them, waits
+prompt under a lease (waiting, when its cache is full, for the requests decoding here
+to free enough blocks), asks the prefill worker to compute the prompt into them, waits
 for the data, checks the answer against what it asked for, then adopts the blocks
 and decodes on as if it had prefilled the prompt itself. If any step fails, the
 pool's policy decides: prefill here after all (`recompute`), or end the request with
@@ -32,6 +33,7 @@ from pydantic import ValidationError
 from pdserve.protocol.api_errors import validation_message
 from pdserve.protocol.sampling import InvalidRequestError, SamplingParams
 from pdserve.workers.engine.async_engine import AsyncEngine
+from pdserve.workers.engine.engine import LLMEngine
 from pdserve.workers.engine.leases import LeaseError, Reservation
 from pdserve.workers.engine.logprobs import PromptLogprobs
 from pdserve.workers.engine.sampler import Sampled
@@ -67,6 +69,11 @@ MIN_RELEASE_MARGIN_S = 5.0
 RELEASE_MARGIN_SHARE = 0.5
 
 
+# How often a hand-off waiting for free blocks to reserve tries again (about a decode
+# step: blocks come free when a step ends a request).
+ROOM_POLL_S = 0.01
+
+
 def release_margin(lease_s: float) -> float:
     """Seconds past the lease before unconfirmed blocks are freed anyway."""
     return max(MIN_RELEASE_MARGIN_S, RELEASE_MARGIN_SHARE * lease_s)
@@ -91,7 +98,9 @@ class _Attempt:
 
 
 class DecodeHandoff:
-    """Runs requests whose prompt a prefill worker computes."""
+    """Runs requests whose prompt a prefill worker computes. A hand-off whose prompt
+    finds too few free blocks here waits up to `room_wait_s` for running requests to
+    free them before the failure `policy` applies."""
 
     def __init__(
         self,
@@ -101,6 +110,7 @@ class DecodeHandoff:
         policy: str = "recompute",
         lease_s: float = 30.0,
         headers: dict[str, str] | None = None,
+        room_wait_s: float = 0.0,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown transfer failure policy {policy!r}; known: {POLICIES}")
@@ -108,12 +118,17 @@ class DecodeHandoff:
             raise ValueError(
                 f"the hand-off lease must be a positive number of seconds, not {lease_s}"
             )
+        if not (room_wait_s >= 0 and math.isfinite(room_wait_s)):
+            raise ValueError(
+                f"the wait for KV room must be a finite number of seconds >= 0, not {room_wait_s}"
+            )
         self.engine = engine
         self.agent = agent
         self.metrics = metrics
         self.policy = policy
         self.lease_s = lease_s
         self.margin_s = release_margin(lease_s)
+        self.room_wait_s = room_wait_s
         self.calls = BlockingCalls()
         self.peers = PrefillPeers(agent, self.calls)
         self.vocab = engine.engine.model_config.vocab_size
@@ -192,9 +207,7 @@ class DecodeHandoff:
         session = self._http()
         pair = await self.peers.hold(session, url, time.monotonic() + self.lease_s)
         try:
-            reservation = await self.engine.call(
-                lambda e: e.reserve(transfer_id, prompt, params, self.lease_s, self.margin_s)
-            )
+            reservation = await self._reserve(transfer_id, prompt, params)
         except BaseException:
             self.peers.let_go(url)
             raise
@@ -223,6 +236,32 @@ class DecodeHandoff:
         layout, reused = self.agent.layout, reservation.first_block
         self.metrics.observe_kv_reused(reused, reused * layout.num_layers * layout.block_bytes)
         return drawn
+
+    async def _reserve(
+        self, transfer_id: str, prompt: list[int], params: SamplingParams
+    ) -> Reservation | None:
+        """Blocks for the prompt under a lease: at once, or as soon as the requests
+        decoding here free enough of them, within `room_wait_s` (None after that, or at
+        once for a prompt larger than the whole cache). A cache full of running
+        requests frees blocks as their answers end; prefilling the prompt here instead
+        would need the same blocks, compute it beside those answers' steps, and preempt
+        them when blocks ran short."""
+        started = time.monotonic()
+        room = RoomWait(transfer_id, prompt, params, self.lease_s, self.margin_s)
+        while True:
+            try:
+                reservation = await self.engine.call(room.try_reserve)
+            except BaseException:  # e.g. the client left: a try the engine still makes
+                self.engine.abort(transfer_id)  # must not keep blocks for a whole lease
+                raise
+            waited = time.monotonic() - started
+            if reservation is not None:
+                if room.attempts > 1:
+                    self.metrics.observe_room_wait(waited)
+                return reservation
+            if room.never or waited >= self.room_wait_s:
+                return None
+            await asyncio.sleep(ROOM_POLL_S)
 
     async def _expect(
         self, session: aiohttp.ClientSession, url: str, pair: str, reservation: Reservation
@@ -379,6 +418,45 @@ class DecodeHandoff:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(headers=self.headers)
         return self._session
+
+
+class RoomWait:
+    """A hand-off's tries to reserve its prompt's blocks, on the engine thread (the
+    plan's simulator makes the same ones): each looks again only once more blocks are
+    free than at the last look (a reservation hashes the whole prompt), and a prompt
+    larger than the whole cache stops them."""
+
+    def __init__(
+        self,
+        transfer_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        lease_s: float,
+        margin_s: float,
+    ) -> None:
+        self.transfer_id = transfer_id
+        self.prompt = prompt
+        self.params = params
+        self.lease_s = lease_s
+        self.margin_s = margin_s
+        self.attempts = 0
+        self.never = False
+        self._free_then = -1  # free blocks at the last try
+
+    def try_reserve(self, engine: LLMEngine) -> Reservation | None:
+        """Reserve if there may be room now; None if there is not."""
+        kv_cache = engine.kv_cache
+        if kv_cache.blocks_for(len(self.prompt)) > kv_cache.pool.num_blocks:
+            self.never = True
+            return None
+        free = kv_cache.pool.num_free
+        if free <= self._free_then:
+            return None
+        self._free_then = free
+        self.attempts += 1
+        return engine.reserve(
+            self.transfer_id, self.prompt, self.params, self.lease_s, self.margin_s
+        )
 
 
 def _answered(asking: asyncio.Future[Reply]) -> bool:

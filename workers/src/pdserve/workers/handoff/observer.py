@@ -24,5 +24,9 @@ class HandoffObserver(Protocol):
     def observe_kv_wait(self, seconds: float) -> None:
         """Decode side: how long a request waited for its KV."""
 
+    def observe_room_wait(self, seconds: float) -> None:
+        """Decode side: how long a hand-off that found too few free blocks for its
+        prompt waited for requests here to free them."""
+
     def observe_peers(self, count: int) -> None:
         """How many peers the transfer agent holds connections to now."""

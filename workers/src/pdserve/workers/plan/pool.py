@@ -37,7 +37,7 @@ from pdserve.workers.engine.engine import LLMEngine, StepResult
 from pdserve.workers.engine.leases import LeaseError, Reservation
 from pdserve.workers.engine.sampler import Sampled
 from pdserve.workers.engine.stats import RequestOutput
-from pdserve.workers.handoff.decode import release_margin
+from pdserve.workers.handoff.decode import ROOM_POLL_S, RoomWait, release_margin
 from pdserve.workers.model.tokenizer import Tokenizer
 from pdserve.workers.plan.costs import Profile
 from pdserve.workers.plan.events import EventQueue, draw_seed
@@ -62,6 +62,8 @@ class SimRequest:
     params: SamplingParams
     route: Route
     reservation: Reservation | None = None
+    room: RoomWait | None = None  # its tries to reserve blocks on the decode worker
+    room_since: float = 0.0  # when the first one was made
     answered: bool = False
     events: list[str] = field(default_factory=list)
 
@@ -117,6 +119,7 @@ class PoolSimulation:
         decode_options = scenario.roles["decode"].options
         self.failure_policy = decode_options.transfer_failure_policy
         self.lease_s = decode_options.handoff_timeout
+        self.room_wait_s = decode_options.handoff_room_wait
         self.records: list[RequestRecord] = []
         self.routes: dict[int, Route] = {}  # by the request's index in the plan
         self.handoff_failures: dict[str, int] = {}
@@ -236,17 +239,31 @@ class PoolSimulation:
         self._ended(request, self.events.now)
 
     def _reserve(self, engine: LLMEngine, request: SimRequest) -> list[RequestOutput]:
-        lease_s, margin_s = self.lease_s, release_margin(self.lease_s)
         try:
             engine.validate(request.prompt, request.params)
         except InvalidRequestError as error:
             self._refused(request, error)
             return []
-        reservation = engine.reserve(
+        lease_s, margin_s = self.lease_s, release_margin(self.lease_s)
+        request.room = RoomWait(
             request.request_id, request.prompt, request.params, lease_s, margin_s
         )
+        request.room_since = self.events.now
+        return self._try_reserve(engine, request)
+
+    def _try_reserve(self, engine: LLMEngine, request: SimRequest) -> list[RequestOutput]:
+        """As the decode worker's hand-off: reserve, or try again a poll later while
+        the wait for free blocks lasts (`DecodeHandoff._reserve`)."""
+        assert request.room is not None
+        reservation = request.room.try_reserve(engine)
         if reservation is None:
-            return self._handoff_failed(engine, request, "no_blocks")
+            waited = self.events.now - request.room_since
+            if request.room.never or waited >= self.room_wait_s:
+                return self._handoff_failed(engine, request, "no_blocks")
+            decode = self.workers[request.route.decode.url]
+            retry = functools.partial(self._try_reserve, request=request)
+            self.events.at(self.events.now + ROOM_POLL_S, lambda _: decode.post(retry))
+            return []
         request.reservation = reservation
         assert request.route.prefill is not None
         prefill = self.workers[request.route.prefill.url]

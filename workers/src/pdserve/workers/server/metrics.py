@@ -195,6 +195,14 @@ class WorkerMetrics:
             "Decode side: request arrival to its KV in place (prefill and transfer).",
             names, buckets=LATENCY_BUCKETS, registry=reg,
         )  # fmt: skip
+        self.room_wait = Histogram(
+            "pdserve_kv_room_wait_seconds",
+            "Decode side: how long hand-offs that found too few free KV blocks for their "
+            "prompt waited for requests here to free them (those that found room at once "
+            "are not counted; those that never did fell back, "
+            "pdserve_kv_transfer_failures_total{reason=\"no_blocks\"}).",
+            names, buckets=LATENCY_BUCKETS, registry=reg,
+        )  # fmt: skip
         self._add_budget_metrics(names)
         self._queries_seen = 0
         self._hits_seen = 0
@@ -315,6 +323,10 @@ class WorkerMetrics:
     def observe_kv_wait(self, seconds: float) -> None:
         """Decode side: how long a request waited for its KV."""
         self.kv_wait.labels(**self._labels).observe(seconds)
+
+    def observe_room_wait(self, seconds: float) -> None:
+        """Decode side: how long a hand-off waited for free blocks."""
+        self.room_wait.labels(**self._labels).observe(seconds)
 
     def observe_peers(self, count: int) -> None:
         """How many peers the transfer agent holds connections to now."""

@@ -155,6 +155,12 @@ class WorkerOptions:
         help="decode: lease on the KV blocks reserved for a hand-off (a hand-off not done "
         "by then fails); prefill: the most a hand-off's prefill and write may take",
     )  # fmt: skip
+    handoff_room_wait: float = option(
+        10.0, parse=non_negative_float, metavar="SECONDS", group=_HANDOFF,
+        help="decode: how long a hand-off waits for requests here to free the KV blocks its "
+        "prompt needs when too few are free (0: not at all) before the failure policy "
+        "applies",
+    )  # fmt: skip
     kv_transfer_host: str | None = option(
         None, group=_HANDOFF,
         help="address peers reach this worker's transfer agent at (default: --host)",

@@ -183,6 +183,7 @@ def _handoff_sides(
     handoff = DecodeHandoff(
         engine, agent, metrics, options.transfer_failure_policy, options.handoff_timeout,
         headers=bearer(credential) if credential else None,
+        room_wait_s=options.handoff_room_wait,
     )  # fmt: skip
     return handoff, None
 
