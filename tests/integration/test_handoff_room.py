@@ -18,11 +18,13 @@ from support.worker import metric
 
 BLOCK = 16
 CACHE_BLOCKS = 40  # 640 tokens
-# The running answer holds its prompt's blocks from its first token on (26), up to 38
+# The running answer holds its prompt's blocks from its first token on (26), up to 33
 # as it grows, until it ends; the handed-off prompt needs 19. Every decode step stalls
-# 20 ms, so the answer runs for 4 s or more whatever the machine's speed: the hand-off
-# certainly finds no room at first.
-RUNNING_PROMPT, RUNNING_TOKENS = 400, 200
+# 20 ms, so the answer runs for 2.4 s or more whatever the machine's speed: the hand-off
+# certainly finds no room at first. It may wait a minute (not the default 10 s), so that
+# a slow machine's longer answer does not end the wait first.
+RUNNING_PROMPT, RUNNING_TOKENS = 400, 120
+ROOM_WAIT_S = 60
 HANDED_PROMPT, MAX_TOKENS = 300, 8
 STEP_STALL = {"engine.step": Fault(delay_s=0.02)}
 
@@ -58,6 +60,7 @@ def test_a_hand_off_waits_for_a_running_answer_to_free_the_blocks_it_needs(
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     expected, _ = run_to_completion(make_engine(small_model_dir), [prompt], params)
     decode_args = ["--block-size", str(BLOCK), "--num-kv-blocks", str(CACHE_BLOCKS)]
+    decode_args += ["--handoff-room-wait", str(ROOM_WAIT_S)]
     with pd_workers(
         small_model_dir, tmp_path, "nixl", decode_args=decode_args,
         decode_env=environment(STEP_STALL),
