@@ -339,6 +339,14 @@ def row(
         "requests_by_decode": "/".join(f"{n:.0f}" for n in served),
         # Requests whose blocks a full cache took back (recomputed later).
         "preemptions": sum(metric(w.url, "pdserve_preemptions_total") for w in workers.decode),
+        # Hand-offs that failed (the prompt prefilled beside the decode worker's streams),
+        # and those a decode worker did not make, holding the prompt but a few tokens.
+        "handoff_failures": sum(
+            metric(w.url, "pdserve_kv_transfer_failures_total") for w in workers.decode
+        ),
+        "handoffs_skipped": sum(
+            metric(w.url, "pdserve_kv_handoffs_skipped_total") for w in workers.decode
+        ),
         "engine_ms_per_token": _mean_ms(
             workers, "pdserve_engine_step_duration_seconds_sum", "pdserve_engine_step_tokens_sum"
         ),

@@ -20,17 +20,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import torch
 
 from pdserve.base.process import ServerProcess, spawn
+from pdserve.protocol.headers import LOCAL_PREFILL_HEADER
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.router.kv_costs import StepCosts
 from pdserve.workers.server.process import running_worker, start_worker
 from support.conformance import PublishedApi
 from support.engine import make_engine, run_to_completion
 from support.kv_pool import feeds, kv_router, metric, routing_file, wait_synced
-from support.pd import PDPair, pd_workers
+from support.pd import PDPair, complete, pd_workers, run
 from support.router import worker_load
 from support.waiting import wait_until
 
@@ -326,6 +328,66 @@ def test_a_handoff_moves_only_the_blocks_the_decode_worker_lacks(
     assert not_sent == half_bytes > 0
     assert follow.mode == "colocated" and follow.served_by == half.served_by
     assert by_cache == 1
+
+
+def test_a_decode_worker_that_holds_a_disaggregated_prompt_but_a_few_tokens_computes_them(
+    workers: PDPair, small_model_dir: Path, tmp_path: Path
+) -> None:
+    # The router's index knows nothing (its hash seed is no worker's: every feed is
+    # refused), as when it lags behind a worker: by length, the prompt goes through the
+    # prefill worker. The decode worker holds all of it but 20 tokens, within what the
+    # pool serves colocated: it computes those itself, without a hand-off or a fallback.
+    decode, prefill = workers.decode[0].url, workers.prefill[0].url
+    table = routing_file(tmp_path, small_model_dir, [decode], [prefill], boundary=BOUNDARY)
+    data = json.loads(table.read_text())
+    data["routingPolicy"]["hashSeed"] = "no-worker-has-this-seed"
+    table.write_text(json.dumps(data))
+    history = random_tokens(61, 20 * BLOCK)
+    prompt = history + random_tokens(62, 20)
+    new = random_tokens(63, 20 * BLOCK)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    expected = run_to_completion(make_engine(small_model_dir), [prompt, new], params)[0]
+    with kv_router(table, credential(workers), tmp_path / "router.log") as router:
+        wait_until(
+            lambda: (feeds(router.url).get(decode) or {}).get("state") == "refused", 60,
+            "the decode worker refused for KV scoring",
+        )  # fmt: skip
+        status, _ = run(decode_directly(decode, history))  # the history, cached there
+        assert status == 200
+        moved = metric(prefill, "pdserve_kv_transfer_bytes_total")
+        _, mode, tokens = post(router, prompt, MAX_TOKENS)
+        assert metric(prefill, "pdserve_kv_transfer_bytes_total") == moved
+        skipped = metric(router.url, "pdserve_router_handoffs_skipped_total")
+        fallbacks = metric(router.url, "pdserve_router_fallbacks_total")
+        # A prompt it does not hold is still handed off.
+        _, new_mode, new_tokens = post(router, new, MAX_TOKENS)
+    assert (mode, tokens) == ("colocated", expected[0])
+    assert (skipped, fallbacks) == (1, 0)
+    assert metric(decode, "pdserve_kv_handoffs_skipped_total") >= 1
+    assert (new_mode, new_tokens) == ("disaggregated", expected[1])
+    assert metric(prefill, "pdserve_kv_transfer_bytes_total") > moved
+
+
+async def decode_directly(decode: str, prompt: list[int]) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as session:
+        return await complete(session, decode, prompt, None, max_tokens=1)
+
+
+@pytest.mark.parametrize("value", ["-1", "1e3", "+64", "64 tokens", "9" * 5000, str(1 << 40)])
+def test_a_decode_worker_refuses_a_local_prefill_bound_that_is_not_a_token_count(
+    workers: PDPair, value: str
+) -> None:
+    decode, prefill = workers.decode[0].url, workers.prefill[0].url
+
+    async def ask() -> tuple[int, dict[str, Any]]:
+        async with aiohttp.ClientSession() as session:
+            bound = {LOCAL_PREFILL_HEADER: value}
+            prompt = random_tokens(64, 40)
+            return await complete(session, decode, prompt, prefill, extra_headers=bound)
+
+    status, answer = run(ask())
+    assert status == 400
+    assert LOCAL_PREFILL_HEADER in answer["error"]["message"]
 
 
 def test_a_router_reading_the_kv_feed_does_not_hold_a_stopping_worker(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,11 +116,12 @@ async def complete(
     prompt: Sequence[int],
     prefill_url: str | None,
     max_tokens: int = 8,
+    extra_headers: Mapping[str, str] | None = None,
     **extra: Any,
 ) -> tuple[int, dict[str, Any]]:
     """POST a greedy completion to a decode worker, naming the prefill worker (if
-    any), with the pool's credential, as the router sends it."""
-    headers = internal_headers(decode_url)
+    any), with the pool's credential (and `extra_headers`), as the router sends it."""
+    headers = {**internal_headers(decode_url), **(extra_headers or {})}
     if prefill_url:
         headers[PREFILL_URL_HEADER] = prefill_url
     body = {

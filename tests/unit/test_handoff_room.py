@@ -49,6 +49,23 @@ def test_a_prompt_larger_than_the_whole_cache_never_waits(small_model_dir: Path)
     assert room.never and room.attempts == 0
 
 
+def test_a_prompt_held_but_a_few_tokens_is_left_to_prefill_here(small_model_dir: Path) -> None:
+    engine = make_engine(small_model_dir, num_blocks=BLOCKS)
+    history = list(range(3, 3 + 64))  # four blocks, cached once answered
+    engine.add_request("history", history, PARAMS)
+    while engine.has_unfinished():
+        engine.step()
+    prompt = [*history, *range(900, 910)]  # ten tokens more: 64 of 74 are cached
+
+    here = RoomWait("here", prompt, PARAMS, lease_s=30.0, margin_s=5.0, local_tokens=10)
+    assert here.try_reserve(engine) is None
+    assert here.local and here.attempts == 0 and not engine.leases
+    handed = RoomWait("handed", prompt, PARAMS, lease_s=30.0, margin_s=5.0, local_tokens=9)
+    reservation = handed.try_reserve(engine)
+    assert reservation is not None and not handed.local
+    assert reservation.num_cached_tokens == 64  # the hand-off moves only the rest
+
+
 async def test_a_wait_the_client_left_keeps_no_blocks(small_model_dir: Path) -> None:
     # The engine thread is busy while the hand-off's try is queued; the client leaves
     # (the task is cancelled); the engine then makes the try, which reserves: the
@@ -68,7 +85,7 @@ async def test_a_wait_the_client_left_keeps_no_blocks(small_model_dir: Path) -> 
     try:
         held = asyncio.ensure_future(served.call(hold))
         await asyncio.to_thread(busy.wait, 30)
-        waiting = asyncio.ensure_future(handoff._reserve("left", list(range(3, 35)), PARAMS))
+        waiting = asyncio.ensure_future(handoff._reserve(wait_for(32, "left")))
         await asyncio.sleep(0.05)  # its try is queued behind the busy call
         waiting.cancel()
         go_on.set()

@@ -4,6 +4,7 @@ every figure is known exactly)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,43 @@ def test_a_hand_off_without_free_blocks_waits_for_the_running_answer_to_free_the
     assert (first.mode, second.mode) == ("disaggregated", "disaggregated")
     assert first.ended_at is not None
     assert ttft(simulation, 1) >= first.ended_at + HANDOFF_S
+
+
+class SharedPrefixTraffic(Traffic):
+    """Prompts that are each the start of one token sequence: each holds the shorter."""
+
+    def prompt(self, planned: PlannedRequest) -> list[int]:
+        return list(range(3, 3 + planned.input_tokens))
+
+
+@pytest.mark.parametrize("policy", ["kv-aware", "load"])
+def test_a_decode_worker_holding_a_disaggregated_prompt_but_a_few_tokens_computes_them(
+    model_dir: Path, policy: str
+) -> None:
+    # The decode worker's blocks are not the table's size: the router's index refuses
+    # it and knows nothing of its cache (as a lagging index), so the second prompt goes
+    # disaggregated by its length. The decode worker holds the first 64 of its 100
+    # tokens: under KV-aware routing it computes the other 36 itself (at most the 64 the
+    # pool serves colocated); routing by load only, it hands the prompt off.
+    line = json.loads(scenario_line("held", ["--block-size", "32"], num_prefill=1, buckets=SPLIT))
+    line["routing"]["routingPolicy"] = {"type": policy}
+    plan = [PlannedRequest(0, 0.0, 64, 4, "t"), PlannedRequest(1, 1.0, 100, 4, "t")]
+    traffic = SharedPrefixTraffic(plan, 0, 256, drain_timeout_s=60.0, horizon_s=None)
+    profile = constant_profile(model_dir, STEP_S, HANDOFF_S)
+    simulation = PoolSimulation(parse_scenario(json.dumps(line)), profile, traffic)
+    first, second = simulation.run()
+
+    assert first.mode == "colocated" and first.finished and second.finished
+    prefill = simulation.workers["http://prefill-0.sim:8000"]
+    assert simulation.handoff_failures == {}
+    if policy == "kv-aware":
+        assert (second.mode, simulation.handoffs_skipped, prefill.num_steps) == ("colocated", 1, 0)
+        assert second.usage_cached_tokens == 64
+        assert ttft(simulation, 1) == pytest.approx(STEP_S)
+    else:
+        assert (second.mode, simulation.handoffs_skipped, prefill.num_steps) == (
+            "disaggregated", 0, 1,
+        )  # fmt: skip
 
 
 def test_the_router_spreads_requests_over_the_least_loaded_workers(model_dir: Path) -> None:

@@ -43,6 +43,22 @@ def test_a_prompt_takes_the_first_bucket_that_holds_it() -> None:
 
 
 @pytest.mark.parametrize(
+    ("buckets", "bound"),
+    [
+        ([(512, "colocated"), (None, "disaggregated")], 512),
+        ([(128, "colocated"), (512, "colocated"), (None, "disaggregated")], 512),
+        ([(512, "disaggregated"), (None, "colocated")], 0),
+        ([(64, "colocated"), (512, "disaggregated"), (None, "colocated")], 64),
+    ],
+)
+def test_the_colocated_bound_is_where_the_first_disaggregated_bucket_starts(
+    buckets: list[tuple[int | None, str]], bound: int
+) -> None:
+    rows = [{"maxInputTokens": most, "mode": mode} for most, mode in buckets]
+    assert parse_table(with_changes(buckets=rows)).colocated_up_to() == bound
+
+
+@pytest.mark.parametrize(
     ("data", "words"),
     [
         (b"{not json", "not JSON"),

@@ -269,3 +269,9 @@ def test_a_chunked_body_decodes_alike_however_it_is_cut(
 def test_a_malformed_chunk_is_refused(wire: bytes) -> None:
     with pytest.raises(UpstreamError):
         _Body.of({"transfer-encoding": "chunked"}, 200).decode(wire)
+
+
+@pytest.mark.parametrize("length", ["-1", "+3", "1e3", "3 4", "\u0663", "9" * 5000])
+def test_a_content_length_that_is_not_a_byte_count_is_refused(length: str) -> None:
+    with pytest.raises(UpstreamError, match="malformed Content-Length"):
+        _Body.of({"content-length": length}, 200)

@@ -194,6 +194,16 @@ class RoutingTable(_Model):
                 return index
         return len(self.buckets) - 1
 
+    def colocated_up_to(self) -> int:
+        """The most prompt tokens the table serves colocated before its first
+        disaggregated bucket (0 when that is the first)."""
+        bound = 0
+        for bucket in self.buckets:
+            if bucket.mode == "disaggregated" or bucket.max_input_tokens is None:
+                break
+            bound = bucket.max_input_tokens
+        return bound
+
     def bucket_label(self, index: int) -> str:
         """A bucket's metric label: `le512`, `gt512` (the unbounded last), `all`."""
         bound = self.buckets[index].max_input_tokens

@@ -6,7 +6,10 @@ to free enough blocks), asks the prefill worker to compute the prompt into them,
 for the data, checks the answer against what it asked for, then adopts the blocks
 and decodes on as if it had prefilled the prompt itself. If any step fails, the
 pool's policy decides: prefill here after all (`recompute`), or end the request with
-the reason (`fail`). A bad peer costs one request, never the engine.
+the reason (`fail`). A bad peer costs one request, never the engine. A prompt whose
+prefix this worker's cache holds but for at most the tokens the router says the pool
+serves colocated is computed here instead: it costs a step's share here, where the
+prefill worker, lacking that prefix, would compute the whole prompt behind its queue.
 
 Blocks a peer may still be writing into are never freed early. A hand-off that
 ends without adoption (failure, the client gone, the lease run out) releases its
@@ -34,6 +37,7 @@ from pdserve.protocol.api_errors import validation_message
 from pdserve.protocol.sampling import InvalidRequestError, SamplingParams
 from pdserve.workers.engine.async_engine import AsyncEngine
 from pdserve.workers.engine.engine import LLMEngine
+from pdserve.workers.engine.kv_cache import BlockHash
 from pdserve.workers.engine.leases import LeaseError, Reservation
 from pdserve.workers.engine.logprobs import PromptLogprobs
 from pdserve.workers.engine.sampler import Sampled
@@ -152,37 +156,53 @@ class DecodeHandoff:
         prompt: Sequence[int],
         params: SamplingParams,
         prefill_url: str,
-        on_fallback: Callable[[], None] = lambda: None,
+        served_here: Callable[[str], None] = lambda why: None,
+        local_tokens: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """The request's outputs, its prompt prefilled by the worker at `prefill_url`.
-        Raises HandoffError under the `fail` policy; calls `on_fallback` when the
-        prompt is prefilled here instead."""
+        """The request's outputs, its prompt prefilled by the worker at `prefill_url`,
+        or here when this worker's prefix cache leaves at most `local_tokens` of it to
+        compute. Raises HandoffError under the `fail` policy; calls `served_here` with
+        why (`cached`, or `failed` when the hand-off failed) when the prompt is
+        prefilled here instead."""
         started = time.monotonic()
         try:
-            outputs = await self._handed_off(request_id, list(prompt), params, prefill_url)
+            outputs = await self._handed_off(
+                request_id, list(prompt), params, prefill_url, local_tokens
+            )
+        except CachedHere:
+            self.metrics.observe_handoff_skipped()
+            why = "cached"
         except HandoffError as error:
             self.metrics.observe_transfer_failure(error.code)
             if self.policy == "fail":
                 raise
             log.warning("hand-off of %s failed (%s); prefilling here", request_id, error)
-            on_fallback()
-            async for output in self.engine.generate(prompt, params, request_id):
-                yield output
+            why = "failed"
+        else:
+            self.metrics.observe_kv_wait(time.monotonic() - started)
+            try:
+                async for output in outputs:
+                    yield output
+            finally:
+                await outputs.aclose()
             return
-        self.metrics.observe_kv_wait(time.monotonic() - started)
-        try:
-            async for output in outputs:
-                yield output
-        finally:
-            await outputs.aclose()
+        served_here(why)
+        async for output in self.engine.generate(prompt, params, request_id):
+            yield output
 
     async def _handed_off(
-        self, request_id: str, prompt: list[int], params: SamplingParams, url: str
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        url: str,
+        local_tokens: int,
     ) -> AsyncGenerator[RequestOutput, None]:
         """The outputs of the request once its KV is adopted, the first one taken."""
         # The engine's id of this hand-off: unique, whatever id the client gave.
         transfer_id = f"{request_id[:64]}.kv-{uuid.uuid4().hex[:16]}"
-        drawn, prompt_logprobs = await self._prefill_remotely(transfer_id, prompt, params, url)
+        room = RoomWait(transfer_id, prompt, params, self.lease_s, self.margin_s, local_tokens)
+        drawn, prompt_logprobs = await self._prefill_remotely(room, url)
         outputs = self.engine.stream(
             transfer_id, lambda engine: engine.adopt(transfer_id, drawn, prompt_logprobs)
         )
@@ -199,15 +219,17 @@ class DecodeHandoff:
         return _chain(first, outputs)
 
     async def _prefill_remotely(
-        self, transfer_id: str, prompt: list[int], params: SamplingParams, url: str
+        self, room: RoomWait, url: str
     ) -> tuple[Sampled, PromptLogprobs | None]:
-        """Have the prefill worker at `url` write the prompt's KV into reserved blocks
-        (once, whatever n); the first token of each choice with the log-probabilities
-        asked for. On failure the blocks are released once that is safe."""
+        """Have the prefill worker at `url` write the prompt's KV into blocks `room`
+        reserves (once, whatever n); the first token of each choice with the
+        log-probabilities asked for. On failure the blocks are released once that is
+        safe. CachedHere when this worker holds the prompt but what it may compute."""
+        transfer_id, prompt, params = room.transfer_id, room.prompt, room.params
         session = self._http()
         pair = await self.peers.hold(session, url, time.monotonic() + self.lease_s)
         try:
-            reservation = await self._reserve(transfer_id, prompt, params)
+            reservation = await self._reserve(room)
         except BaseException:
             self.peers.let_go(url)
             raise
@@ -237,23 +259,23 @@ class DecodeHandoff:
         self.metrics.observe_kv_reused(reused, reused * layout.num_layers * layout.block_bytes)
         return drawn
 
-    async def _reserve(
-        self, transfer_id: str, prompt: list[int], params: SamplingParams
-    ) -> Reservation | None:
+    async def _reserve(self, room: RoomWait) -> Reservation | None:
         """Blocks for the prompt under a lease: at once, or as soon as the requests
         decoding here free enough of them, within `room_wait_s` (None after that, or at
         once for a prompt larger than the whole cache). A cache full of running
         requests frees blocks as their answers end; prefilling the prompt here instead
         would need the same blocks, compute it beside those answers' steps, and preempt
-        them when blocks ran short."""
+        them when blocks ran short. CachedHere once the cache holds all of the prompt
+        but what the worker may compute itself."""
         started = time.monotonic()
-        room = RoomWait(transfer_id, prompt, params, self.lease_s, self.margin_s)
         while True:
             try:
                 reservation = await self.engine.call(room.try_reserve)
             except BaseException:  # e.g. the client left: a try the engine still makes
-                self.engine.abort(transfer_id)  # must not keep blocks for a whole lease
+                self.engine.abort(room.transfer_id)  # must not keep blocks for a lease
                 raise
+            if room.local:
+                raise CachedHere(room.transfer_id)
             waited = time.monotonic() - started
             if reservation is not None:
                 if room.attempts > 1:
@@ -420,11 +442,18 @@ class DecodeHandoff:
         return self._session
 
 
+class CachedHere(Exception):
+    """The decode worker's prefix cache holds all of a prompt but the few tokens it
+    computes itself: no hand-off is made."""
+
+
 class RoomWait:
     """A hand-off's tries to reserve its prompt's blocks, on the engine thread (the
     plan's simulator makes the same ones): each looks again only once more blocks are
     free than at the last look (a reservation hashes the whole prompt), and a prompt
-    larger than the whole cache stops them."""
+    larger than the whole cache stops them. Each try first looks up the prompt in the
+    prefix cache: one that leaves at most `local_tokens` tokens to compute ends the
+    tries (`local`), to be prefilled here."""
 
     def __init__(
         self,
@@ -433,22 +462,32 @@ class RoomWait:
         params: SamplingParams,
         lease_s: float,
         margin_s: float,
+        local_tokens: int = 0,
     ) -> None:
         self.transfer_id = transfer_id
         self.prompt = prompt
         self.params = params
         self.lease_s = lease_s
         self.margin_s = margin_s
+        self.local_tokens = local_tokens
         self.attempts = 0
         self.never = False
+        self.local = False
         self._free_then = -1  # free blocks at the last try
+        self._hashes: list[BlockHash] = []  # the prompt's first blocks', once computed
 
     def try_reserve(self, engine: LLMEngine) -> Reservation | None:
-        """Reserve if there may be room now; None if there is not."""
+        """Reserve if there may be room now; None if there is not, or if the prompt is
+        to be prefilled here (`local`)."""
         kv_cache = engine.kv_cache
         if kv_cache.blocks_for(len(self.prompt)) > kv_cache.pool.num_blocks:
             self.never = True
             return None
+        if self.local_tokens > 0:
+            cached = kv_cache.cached_prefix_length(self.prompt, self._hashes)
+            if len(self.prompt) - cached <= self.local_tokens:
+                self.local = True
+                return None
         free = kv_cache.pool.num_free
         if free <= self._free_then:
             return None

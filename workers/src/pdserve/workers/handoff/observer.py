@@ -28,5 +28,9 @@ class HandoffObserver(Protocol):
         """Decode side: how long a hand-off that found too few free blocks for its
         prompt waited for requests here to free them."""
 
+    def observe_handoff_skipped(self) -> None:
+        """Decode side: a prompt this worker's prefix cache held but the few tokens
+        the pool serves colocated was computed here, without a hand-off."""
+
     def observe_peers(self, count: int) -> None:
         """How many peers the transfer agent holds connections to now."""

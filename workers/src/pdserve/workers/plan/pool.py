@@ -123,6 +123,10 @@ class PoolSimulation:
         self.records: list[RequestRecord] = []
         self.routes: dict[int, Route] = {}  # by the request's index in the plan
         self.handoff_failures: dict[str, int] = {}
+        self.handoffs_skipped = 0  # prompts the decode worker's cache let it compute
+        # What a decode worker may compute itself rather than hand off, as the router
+        # tells it (KV-aware routing only).
+        self.local_tokens = 0 if self.router.scorer is None else scenario.table.colocated_up_to()
         self._by_id: dict[tuple[str, str], SimRequest] = {}
         self._outstanding = 0
         self._arrivals_left = len(traffic.plan)
@@ -246,8 +250,9 @@ class PoolSimulation:
             return []
         lease_s, margin_s = self.lease_s, release_margin(self.lease_s)
         request.room = RoomWait(
-            request.request_id, request.prompt, request.params, lease_s, margin_s
-        )
+            request.request_id, request.prompt, request.params, lease_s, margin_s,
+            self.local_tokens,
+        )  # fmt: skip
         request.room_since = self.events.now
         return self._try_reserve(engine, request)
 
@@ -256,6 +261,10 @@ class PoolSimulation:
         the wait for free blocks lasts (`DecodeHandoff._reserve`)."""
         assert request.room is not None
         reservation = request.room.try_reserve(engine)
+        if request.room.local:  # its cache holds the prompt but a few tokens
+            self.handoffs_skipped += 1
+            request.record.mode = "colocated"
+            return self._admit(engine, request)
         if reservation is None:
             waited = self.events.now - request.room_since
             if request.room.never or waited >= self.room_wait_s:

@@ -67,6 +67,7 @@ def simulate_draw(
         "simulated_s": simulation.events.now,
         "steps": simulation.steps,
         "handoff_failures": simulation.handoff_failures,
+        "handoffs_skipped": simulation.handoffs_skipped,
         "prefix_cache": None
         if reuse is None
         else {

@@ -43,6 +43,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
+from pdserve.protocol.headers import header_count
 from pdserve.protocol.routing import Mode, Role, RoutingTable
 from pdserve.workers.router.kv_costs import StepCosts, pool_costs
 from pdserve.workers.router.kv_index import BlockKey, KVIndex
@@ -240,7 +241,4 @@ def _wait_steps(worker: Worker, load: _Load, blocks: int, now: float, step_s: fl
 def _cached_count(header: str | None, prompt_tokens: int) -> int | None:
     """A worker's count of cached prompt tokens, if it is one (a peer's word: a whole
     number within the prompt)."""
-    if header is None or not header.isascii() or not header.isdigit():
-        return None
-    count = int(header)
-    return count if count <= prompt_tokens else None
+    return header_count(header, prompt_tokens)

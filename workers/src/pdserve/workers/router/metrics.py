@@ -95,6 +95,13 @@ class RouterMetrics:
             "(no_prefill) or the hand-off failed (handoff_failed).",
             (*base, "bucket", "reason"), registry=reg,
         )  # fmt: skip
+        self.handoffs_skipped = Counter(
+            "pdserve_router_handoffs_skipped_total",
+            "Disaggregated requests their decode worker served colocated because its "
+            "prefix cache held the prompt but for the tokens the pool serves colocated "
+            "(KV-aware routing; neither a fallback nor the prefill worker's failure).",
+            (*base, "bucket"), registry=reg,
+        )  # fmt: skip
         self.slo_met = PlainCounter(
             "pdserve_router_slo_met_total",
             "Requests that met every SLO of the pool (goodput is its rate).",
@@ -153,6 +160,11 @@ class RouterMetrics:
     def fell_back(self, bucket: str, reason: str) -> None:
         """Count a disaggregated request served colocated."""
         self.fallbacks.labels(**self._labels(bucket=bucket, reason=reason)).inc()
+
+    def handoff_skipped(self, bucket: str) -> None:
+        """Count a disaggregated request its decode worker's cache let it serve
+        colocated."""
+        self.handoffs_skipped.labels(**self._labels(bucket=bucket)).inc()
 
     def reloaded(self, applied: bool) -> None:
         """Count a re-read of the routing file."""

@@ -30,6 +30,8 @@ from pdserve.protocol.api_errors import REQUEST_FAILED, APIError, log_client_gon
 from pdserve.protocol.headers import (
     BUCKET_HEADER,
     CACHED_TOKENS_HEADER,
+    HANDOFF_HEADER,
+    LOCAL_PREFILL_HEADER,
     MODE_HEADER,
     PREFILL_URL_HEADER,
     PROMPT_TOKENIZER_HEADER,
@@ -261,6 +263,8 @@ class Forwarder:
         }
         if prefill is not None:
             headers[PREFILL_URL_HEADER] = prefill.url
+            if routed.kv is not None:  # the decode worker's exact count decides last
+                headers[LOCAL_PREFILL_HEADER] = str(routed.kv.table.colocated_up_to())
         if routed.tokenizer is not None:
             headers[PROMPT_TOKENIZER_HEADER] = routed.tokenizer
         outcome.revisions = (revision_of(prefill), revision_of(decode))
@@ -315,8 +319,12 @@ class Forwarder:
 
     def _settle_prefill(self, routed: Routed, upstream: UpstreamResponse, prefill: Worker) -> None:
         """A hand-off the decode worker fell back from (it prefilled the prompt itself)
-        is a fallback and a failure of the prefill worker; one that worked, a success."""
+        is a fallback and a failure of the prefill worker; one that worked, a success;
+        one it did not make, its cache holding the prompt but a few tokens, neither."""
         if upstream.header(MODE_HEADER) == "colocated":
+            if upstream.header(HANDOFF_HEADER) == "cached":
+                self.metrics.handoff_skipped(routed.bucket)
+                return
             prefill.breaker.failed()
             self.metrics.fell_back(routed.bucket, "handoff_failed")
         else:

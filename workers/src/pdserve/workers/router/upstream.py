@@ -25,9 +25,12 @@ from types import TracebackType
 from typing import cast
 from urllib.parse import urlsplit
 
+from pdserve.protocol.headers import header_count
+
 BUFFER_LIMIT = 64 * 1024  # bytes of an answer read ahead of its taker
 MAX_HEAD_BYTES = 64 * 1024  # a status line and headers larger than this are refused
 IDLE_S = 15.0  # an idle connection is kept this long
+_MOST_BODY_BYTES = 1 << 62  # a larger Content-Length is not a body but a bad answer
 
 
 class UpstreamError(Exception):
@@ -327,9 +330,10 @@ class _Body:
         length = headers.get("content-length")
         if length is None:
             return cls(None, False)
-        if not length.strip().isdigit():
-            raise UpstreamError(f"malformed Content-Length {length!r}")
-        return cls(int(length), False)
+        size = header_count(length.strip(), _MOST_BODY_BYTES)
+        if size is None:
+            raise UpstreamError(f"malformed Content-Length {length[:40]!r}")
+        return cls(size, False)
 
     def decode(self, data: bytes) -> tuple[list[bytes], bool]:
         """The body's bytes in `data`, and whether the body ended."""

@@ -203,6 +203,13 @@ class WorkerMetrics:
             "pdserve_kv_transfer_failures_total{reason=\"no_blocks\"}).",
             names, buckets=LATENCY_BUCKETS, registry=reg,
         )  # fmt: skip
+        self.handoffs_skipped = Counter(
+            "pdserve_kv_handoffs_skipped_total",
+            "Decode side: requests that named a prefill worker whose prompt this "
+            "worker's prefix cache held but for at most the tokens the pool serves "
+            "colocated, which it computed itself (no hand-off, no fallback).",
+            names, registry=reg,
+        )  # fmt: skip
         self._add_budget_metrics(names)
         self._queries_seen = 0
         self._hits_seen = 0
@@ -327,6 +334,11 @@ class WorkerMetrics:
     def observe_room_wait(self, seconds: float) -> None:
         """Decode side: how long a hand-off waited for free blocks."""
         self.room_wait.labels(**self._labels).observe(seconds)
+
+    def observe_handoff_skipped(self) -> None:
+        """Decode side: a prompt this worker's cache held but a few tokens, computed
+        here instead of handed off."""
+        self.handoffs_skipped.labels(**self._labels).inc()
 
     def observe_peers(self, count: int) -> None:
         """How many peers the transfer agent holds connections to now."""

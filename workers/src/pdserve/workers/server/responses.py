@@ -89,6 +89,9 @@ class RequestTracker:
         self.num_cached_tokens = 0
         self.reason = "abort"
         self.mode = "colocated"
+        # Why a request that named a prefill worker was prefilled here (`cached`,
+        # `failed`; None: it was not).
+        self.handoff: str | None = None
 
     def record(self, output: RequestOutput, reason: str | None) -> None:
         """Account for an output; `reason`: its choice's, if it ended."""

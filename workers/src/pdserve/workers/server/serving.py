@@ -21,11 +21,14 @@ from aiohttp import web
 from pdserve.protocol.api_errors import APIError, error_body, read_body
 from pdserve.protocol.headers import (
     CACHED_TOKENS_HEADER,
+    HANDOFF_HEADER,
+    LOCAL_PREFILL_HEADER,
     MODE_HEADER,
     PREFILL_URL_HEADER,
     PROMPT_TOKEN_IDS_FIELD,
     PROMPT_TOKENIZER_HEADER,
     REQUEST_ID_HEADER,
+    header_count,
 )
 from pdserve.protocol.internal import InternalAuth, PrefillAllowList
 from pdserve.protocol.limits import Admission, RequestLimits
@@ -160,6 +163,7 @@ class OpenAIServing:
 
     async def _serve(self, request: web.Request, prepared: PreparedRequest) -> web.StreamResponse:
         prefill_url = await self._prefill_url(request)
+        local_tokens = 0 if prefill_url is None else _local_tokens(request)
         self.admission.admit()
         client_id = request.headers.get(REQUEST_ID_HEADER)
         if client_id:
@@ -167,7 +171,7 @@ class OpenAIServing:
             log.debug("request %s is the client's %s", prepared.request_id, prepared.label)
         arrival = time.monotonic()
         tracker = RequestTracker(prepared, arrival)
-        outputs = self._outputs(prefill_url, prepared, tracker)
+        outputs = self._outputs(prefill_url, prepared, tracker, local_tokens)
         answer = Answer(prepared, self.tokenizer, tracker, self.engine)
         headers = {REQUEST_ID_HEADER: client_id or prepared.request_id}
         try:
@@ -180,6 +184,8 @@ class OpenAIServing:
                     tracker.reason = "error"
                 raise
             headers[MODE_HEADER] = tracker.mode
+            if tracker.handoff is not None:
+                headers[HANDOFF_HEADER] = tracker.handoff
             headers[CACHED_TOKENS_HEADER] = str(first.num_cached_tokens)
             chained = chain(first, outputs)
             if prepared.stream:
@@ -210,7 +216,11 @@ class OpenAIServing:
         return await self.prefill_peers.admit(prefill_url)
 
     def _outputs(
-        self, prefill_url: str | None, prepared: PreparedRequest, tracker: RequestTracker
+        self,
+        prefill_url: str | None,
+        prepared: PreparedRequest,
+        tracker: RequestTracker,
+        local_tokens: int,
     ) -> AsyncGenerator[RequestOutput, None]:
         if prefill_url is None or self.handoff is None:
             return self.engine.generate(
@@ -219,12 +229,12 @@ class OpenAIServing:
             )  # fmt: skip
         tracker.mode = "disaggregated"
 
-        def fell_back() -> None:
-            tracker.mode = "colocated"
+        def served_here(why: str) -> None:
+            tracker.mode, tracker.handoff = "colocated", why
 
         return self.handoff.generate(
             prepared.request_id, prepared.prompt_token_ids, prepared.params,
-            prefill_url, on_fallback=fell_back,
+            prefill_url, served_here, local_tokens,
         )  # fmt: skip
 
     async def _complete(
@@ -322,3 +332,23 @@ class Answer:
         if choice.stopped_by_text and output.finish_reason is None and not self.ended:
             self.engine.abort(self.prepared.request_id, choice.index)
         return delta
+
+
+# Above any prompt a worker takes: a larger count in the header is a peer's error.
+_MOST_LOCAL_TOKENS = 1 << 24
+
+
+def _local_tokens(request: web.Request) -> int:
+    """The prompt tokens the router lets this decode worker compute itself instead of
+    handing the prompt off (its pool's colocated bound; 0 without the header). Sent
+    only with the pool's credential, checked before this is read."""
+    value = request.headers.get(LOCAL_PREFILL_HEADER)
+    if value is None:
+        return 0
+    tokens = header_count(value, _MOST_LOCAL_TOKENS)
+    if tokens is None:
+        raise APIError(
+            400, f"the header {LOCAL_PREFILL_HEADER} must be a whole number of tokens "
+            f"from 0 to {_MOST_LOCAL_TOKENS}",
+        )  # fmt: skip
+    return tokens
