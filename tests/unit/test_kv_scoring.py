@@ -124,6 +124,35 @@ async def test_each_worker_is_priced_at_what_its_own_steps_cost(slower: float, c
     assert choice is not None and choice.worker.url == chosen
 
 
+@pytest.mark.parametrize(("handoff", "chosen"), [(False, A), (True, B)])
+async def test_decode_workers_that_would_hand_the_prompt_off_are_priced_by_the_hand_off(
+    handoff: bool, chosen: str
+) -> None:
+    """Neither decode worker holds the 320-token prompt: either would hand it off. A
+    decodes three requests; B is idle but has learnt a prompt token three times as
+    dear (from a few prompts). Priced as if each prefilled it, A wins (320 + 2 x 16 =
+    352 ms against 960 + 2 x 10); priced as the hand-off it is, the prefill worker's
+    time is the same for both and B's idle step wins (16 ms against 10)."""
+    prompt = prompt_of(20 * BLOCK, weight=None)
+    scorer, decode = await scorer_with({A: [], B: []}, prompt)
+    dear = StepCosts(0.01, 3e-3, 0.0, 2e-3, step_tokens=256)
+    publish(decode, A, COSTS, scorer._clock())
+    publish(decode, B, dear, scorer._clock())
+    load(decode, A, 3, 0)
+    prefill = WorkerSet("prefill")
+    prefill.update(["http://p:1"])
+    choice = scorer.choose(decode, prompt, handoff=prefill if handoff else None)
+    assert choice is not None and choice.worker.url == chosen
+    # A worker that would serve the prompt colocated is still priced by its own prefill:
+    # holding all but 16 tokens, busy A wins over idle B.
+    scorer, decode = await scorer_with({A: [0] * 19, B: []}, prompt)
+    publish(decode, A, COSTS, scorer._clock())
+    publish(decode, B, dear, scorer._clock())
+    load(decode, A, 3, 0)
+    choice = scorer.choose(decode, prompt, handoff=prefill)
+    assert choice is not None and choice.worker.url == A and choice.reason == "cache"
+
+
 async def test_before_any_worker_publishes_the_default_costs_price_the_choice() -> None:
     prompt = prompt_of(20 * BLOCK, weight=None)
     scorer, decode = await scorer_with({A: [0] * 20, B: []}, prompt)
