@@ -34,10 +34,11 @@ the tokens the chosen decode worker would still compute, so a long conversation
 whose history that worker holds is served colocated. A decode worker whose lack
 would send the prompt to a prefill worker is priced as a hand-off, not by its own
 prefill: the best prefill worker's predicted time to first token (the same for every
-such candidate), then its own wait for free blocks and one of its steps to adopt the
-KV. Its own prefill costs do not come into it (a decode worker that has prefilled
-little has learnt them from little, and a misjudged cost would keep new prompts off
-it), so among decode workers that would all hand the prompt off, its load decides.
+such candidate), then its own wait for free blocks. Its own prefill costs do not come
+into it (a decode worker that has prefilled little has learnt them from little, and a
+misjudged cost would keep new prompts off it): among decode workers that would all
+hand the prompt off and wait alike, the one holding more of it wins (fewer blocks to
+move, and a conversation's blocks kept on one worker), then the less loaded.
 """
 
 from __future__ import annotations
@@ -204,6 +205,8 @@ class KVScorer:
         # Where the worker publishes its room, the wait for blocks is predicted instead.
         full = float(usage >= KV_NEARLY_FULL and worker.room(now) is None)
         uncached = prompt.tokens - cached
+        if handed_off is not None:  # less to move, and a conversation's blocks together
+            return (full, work, uncached, load.requests, usage, random.random())
         return (full, work, load.requests, uncached + load.waiting, usage, random.random())
 
     def observed(
@@ -245,8 +248,9 @@ class _Load(NamedTuple):
 class _Remote:
     """A decode candidate's cost when it would hand the prompt off: the best prefill
     worker's expected work (worked out once, at the first candidate that needs it),
-    then the candidate's own wait for the prompt's missing blocks and the step that
-    adopts the KV."""
+    then the candidate's own wait for the prompt's missing blocks. Candidates that wait
+    alike tie, and the tie goes to the one holding more of the prompt, then to the less
+    loaded (`KVScorer._cost`)."""
 
     def __init__(
         self, scorer: KVScorer, prompt: KVPrompt, prefill: WorkerSet | None, now: float
@@ -277,7 +281,7 @@ class _Remote:
         step_s = costs.step_s(load.requests)
         needed = -(-uncached // table.routing_policy.block_size)
         wait_s = _wait_steps(worker, load, needed, self._now, step_s) * step_s
-        return self._best + float(round((wait_s + step_s) * 1000))
+        return self._best + float(round(wait_s * 1000))
 
 
 def _expected_work(
