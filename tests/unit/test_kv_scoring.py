@@ -124,37 +124,6 @@ async def test_each_worker_is_priced_at_what_its_own_steps_cost(slower: float, c
     assert choice is not None and choice.worker.url == chosen
 
 
-@pytest.mark.parametrize(("handoff", "chosen"), [(False, A), (True, B)])
-async def test_decode_workers_that_would_hand_the_prompt_off_are_priced_by_the_hand_off(
-    handoff: bool, chosen: str
-) -> None:
-    """Neither decode worker holds the 320-token prompt: either would hand it off. A
-    decodes three requests; B is idle but has learnt a prompt token three times as
-    dear (from a few prompts). Priced as if each prefilled it, A wins (320 + 2 x 16 =
-    352 ms against 960 + 2 x 10); priced as the hand-off it is, the prefill worker's
-    time is the same for both, neither waits for blocks, and the less loaded wins."""
-    prompt = prompt_of(20 * BLOCK, weight=None)
-    scorer, decode = await scorer_with({A: [], B: []}, prompt)
-    dear = StepCosts(0.01, 3e-3, 0.0, 2e-3, step_tokens=256)
-    publish(decode, A, COSTS, scorer._clock())
-    publish(decode, B, dear, scorer._clock())
-    load(decode, A, 3, 0)
-    prefill = WorkerSet("prefill")
-    prefill.update(["http://p:1"])
-    choice = scorer.choose(decode, prompt, handoff=prefill if handoff else None)
-    assert choice is not None and choice.worker.url == chosen
-    # Busy A holding part of the prompt (both would still hand it off) keeps it: fewer
-    # blocks to move, and the conversation's blocks on one worker. Holding all but 16
-    # tokens, A would serve it colocated, priced by its own prefill: it wins too.
-    for held in (10, 19):
-        scorer, decode = await scorer_with({A: [0] * held, B: []}, prompt)
-        publish(decode, A, COSTS, scorer._clock())
-        publish(decode, B, dear, scorer._clock())
-        load(decode, A, 3, 0)
-        choice = scorer.choose(decode, prompt, handoff=prefill)
-        assert choice is not None and choice.worker.url == A and choice.reason == "cache"
-
-
 async def test_before_any_worker_publishes_the_default_costs_price_the_choice() -> None:
     prompt = prompt_of(20 * BLOCK, weight=None)
     scorer, decode = await scorer_with({A: [0] * 20, B: []}, prompt)

@@ -105,7 +105,7 @@ class SimRouter:
             decode = self.sets["decode"].choose()
             cached, reason = 0, ""
         else:
-            choice = self.scorer.choose(self.sets["decode"], kv, handoff=self.sets["prefill"])
+            choice = self.scorer.choose(self.sets["decode"], kv)
             decode = None if choice is None else choice.worker
             cached = 0 if choice is None else choice.cached_tokens
             reason = "" if choice is None else choice.reason

@@ -31,14 +31,7 @@ land where it is being computed rather than computing it again elsewhere.
 
 The mode follows the decode worker: the routing table's bucket is looked up with
 the tokens the chosen decode worker would still compute, so a long conversation
-whose history that worker holds is served colocated. A decode worker whose lack
-would send the prompt to a prefill worker is priced as a hand-off, not by its own
-prefill: the best prefill worker's predicted time to first token (the same for every
-such candidate), then its own wait for free blocks. Its own prefill costs do not come
-into it (a decode worker that has prefilled little has learnt them from little, and a
-misjudged cost would keep new prompts off it): among decode workers that would all
-hand the prompt off and wait alike, the one holding more of it wins (fewer blocks to
-move, and a conversation's blocks kept on one worker), then the less loaded.
+whose history that worker holds is served colocated.
 """
 
 from __future__ import annotations
@@ -114,38 +107,33 @@ class KVScorer:
         self._clock = clock
 
     def choose(
-        self,
-        workers: WorkerSet,
-        prompt: KVPrompt,
-        exclude: Collection[str] = (),
-        handoff: WorkerSet | None = None,
+        self, workers: WorkerSet, prompt: KVPrompt, exclude: Collection[str] = ()
     ) -> KVChoice | None:
-        """The cheapest available worker of `workers` not in `exclude` (counted).
-        Choosing a decode worker, `handoff` holds the prefill workers it would hand
-        the prompt to."""
+        """The cheapest available worker of `workers` not in `exclude` (counted)."""
         candidates = [w for w in workers.available() if w.url not in exclude]
         if not candidates:
             return None
+        policy = prompt.table.routing_policy
+        held = self.feeds.indexes[workers.role].cached_blocks(prompt.keys)
         now = self._clock()
-        cached = self._cached(workers.role, candidates, prompt)
+        # The engine leaves a prompt's last token to compute (the step that computes
+        # it samples): at most the full blocks before it are found.
+        usable = (prompt.tokens - 1) // policy.block_size
+        cached = {w.url: min(held.get(w.url, 0), usable) * policy.block_size for w in candidates}
         if len(candidates) == 1:  # nothing to weigh
             best = candidates[0]
         else:
             fallback = pool_costs([c for w in candidates if (c := w.step_costs()) is not None])
-            remote = _Remote(self, prompt, handoff, now)
-            usable = (prompt.tokens - 1) // prompt.table.routing_policy.block_size
             costs = {}
             for worker in candidates:
-                costs[worker.url] = self._cost(
-                    worker, prompt, cached[worker.url], now, fallback, remote=remote
-                )
+                costs[worker.url] = self._cost(worker, prompt, cached[worker.url], now, fallback)
                 # Blocks a prompt sent it will hold once computed: the index learns them
                 # only then, but the engine, serving that prompt first, lets this one
                 # find them cached if it waits for it.
                 blocks, before = worker.pending_blocks(prompt.keys)
-                pending = min(blocks, usable) * prompt.table.routing_policy.block_size
+                pending = min(blocks, usable) * policy.block_size
                 if pending > cached[worker.url]:
-                    waiting = self._cost(worker, prompt, pending, now, fallback, before, remote)
+                    waiting = self._cost(worker, prompt, pending, now, fallback, before)
                     if waiting < costs[worker.url]:
                         costs[worker.url], cached[worker.url] = waiting, pending
             best = min(candidates, key=lambda w: costs[w.url])
@@ -153,28 +141,6 @@ class KVScorer:
         reason = "none" if most <= 0 else "cache" if cached[best.url] == most else "load"
         self.metrics.chose(workers.role, reason, prompt.tokens, cached[best.url])
         return KVChoice(best, cached[best.url], reason)
-
-    def _cached(self, role: Role, candidates: Sequence[Worker], prompt: KVPrompt) -> dict[str, int]:
-        """The prompt tokens each candidate holds, by the index."""
-        policy = prompt.table.routing_policy
-        held = self.feeds.indexes[role].cached_blocks(prompt.keys)
-        # The engine leaves a prompt's last token to compute (the step that computes
-        # it samples): at most the full blocks before it are found.
-        usable = (prompt.tokens - 1) // policy.block_size
-        return {w.url: min(held.get(w.url, 0), usable) * policy.block_size for w in candidates}
-
-    def best_work(self, workers: WorkerSet, prompt: KVPrompt, now: float) -> float | None:
-        """The least expected work (`_expected_work`) of `workers` for the prompt; None
-        when none is available."""
-        candidates = workers.available()
-        if not candidates:
-            return None
-        cached = self._cached(workers.role, candidates, prompt)
-        fallback = pool_costs([c for w in candidates if (c := w.step_costs()) is not None])
-        return min(
-            _expected_work(w, prompt, cached[w.url], _Load.of(w, now), now, fallback)
-            for w in candidates
-        )
 
     def _cost(
         self,
@@ -184,18 +150,11 @@ class KVScorer:
         now: float,
         fallback: StepCosts,
         before: int = 0,
-        remote: _Remote | None = None,
     ) -> tuple[float, ...]:
         """The worker's cost, its `cached` tokens found once the `before` tokens of a
-        prompt it computes first are done (that prompt's blocks among them); a decode
-        worker that would hand the prompt off, priced as that hand-off (`remote`)."""
-        load = _Load.of(worker, now)
-        handed_off = None if remote is None else remote.work(worker, cached, load, fallback)
-        work = (
-            _expected_work(worker, prompt, cached, load, now, fallback, before)
-            if handed_off is None
-            else handed_off
-        )
+        prompt it computes first are done (that prompt's blocks among them)."""
+        load = _Load(worker.requests(now), worker.waiting_prefill_tokens(now))
+        work = _expected_work(worker, prompt, cached, load, now, fallback, before)
         # The last keys break ties: the less loaded, then chance (equal workers share
         # the traffic).
         if worker.role == "prefill":
@@ -205,8 +164,6 @@ class KVScorer:
         # Where the worker publishes its room, the wait for blocks is predicted instead.
         full = float(usage >= KV_NEARLY_FULL and worker.room(now) is None)
         uncached = prompt.tokens - cached
-        if handed_off is not None:  # less to move, and a conversation's blocks together
-            return (full, work, uncached, load.requests, usage, random.random())
         return (full, work, load.requests, uncached + load.waiting, usage, random.random())
 
     def observed(
@@ -239,49 +196,6 @@ class _Load(NamedTuple):
 
     requests: int
     waiting: int
-
-    @classmethod
-    def of(cls, worker: Worker, now: float) -> _Load:
-        return cls(worker.requests(now), worker.waiting_prefill_tokens(now))
-
-
-class _Remote:
-    """A decode candidate's cost when it would hand the prompt off: the best prefill
-    worker's expected work (worked out once, at the first candidate that needs it),
-    then the candidate's own wait for the prompt's missing blocks. Candidates that wait
-    alike tie, and the tie goes to the one holding more of the prompt, then to the less
-    loaded (`KVScorer._cost`)."""
-
-    def __init__(
-        self, scorer: KVScorer, prompt: KVPrompt, prefill: WorkerSet | None, now: float
-    ) -> None:
-        self._scorer = scorer
-        self._prompt = prompt
-        self._prefill = prefill
-        self._now = now
-        self._best: float | None = None
-        self._known = False
-
-    def work(self, worker: Worker, cached: int, load: _Load, fallback: StepCosts) -> float | None:
-        """The candidate's cost in `_expected_work`'s units; None when it would serve
-        the prompt colocated (or no prefill worker is there to take it)."""
-        table = self._prompt.table
-        uncached = self._prompt.tokens - cached
-        if self._prefill is None or table.buckets[table.bucket_of(uncached)].mode == "colocated":
-            return None
-        if not self._known:
-            self._known = True
-            self._best = self._scorer.best_work(self._prefill, self._prompt, self._now)
-        if self._best is None:
-            return None
-        weight = table.routing_policy.load_weight_tokens
-        if weight is not None:  # counted in tokens: its requests weigh as they do there
-            return self._best + weight * load.requests
-        costs = worker.step_costs() or fallback
-        step_s = costs.step_s(load.requests)
-        needed = -(-uncached // table.routing_policy.block_size)
-        wait_s = _wait_steps(worker, load, needed, self._now, step_s) * step_s
-        return self._best + float(round(wait_s * 1000))
 
 
 def _expected_work(

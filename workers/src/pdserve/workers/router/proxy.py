@@ -221,9 +221,7 @@ class Forwarder:
         if self.kv is None or routed.kv is None:
             worker = workers.choose(exclude=exclude)
             return None if worker is None else (worker, 0)
-        # A decode worker that would hand the prompt off is priced as that hand-off.
-        handoff = self.prefill if workers is self.decode else None
-        choice = self.kv.choose(workers, routed.kv, exclude, handoff)
+        choice = self.kv.choose(workers, routed.kv, exclude=exclude)
         return None if choice is None else (choice.worker, choice.cached_tokens)
 
     def _note_failure(
