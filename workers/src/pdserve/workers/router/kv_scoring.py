@@ -172,7 +172,7 @@ class KVScorer:
         """The decode worker's answer says its engine found `found` prompt tokens cached
         (its X-Pdserve-Cached-Tokens header; None or unusable: unknown), where the
         index predicted `predicted`: counted, and logged when they differ."""
-        actual = _cached_count(found, prompt.tokens)
+        actual = header_count(found, prompt.tokens)  # a peer's word: within the prompt
         self.metrics.observed("decode", predicted, actual)
         if actual != predicted:
             log.debug(
@@ -236,9 +236,3 @@ def _wait_steps(worker: Worker, load: _Load, blocks: int, now: float, step_s: fl
     room, at = published
     elapsed = (now - at) / step_s if step_s > 0 else 0.0
     return max(0.0, room.wait_steps(load.requests, blocks) - elapsed)
-
-
-def _cached_count(header: str | None, prompt_tokens: int) -> int | None:
-    """A worker's count of cached prompt tokens, if it is one (a peer's word: a whole
-    number within the prompt)."""
-    return header_count(header, prompt_tokens)
