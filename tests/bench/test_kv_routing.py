@@ -367,7 +367,8 @@ def row(
 
 def learned_costs(workers: PDPair) -> dict[str, str]:
     """Each decode worker's published step costs: microseconds per prompt token,
-    milliseconds a step's fixed cost and per decoding request."""
+    milliseconds a step's fixed cost and per decoding request, and the prompt tokens
+    its prefill costs were learned from."""
     costs = [load_report(w.url).get("step_costs") or {} for w in workers.decode]
 
     def each(name: str, unit: float) -> str:
@@ -377,6 +378,7 @@ def learned_costs(workers: PDPair) -> dict[str, str]:
         "prefill_us_per_token_by_decode": each("prefill_token_s", 1e6),
         "step_base_ms_by_decode": each("base_s", 1e3),
         "decode_ms_per_request_by_decode": each("decode_token_s", 1e3),
+        "prefill_tokens_learned_by_decode": each("prefill_tokens", 1),
     }
 
 

@@ -5,13 +5,15 @@ decision on the tokens the chosen decode worker lacks."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
 from pdserve.protocol.routing import RoutingTable, Slo, parse_table
 from pdserve.workers.engine.kv_events import prefix_hashes
-from pdserve.workers.router.kv_costs import DEFAULT_COSTS, StepCosts
+from pdserve.workers.router.kv_costs import DEFAULT_COSTS, StepCosts, drawn_to_peers
 from pdserve.workers.router.kv_index import block_key
 from pdserve.workers.router.kv_metrics import KVRoutingMetrics
 from pdserve.workers.router.kv_room import BatchRoom
@@ -154,6 +156,39 @@ async def test_a_worker_that_has_not_published_is_priced_as_its_peers() -> None:
     assert choice is not None and choice.worker.url == B
 
 
+@pytest.mark.parametrize(("b_learned", "chosen"), [(500, B), (200_000, A)])
+async def test_a_dear_prefill_learned_from_few_prompts_is_drawn_toward_the_peers(
+    b_learned: int, chosen: str
+) -> None:
+    """B learned a prompt token three times dearer than A: from 500 tokens, that is
+    mostly noise and B is priced near A's 1 ms (its 320 tokens, 0.3-0.4 s, against A's
+    400 queued tokens and 3 decodes, 0.8 s): B gets the prompt, and learns better from
+    it; from 200k tokens, B is taken at its word (about 1.2 s) and A keeps it."""
+    prompt = prompt_of(20 * BLOCK, weight=None)
+    scorer, decode = await scorer_with({A: [], B: []}, prompt)
+    publish(decode, A, replace(COSTS, prefill_tokens=50_000), scorer._clock())
+    dear = replace(COSTS, prefill_token_s=3e-3, prefill_tokens=b_learned)
+    publish(decode, B, dear, scorer._clock())
+    load(decode, A, 3, 400)
+    choice = scorer.choose(decode, prompt)
+    assert choice is not None and choice.worker.url == chosen
+
+
+def test_prefill_costs_are_drawn_toward_the_pool_by_the_tokens_learned_from() -> None:
+    a = replace(COSTS, prefill_token_s=1e-3, prefill_key_s=1e-8, prefill_tokens=3 * 8192)
+    b = replace(COSTS, prefill_token_s=3e-3, prefill_key_s=3e-8, prefill_tokens=8192)
+    drawn = drawn_to_peers({A: a, B: b})
+    # The pool's: (3 x 1 + 1 x 3) / 4 = 1.5 ms; A keeps 3/4 of its own, B 1/2.
+    assert drawn[A].prefill_token_s == pytest.approx(0.75 * 1e-3 + 0.25 * 1.5e-3)
+    assert drawn[B].prefill_token_s == pytest.approx(0.5 * 3e-3 + 0.5 * 1.5e-3)
+    assert drawn[B].prefill_key_s == pytest.approx(0.5 * 3e-8 + 0.5 * 1.5e-8)
+    assert drawn[B].base_s == b.base_s and drawn[B].decode_token_s == b.decode_token_s
+    # Workers that say nothing of what they learned from keep their own figures.
+    assert drawn_to_peers({A: COSTS, B: replace(COSTS, prefill_token_s=3e-3)})[B] == replace(
+        COSTS, prefill_token_s=3e-3
+    )
+
+
 async def test_predictions_within_a_millisecond_go_to_the_less_loaded() -> None:
     prompt = prompt_of(10 * BLOCK, weight=None)
     scorer, decode = await scorer_with({A: [0] * 4, B: [0] * 4}, prompt)
@@ -264,7 +299,8 @@ GOOD_COSTS = {
     [
         {"prefill_token_s": -1e-4}, {"base_s": float("nan")}, {"decode_s": float("inf")},
         {"prefill_token_s": "0.001"}, {"decodes": True}, {"step_tokens": 0},
-        {"decode_token_s": 1e9}, {"decodes": 2.5},
+        {"decode_token_s": 1e9}, {"decodes": 2.5}, {"prefill_tokens": -1},
+        {"prefill_tokens": 1.5}, {"prefill_tokens": 2**60}, {"prefill_tokens": False},
     ],
 )  # fmt: skip
 def test_costs_a_worker_publishes_out_of_bounds_are_not_believed(change: dict[str, object]) -> None:

@@ -198,6 +198,9 @@ def test_a_worker_publishes_what_its_steps_cost_once_its_model_has_learned(
     assert published.base_s == pytest.approx(cost.base_s, rel=0.05)
     assert published.prefill_token_s == pytest.approx(cost.per_prefill_token_s, rel=0.05)
     assert published.decode_token_s == pytest.approx(cost.per_decode_token_s, rel=0.05)
+    # And the prompt tokens it learned its prefill costs from (the 8 prompts', less
+    # what the fit has forgotten of them since).
+    assert 0 < published.prefill_tokens < sum(tokens for _, tokens, _ in requests)
     assert published.step_tokens > 0
 
 

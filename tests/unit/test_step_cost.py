@@ -149,3 +149,16 @@ def test_the_errors_of_a_model_still_learning_leave_the_margin_once_it_has_learn
         model.update(features, true_seconds(features))
     typical = float(np.median([true_seconds(f) for f in mixed]))
     assert model.margin_s < 0.05 * typical
+
+
+def test_the_prompt_tokens_learned_from_are_forgotten_as_the_fit_forgets() -> None:
+    """What a worker publishes as the evidence behind its prefill costs: one 512-token
+    chunk, then 200 decode steps, weigh 512 x 0.995^200 (about 188 tokens)."""
+    model = StepCostModel()
+    model.update(StepFeatures(prefill_tokens=512, prefill_keys=512 * 512), 0.1)
+    assert model.estimate().prefill_tokens == 512
+    for _ in range(200):
+        model.update(StepFeatures(decode_tokens=4, decode_keys=4 * 600), 0.01)
+    assert model.estimate().prefill_tokens == pytest.approx(512 * 0.995**200)
+    model.update(StepFeatures(decode_tokens=1, prefill_tokens=100, prefill_keys=100), 0.02)
+    assert model.estimate().prefill_tokens == pytest.approx(512 * 0.995**201 + 100)

@@ -103,6 +103,9 @@ class StepCostEstimate:
     per_prefill_key_s: float
     margin_s: float
     num_steps: int  # steps the model has learned from
+    # Prompt tokens it learned the prefill terms from, each step's counting less by
+    # the fit's forgetting since: how far its prefill costs are its own evidence.
+    prefill_tokens: float = 0.0
 
 
 class StepCostModel:
@@ -124,6 +127,7 @@ class StepCostModel:
         self.sweeps = sweeps
         self.num_steps = 0
         self.prefill_steps = 0  # of them, the steps that computed prefill
+        self.prefill_tokens = 0.0  # their prompt tokens, forgotten as the fit forgets
         self.margin_s = 0.0
         # The weighted least-squares problem as its normal equations, gram @ theta =
         # moment; plain floats: at this size Python beats numpy's per-call cost.
@@ -163,6 +167,7 @@ class StepCostModel:
         self._solve()
         self._track_scale(seconds - predicted)
         self.num_steps += 1
+        self.prefill_tokens = keep * self.prefill_tokens + features.prefill_tokens
         if features.prefill_tokens:
             self.prefill_steps += 1
         mixed = features.decode_tokens > 0 and features.prefill_tokens > 0
@@ -176,7 +181,8 @@ class StepCostModel:
         """A snapshot of the coefficients and the margin."""
         base, decode, prefill, decode_key, prefill_key = self.coefficients
         return StepCostEstimate(
-            base, decode, prefill, decode_key, prefill_key, self.margin_s, self.num_steps
+            base, decode, prefill, decode_key, prefill_key, self.margin_s, self.num_steps,
+            self.prefill_tokens,
         )
 
     def _solve(self) -> None:

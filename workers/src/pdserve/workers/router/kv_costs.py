@@ -24,6 +24,16 @@ its first steps), it is taken to cost what the other candidates publish, or
 `DEFAULT_COSTS` when none has: the order of magnitude of a small model on a CPU,
 replaced as soon as the workers have run a few steps.
 
+A worker's prefill costs are learned from the prompts it computed, and a worker that
+computed few lately has learned them from little: from a few short prompts, or from
+steps a burst of other work slowed, it can learn a prompt token two or three times
+dearer than its peers of the same model and resources do, and a dearer worker gets
+no new prompts to learn better from. So each worker publishes the prompt tokens it
+learned them from (counted as the fit counts them, recent ones more), and its prefill
+costs are taken as its own and its peers' weighed by those tokens
+(`drawn_to_peers`): a worker's own figures outweigh the pool's once it has learned
+them from more than `PEER_PREFILL_TOKENS`.
+
 What a worker publishes is a peer's word: anything missing, negative, not finite or
 out of bounds leaves that worker with no published costs.
 """
@@ -31,12 +41,20 @@ out of bounds leaves that worker with no published costs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 # A step's figures above these are not believed (seconds per step, tokens per step).
 _MAX_SECONDS = 3600.0
 _MAX_STEP_TOKENS = 1 << 24
+_MAX_LEARNED_TOKENS = 1 << 48
+
+# A worker's own prefill costs outweigh its peers' once it has learned them from more
+# prompt tokens than this (16 chunks of 512): the workers of a pool run the same model
+# on the same resources, so until then a gap between its figures and theirs is more
+# likely what a few prompts could not tell apart than a slower worker.
+PEER_PREFILL_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -50,6 +68,9 @@ class StepCosts:
     decode_s: float = 0.0  # its last step's decodes
     decodes: int = 0  # requests decoding in its last step
     step_tokens: int = 512
+    # Prompt tokens it learned the prefill costs from (recent ones counting more; an
+    # older worker that does not say: 0, its peers' figures taken where they have any).
+    prefill_tokens: int = 0
 
     @property
     def per_request_decode_s(self) -> float:
@@ -70,11 +91,12 @@ class StepCosts:
                              "decode_s")
             }  # fmt: skip
             decodes, step_tokens = _count(body["decodes"]), _count(body["step_tokens"])
+            learned = _count(body.get("prefill_tokens", 0), _MAX_LEARNED_TOKENS)
         except (KeyError, ValueError):
             return None
         if step_tokens < 1:
             return None
-        return cls(**seconds, decodes=decodes, step_tokens=step_tokens)
+        return cls(**seconds, decodes=decodes, step_tokens=step_tokens, prefill_tokens=learned)
 
     def step_s(self, requests: int) -> float:
         """A step's cost besides its prompt tokens, while `requests` others decode."""
@@ -112,8 +134,8 @@ def _seconds(value: Any) -> float:
     return number
 
 
-def _count(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_STEP_TOKENS:
+def _count(value: Any, most: int = _MAX_STEP_TOKENS) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
         raise ValueError("not a count")
     return value
 
@@ -124,3 +146,38 @@ def pool_costs(published: list[StepCosts]) -> StepCosts:
     if not published:
         return DEFAULT_COSTS
     return sorted(published, key=lambda costs: costs.prefill_token_s)[len(published) // 2]
+
+
+def drawn_to_peers(published: Mapping[str, StepCosts]) -> dict[str, StepCosts]:
+    """Each worker's published costs with its prefill terms (per prompt token, per key
+    read) drawn toward the pool's: the mean of every worker's, weighed by the prompt
+    tokens each learned them from. A worker that learned them from t tokens keeps
+    t / (t + PEER_PREFILL_TOKENS) of its own figures."""
+    learned = sum(costs.prefill_tokens for costs in published.values())
+    if learned <= 0:
+        return dict(published)
+
+    def pooled(term: Callable[[StepCosts], float]) -> float:
+        return sum(c.prefill_tokens * term(c) for c in published.values()) / learned
+
+    token_s = pooled(lambda costs: costs.prefill_token_s)
+    key_s = pooled(lambda costs: costs.prefill_key_s)
+
+    def drawn(costs: StepCosts) -> StepCosts:
+        own = costs.prefill_tokens / (costs.prefill_tokens + PEER_PREFILL_TOKENS)
+        return replace(
+            costs,
+            prefill_token_s=own * costs.prefill_token_s + (1 - own) * token_s,
+            prefill_key_s=own * costs.prefill_key_s + (1 - own) * key_s,
+        )
+
+    return {url: drawn(costs) for url, costs in published.items()}
+
+
+def priced_costs(published: Mapping[str, StepCosts | None]) -> dict[str, StepCosts]:
+    """The costs each candidate is priced at: what it published, drawn toward its
+    peers' (`drawn_to_peers`), or, where it published none, its peers' (`pool_costs`)."""
+    known = {url: costs for url, costs in published.items() if costs is not None}
+    fallback = pool_costs(list(known.values()))
+    drawn = drawn_to_peers(known)
+    return {url: drawn.get(url, fallback) for url in published}

@@ -7,7 +7,8 @@ waiting to be prefilled in it that its engine serves first (the router's own cou
 what it sent, each prompt's uncached tokens kept, and what the worker published beyond
 it; an engine that serves the shortest prompt first, as it publishes at /load, computes
 only the shorter waiting prompts and at most the step under way before a new one, see
-`Worker.prefill_ahead`), at what its own steps cost per token, plus what the
+`Worker.prefill_ahead`), at what its own steps cost per token (its prefill costs drawn
+toward its peers' while it has learned them from few prompts, `kv_costs`), plus what the
 requests it is decoding add to each of those steps. The cheapest worker wins; a
 prediction within a millisecond of the best is a tie, and ties go to the less loaded,
 then to chance. With `loadWeightTokens` set, the cost is counted in tokens instead:
@@ -45,7 +46,7 @@ from typing import NamedTuple, Protocol
 
 from pdserve.protocol.headers import header_count
 from pdserve.protocol.routing import Mode, Role, RoutingTable
-from pdserve.workers.router.kv_costs import StepCosts, pool_costs
+from pdserve.workers.router.kv_costs import StepCosts, priced_costs
 from pdserve.workers.router.kv_index import BlockKey, KVIndex
 from pdserve.workers.router.kv_keys import prompt_block_keys
 from pdserve.workers.router.kv_metrics import KVRoutingMetrics
@@ -123,17 +124,18 @@ class KVScorer:
         if len(candidates) == 1:  # nothing to weigh
             best = candidates[0]
         else:
-            fallback = pool_costs([c for w in candidates if (c := w.step_costs()) is not None])
+            priced = priced_costs({w.url: w.step_costs() for w in candidates})
             costs = {}
             for worker in candidates:
-                costs[worker.url] = self._cost(worker, prompt, cached[worker.url], now, fallback)
+                steps = priced[worker.url]
+                costs[worker.url] = self._cost(worker, prompt, cached[worker.url], now, steps)
                 # Blocks a prompt sent it will hold once computed: the index learns them
                 # only then, but the engine, serving that prompt first, lets this one
                 # find them cached if it waits for it.
                 blocks, before = worker.pending_blocks(prompt.keys)
                 pending = min(blocks, usable) * policy.block_size
                 if pending > cached[worker.url]:
-                    waiting = self._cost(worker, prompt, pending, now, fallback, before)
+                    waiting = self._cost(worker, prompt, pending, now, steps, before)
                     if waiting < costs[worker.url]:
                         costs[worker.url], cached[worker.url] = waiting, pending
             best = min(candidates, key=lambda w: costs[w.url])
@@ -148,13 +150,14 @@ class KVScorer:
         prompt: KVPrompt,
         cached: int,
         now: float,
-        fallback: StepCosts,
+        costs: StepCosts,
         before: int = 0,
     ) -> tuple[float, ...]:
-        """The worker's cost, its `cached` tokens found once the `before` tokens of a
-        prompt it computes first are done (that prompt's blocks among them)."""
+        """The worker's cost, at its step `costs`, its `cached` tokens found once the
+        `before` tokens of a prompt it computes first are done (that prompt's blocks
+        among them)."""
         load = _Load(worker.requests(now), worker.waiting_prefill_tokens(now))
-        work = _expected_work(worker, prompt, cached, load, now, fallback, before)
+        work = _expected_work(worker, prompt, cached, load, now, costs, before)
         # The last keys break ties: the less loaded, then chance (equal workers share
         # the traffic).
         if worker.role == "prefill":
@@ -204,11 +207,12 @@ def _expected_work(
     cached: int,
     load: _Load,
     now: float,
-    fallback: StepCosts,
+    costs: StepCosts,
     before: int = 0,
 ) -> float:
-    """A worker's cost for the prompt: its predicted time to first token in whole
-    milliseconds (closer predictions are ties), or with `loadWeightTokens` set, tokens.
+    """A worker's cost for the prompt at its step `costs`: its predicted time to
+    first token in whole milliseconds (closer predictions are ties), or with
+    `loadWeightTokens` set, tokens.
     With `before`, the prompt waits for a prompt of that many tokens (whose blocks it
     then finds cached): it is served after what the worker's order serves before that
     one, and that one."""
@@ -216,7 +220,6 @@ def _expected_work(
     weight = prompt.table.routing_policy.load_weight_tokens
     if weight is not None:
         return float(uncached + load.waiting + weight * load.requests)
-    costs = worker.step_costs() or fallback
     # A prefill worker decodes nothing: what it holds are prompts, already counted.
     decoding = 0 if worker.role == "prefill" else load.requests
     # Only the waiting prompts its engine's order serves before this one delay it.

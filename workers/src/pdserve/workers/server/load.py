@@ -39,6 +39,9 @@ class StepCosts:
     decodes: int  # requests decoding in its last step
     step_tokens: int  # the tokens its last step was allowed (its token budget)
     steps: int  # steps the model has learned from
+    # Prompt tokens it learned its prefill costs from, recent ones counting more (as
+    # in the fit): the router weighs its prefill costs against its peers' by them.
+    prefill_tokens: int
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,7 @@ class LoadTracker:
             decodes=features.decode_tokens,
             step_tokens=result.stats.token_budget,
             steps=estimate.num_steps,
+            prefill_tokens=round(estimate.prefill_tokens),
         )
 
     def snapshot(self, waiting: int) -> WorkerLoad:
