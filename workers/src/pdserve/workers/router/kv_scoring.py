@@ -124,10 +124,10 @@ class KVScorer:
         if len(candidates) == 1:  # nothing to weigh
             best = candidates[0]
         else:
-            priced = priced_costs({w.url: w.step_costs() for w in candidates})
+            step_costs = priced_costs({w.url: w.step_costs() for w in candidates})
             costs = {}
             for worker in candidates:
-                steps = priced[worker.url]
+                steps = step_costs[worker.url]
                 costs[worker.url] = self._cost(worker, prompt, cached[worker.url], now, steps)
                 # Blocks a prompt sent it will hold once computed: the index learns them
                 # only then, but the engine, serving that prompt first, lets this one
