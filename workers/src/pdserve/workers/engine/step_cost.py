@@ -180,10 +180,8 @@ class StepCostModel:
     def estimate(self) -> StepCostEstimate:
         """A snapshot of the coefficients and the margin."""
         base, decode, prefill, decode_key, prefill_key = self.coefficients
-        return StepCostEstimate(
-            base, decode, prefill, decode_key, prefill_key, self.margin_s, self.num_steps,
-            self.prefill_tokens,
-        )
+        learned = (self.margin_s, self.num_steps, self.prefill_tokens)
+        return StepCostEstimate(base, decode, prefill, decode_key, prefill_key, *learned)
 
     def _solve(self) -> None:
         """Least squares with every cost non-negative, by coordinate descent from the
