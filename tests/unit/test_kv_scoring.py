@@ -161,13 +161,12 @@ async def test_a_dear_prefill_learned_from_few_prompts_is_drawn_toward_the_peers
     b_learned: int, chosen: str
 ) -> None:
     """B learned a prompt token three times dearer than A: from 500 tokens, that is
-    mostly noise and B is priced near A's 1 ms (its 320 tokens, 0.38 s, against A's
-    400 queued tokens and 3 decodes, 0.77 s): B gets the prompt, and learns better from
-    it; from as many tokens as A, B is taken at its word (0.97 s against A's 0.8 s) and
-    A keeps it."""
+    mostly noise and B is priced near A's 1 ms (its 320 tokens, 0.3-0.4 s, against A's
+    400 queued tokens and 3 decodes, 0.8 s): B gets the prompt, and learns better from
+    it; from 200k tokens, B is taken at its word (about 1.2 s) and A keeps it."""
     prompt = prompt_of(20 * BLOCK, weight=None)
     scorer, decode = await scorer_with({A: [], B: []}, prompt)
-    publish(decode, A, replace(COSTS, prefill_tokens=200_000), scorer._clock())
+    publish(decode, A, replace(COSTS, prefill_tokens=50_000), scorer._clock())
     dear = replace(COSTS, prefill_token_s=3e-3, prefill_tokens=b_learned)
     publish(decode, B, dear, scorer._clock())
     load(decode, A, 3, 400)
@@ -188,24 +187,6 @@ def test_prefill_costs_are_drawn_toward_the_pool_by_the_tokens_learned_from() ->
     assert drawn_to_peers({A: COSTS, B: replace(COSTS, prefill_token_s=3e-3)})[B] == replace(
         COSTS, prefill_token_s=3e-3
     )
-
-
-@pytest.mark.parametrize(("a_token_s", "chosen"), [(1.08e-3, A), (1.3e-3, B)])
-async def test_predictions_within_a_tenth_go_to_the_less_loaded(
-    a_token_s: float, chosen: str
-) -> None:
-    """Neither holds the prompt; B, holding three requests, learned a prompt token at
-    1 ms (340 ms for it), idle A at 1.08 ms (366 ms, 7.6% more: a tie, A is less
-    loaded) or at 1.3 ms (436 ms: B is sooner)."""
-    prompt = prompt_of(20 * BLOCK, weight=None)
-    scorer, decode = await scorer_with({A: [], B: []}, prompt)
-    free_decodes = StepCosts(0.01, 1e-3, 0.0, 0.0, step_tokens=256)
-    publish(decode, A, replace(free_decodes, prefill_token_s=a_token_s), scorer._clock())
-    publish(decode, B, free_decodes, scorer._clock())
-    load(decode, B, 3, 0)
-    for _ in range(10):
-        choice = scorer.choose(decode, prompt)
-        assert choice is not None and choice.worker.url == chosen
 
 
 async def test_predictions_within_a_millisecond_go_to_the_less_loaded() -> None:
@@ -557,21 +538,17 @@ def test_a_worker_tells_the_blocks_a_prompt_sent_it_will_hold_once_computed() ->
     assert worker.prefill_prompts == [40] and worker.prefill_keys == [other]
 
 
-@pytest.mark.parametrize(
-    ("a_requests", "b_waiting", "chosen", "cached"),
-    [(15, 300, A, 38), (15, 0, B, 0), (3, 0, A, 38)],
-)
+@pytest.mark.parametrize(("b_waiting", "chosen", "cached"), [(300, A, 38), (0, B, 0)])
 async def test_a_prompt_waits_for_the_prefix_a_worker_is_computing_when_that_is_sooner(
-    a_requests: int, b_waiting: int, chosen: str, cached: int
+    b_waiting: int, chosen: str, cached: int
 ) -> None:
     """A prompt of 40 blocks whose first 38 a prompt just sent to A holds (A has not
     computed them: the index knows nothing of them). A serves prompts shortest first,
     so the new prompt waits for that one (610 tokens) and then finds 608 cached: 642
-    tokens in 3 steps with 15 decodes, 642 + 3 x 40 = 762 ms (counted as uncached, the
-    whole prompt after that one: 1,250 tokens in 5 steps). B, with 300 tokens queued,
-    computes them and the whole prompt: 940 tokens in 4 steps with a decode, 988 ms: A;
-    idle, 640 tokens in 3 steps, 670 ms: B. With 3 decodes A's 690 ms is within a
-    tenth of idle B's: a tie, which goes to A, where the prefix will be."""
+    tokens in 3 steps with 3 decodes, 642 + 3 x 16 = 690 ms (counted as uncached, the
+    whole prompt after that one: 1,250 tokens in 5 steps, 1,330 ms). B, with 300
+    tokens queued, computes them and the whole prompt: 940 tokens in 4 steps with a
+    decode, 988 ms; idle, 640 tokens in 3 steps, 670 ms."""
     prompt = prompt_of(40 * BLOCK, weight=None)
     scorer, decode = await scorer_with({A: [], B: []}, prompt)
     for url in (A, B):
@@ -581,7 +558,7 @@ async def test_a_prompt_waits_for_the_prefix_a_worker_is_computing_when_that_is_
     earlier = prompt_of(38 * BLOCK + 2, weight=None)
     worker_a = decode.get(A)
     assert worker_a is not None
-    worker_a.in_flight = a_requests
+    worker_a.in_flight = 3
     worker_a.prefill_sent(610, earlier.keys)
     load(decode, B, 1 if b_waiting else 0, b_waiting)
 

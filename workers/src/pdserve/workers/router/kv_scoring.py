@@ -10,12 +10,8 @@ only the shorter waiting prompts and at most the step under way before a new one
 `Worker.prefill_ahead`), at what its own steps cost per token (its prefill costs drawn
 toward its peers' while it has learned them from few prompts, `kv_costs`), plus what the
 requests it is decoding add to each of those steps. The cheapest worker wins; a
-prediction within a tenth of the best (`TIE_SHARE`), or a millisecond, is a tie, and
-ties go to the one holding more of the prompt, then to the less loaded, then to
-chance: the prediction rests on costs each worker
-learned from its own steps, which differ from worker to worker by more than a tenth
-on the same hardware, and a choice decided by that noise would pile new prompts onto
-one worker. With `loadWeightTokens` set, the cost is counted in tokens instead:
+prediction within a millisecond of the best is a tie, and ties go to the less loaded,
+then to chance. With `loadWeightTokens` set, the cost is counted in tokens instead:
 the uncached and waiting prompt tokens plus that weight per request it holds (the
 rule before time was predicted, kept as an override). A worker whose batch has no
 seat left, or whose cache lacks free blocks for the prompt and those queued before
@@ -57,10 +53,6 @@ from pdserve.workers.router.kv_metrics import KVRoutingMetrics
 from pdserve.workers.router.workers import KV_NEARLY_FULL, Worker, WorkerSet
 
 log = logging.getLogger(__name__)
-
-# Predicted times to first token within this share of the cheapest are ties (broken
-# by load): what workers' learned step costs differ by on the same hardware.
-TIE_SHARE = 0.1
 
 
 @dataclass(slots=True)
@@ -146,8 +138,7 @@ class KVScorer:
                     waiting = self._cost(worker, prompt, pending, now, steps, before)
                     if waiting < costs[worker.url]:
                         costs[worker.url], cached[worker.url] = waiting, pending
-            timed = policy.load_weight_tokens is None
-            best = _cheapest(candidates, costs, TIE_SHARE if timed else 0.0)
+            best = min(candidates, key=lambda w: costs[w.url])
         most = max(cached.values())
         reason = "none" if most <= 0 else "cache" if cached[best.url] == most else "load"
         self.metrics.chose(workers.role, reason, prompt.tokens, cached[best.url])
@@ -161,23 +152,22 @@ class KVScorer:
         now: float,
         costs: StepCosts,
         before: int = 0,
-    ) -> _Cost:
+    ) -> tuple[float, ...]:
         """The worker's cost, at its step `costs`, its `cached` tokens found once the
         `before` tokens of a prompt it computes first are done (that prompt's blocks
         among them)."""
         load = _Load(worker.requests(now), worker.waiting_prefill_tokens(now))
         work = _expected_work(worker, prompt, cached, load, now, costs, before)
-        # The tie-breaking keys: the one holding more of the prompt (its conversation's
-        # blocks kept together, fewer computed or moved), then the less loaded, then
-        # chance (equal workers share the traffic).
-        uncached = prompt.tokens - cached
+        # The last keys break ties: the less loaded, then chance (equal workers share
+        # the traffic).
         if worker.role == "prefill":
-            return _Cost(0.0, work, (uncached, load.waiting, load.requests, random.random()))
+            return (work, load.waiting, load.requests, random.random())
+        # A decode worker prefills colocated requests itself: their backlog is work too.
         usage = worker.kv_cache_usage(now)
         # Where the worker publishes its room, the wait for blocks is predicted instead.
         full = float(usage >= KV_NEARLY_FULL and worker.room(now) is None)
-        ties = (uncached, load.requests, load.waiting, usage, random.random())
-        return _Cost(full, work, ties)
+        uncached = prompt.tokens - cached
+        return (full, work, load.requests, uncached + load.waiting, usage, random.random())
 
     def observed(
         self, request_id: str, prompt: KVPrompt, predicted: int, found: str | None
@@ -200,27 +190,6 @@ class KVScorer:
         mode = table.buckets[table.bucket_of(prompt.tokens - cached_tokens)].mode
         self.metrics.decided_mode(by_length, mode)
         return mode
-
-
-class _Cost(NamedTuple):
-    """A worker's cost for a request, compared in this order: passed over (1) or not,
-    its expected work, then the keys that break ties."""
-
-    passed_over: float
-    work: float
-    ties: tuple[float, ...]
-
-
-def _cheapest(candidates: Sequence[Worker], costs: Mapping[str, _Cost], share: float) -> Worker:
-    """The cheapest of `candidates`, where work within `share` of the least (or a
-    millisecond, work being whole milliseconds) ties, and ties go by their keys."""
-    least = min(costs[w.url] for w in candidates)
-    bound = least.work * (1.0 + share)
-    ties = [
-        w for w in candidates
-        if costs[w.url].passed_over == least.passed_over and costs[w.url].work <= bound
-    ]  # fmt: skip
-    return min(ties, key=lambda w: costs[w.url].ties)
 
 
 class _Load(NamedTuple):
