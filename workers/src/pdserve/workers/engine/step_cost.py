@@ -180,8 +180,10 @@ class StepCostModel:
     def estimate(self) -> StepCostEstimate:
         """A snapshot of the coefficients and the margin."""
         base, decode, prefill, decode_key, prefill_key = self.coefficients
-        learned = (self.margin_s, self.num_steps, self.prefill_tokens)
-        return StepCostEstimate(base, decode, prefill, decode_key, prefill_key, *learned)
+        return StepCostEstimate(
+            base, decode, prefill, decode_key, prefill_key,
+            margin_s=self.margin_s, num_steps=self.num_steps, prefill_tokens=self.prefill_tokens,
+        )  # fmt: skip
 
     def _solve(self) -> None:
         """Least squares with every cost non-negative, by coordinate descent from the
