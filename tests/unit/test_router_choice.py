@@ -126,3 +126,15 @@ def test_workers_with_an_open_breaker_get_nothing_and_discovery_keeps_state() ->
     assert decode.get("http://a:1") is a and not a.breaker.available()
     decode.update([])
     assert decode.choose() is None
+
+
+def test_workers_are_scored_in_discoverys_order_whatever_the_process() -> None:
+    # The order candidates are scored in decides which of them each draw of chance
+    # goes to: kept as discovery lists them (a set's order changes with the process's
+    # string hashing, and a simulation's draws with it), new ones after those known.
+    clock = Clock()
+    listed = [f"http://decode-{i}:8000" for i in (7, 3, 11, 0, 19, 5, 14, 2, 9, 16)]
+    found = workers("decode", clock, *listed)
+    assert [w.url for w in found.available()] == listed
+    found.update([*listed[5:], "http://decode-4:8000", *listed[:3]])
+    assert [w.url for w in found.available()] == [*listed[:3], *listed[5:], "http://decode-4:8000"]

@@ -269,7 +269,10 @@ class WorkerSet:
     def update(self, urls: Iterable[str]) -> None:
         """Discovery's current list: new workers join, gone ones leave; the rest keep
         their breaker and load."""
-        wanted = set(urls)
+        # In discovery's order (a dict, not a set, whose order would change from
+        # process to process): the order candidates are scored in, and so which tie
+        # each draw of chance breaks, is then the same in every run of a simulation.
+        wanted = dict.fromkeys(urls)
         for url in list(self._workers):
             if url not in wanted:
                 del self._workers[url]
