@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from pdserve.protocol.headers import LOCAL_PREFILL_HEADER
 from pdserve.protocol.internal import RESOLVE_INTERVAL_S
 from pdserve.protocol.sampling import SamplingParams
 from pdserve.workers.server.process import ServerProcess
@@ -173,3 +174,28 @@ def test_requests_queued_behind_a_silent_prefill_worker_end_within_the_lease(
     # The worker is not held up either.
     status, _ = asyncio.run(ask(decode, None))
     assert status == 200
+
+
+def test_a_prompt_computed_here_never_waits_on_the_prefill_worker_named(
+    decode: ServerProcess, peers: Path, small_model_dir: Path
+) -> None:
+    # The decode worker holds all of the prompt but 5 tokens, within the 64 the pool
+    # serves colocated: it looks in its cache before it meets the prefill worker named,
+    # so a prefill worker that never answers (here, met for the first time) is never
+    # contacted, where the meeting would have failed the request at its deadline.
+    history = list(range(100, 164))  # 4 blocks
+    prompt = [*history, 7, 8, 9, 10, 11]
+
+    async def served(prefill: str | None, tokens: list[int]) -> tuple[int, dict[str, Any]]:
+        async with aiohttp.ClientSession() as session:
+            bound = {LOCAL_PREFILL_HEADER: "64"}
+            return await complete(session, decode.url, tokens, prefill, extra_headers=bound)
+
+    accepted: list[str] = []
+    with silent_peer(accepted) as fake:
+        peer = admit(peers, fake)
+        assert asyncio.run(served(None, history))[0] == 200  # cached here now
+        status, answer = asyncio.run(served(peer, prompt))
+    assert status == 200, answer
+    assert token_ids(answer) == colocated(small_model_dir, prompt)
+    assert accepted == []

@@ -227,6 +227,10 @@ class DecodeHandoff:
         safe. CachedHere when this worker holds the prompt but what it may compute."""
         transfer_id, prompt, params = room.transfer_id, room.prompt, room.params
         session = self._http()
+        # Looked up before the prefill worker is met (a first contact waits for its
+        # answer): a prompt computed here never waits on that worker.
+        if await self.engine.call(room.is_local):
+            raise CachedHere(transfer_id)
         pair = await self.peers.hold(session, url, time.monotonic() + self.lease_s)
         try:
             reservation = await self._reserve(room)
@@ -476,6 +480,14 @@ class RoomWait:
         self._free_then = -1  # free blocks at the last try
         self._hashes: list[BlockHash] = []  # the prompt's first blocks', once computed
 
+    def is_local(self, engine: LLMEngine) -> bool:
+        """Whether this worker's prefix cache holds the prompt but at most
+        `local_tokens` of it, to be prefilled here (`local`)."""
+        if self.local_tokens > 0:
+            cached = engine.kv_cache.cached_prefix_length(self.prompt, self._hashes)
+            self.local = len(self.prompt) - cached <= self.local_tokens
+        return self.local
+
     def try_reserve(self, engine: LLMEngine) -> Reservation | None:
         """Reserve if there may be room now; None if there is not, or if the prompt is
         to be prefilled here (`local`)."""
@@ -483,11 +495,8 @@ class RoomWait:
         if kv_cache.blocks_for(len(self.prompt)) > kv_cache.pool.num_blocks:
             self.never = True
             return None
-        if self.local_tokens > 0:
-            cached = kv_cache.cached_prefix_length(self.prompt, self._hashes)
-            if len(self.prompt) - cached <= self.local_tokens:
-                self.local = True
-                return None
+        if self.is_local(engine):
+            return None
         free = kv_cache.pool.num_free
         if free <= self._free_then:
             return None
