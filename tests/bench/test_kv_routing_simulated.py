@@ -23,7 +23,7 @@ HTTP path's own time; its cached tokens are the engines' own count, as measured.
 
 The profile: PDSERVE_BENCH_PROFILE if set (a `pdserve profile` file of this model, e.g.
 the one `test_plan_accuracy` writes), else the full sweep profiled here first (about
-five minutes; the quick one's few long prompts left the attention term of prefill
+three minutes; the quick one's few long prompts left the attention term of prefill
 chunks at 0 in one run here, which made a 9,000-token prompt seconds cheaper than it
 is and every TTFT of the replay a fraction of the measured ones). Run with `make bench
 PYTEST_ARGS='-k kv_routing_simulated'`; PDSERVE_BENCH_KV_SIM_SAMPLES and
