@@ -228,8 +228,9 @@ class DecodeHandoff:
         transfer_id, prompt, params = room.transfer_id, room.prompt, room.params
         session = self._http()
         # Looked up before the prefill worker is met (a first contact waits for its
-        # answer): a prompt computed here never waits on that worker.
-        if await self.engine.call(room.is_local):
+        # answer): a prompt computed here never waits on that worker. Without a bound
+        # nothing is computed here, and the engine thread is not asked.
+        if room.local_tokens > 0 and await self.engine.call(room.is_local):
             raise CachedHere(transfer_id)
         pair = await self.peers.hold(session, url, time.monotonic() + self.lease_s)
         try:
